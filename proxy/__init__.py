@@ -1,0 +1,1 @@
+"""kvproxy: KV-cache-aware OpenAI-compatible routing proxy for vLLM fleets."""

@@ -1,0 +1,7 @@
+"""``python -m proxy`` is ``kvproxy``."""
+
+import sys
+
+from proxy.cli import main
+
+sys.exit(main())
