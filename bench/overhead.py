@@ -1,0 +1,290 @@
+"""Overhead benchmark: the same engines called directly and through each router, interleaved.
+
+Usage: ``python -m bench.overhead [--quick] [options]`` (see ``--help``); writes
+``bench/results/overhead.json`` and then the report.
+
+Rules:
+- One engine process and every router run for the whole benchmark; at each concurrency, rounds
+  of short slices alternate over the paths (direct first), so that the machine's drifts fall on
+  every path alike. ``direct`` is the client itself round-robining over the engines.
+- Prompts are unique (no prefix-cache effect on any path); every request streams the same number
+  of tokens.
+- Router CPU per request: ``/proc/<pid>/stat`` CPU time over the router's own slices divided by
+  the requests they completed (the router's idle work between its slices, e.g. scraping, is
+  charged to it too, so the figure is an upper bound).
+- The relay test puts kvproxy alone on one core in front of a source that streams as fast as it
+  can (``bench.firehose``), with the source and the client on the other core: "paced" (events
+  one at a time, as tokens arrive) and "burst" (reads coalesce several events).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import aiohttp
+
+from bench import machine, report
+from bench.fleet import Fleet, FleetSpec
+from bench.loadgen import Endpoint, closed_loop, make_session, request_body, run_async
+from bench.peers import Router, parse_router_list
+from bench.procs import Managed, free_port
+from bench.prompts import random_tokens
+from bench.report import RESULTS, report_args
+from bench.stats import RequestRecord, percentile, summarize
+
+DEFAULT_ROUTERS = ("kvproxy/prefix_affinity,kvproxy/round_robin,vllm-router/round_robin,"
+                   "sglang-router/round_robin,litellm/least-busy")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.overhead",
+                                description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="fewer, shorter slices")
+    p.add_argument("--concurrency", default="1,16,64")
+    p.add_argument("--slice-s", type=float, default=None, help="seconds per slice (4; quick 2)")
+    p.add_argument("--rounds", type=int, default=None, help="rounds per concurrency (4; quick 2)")
+    p.add_argument("--routers", default=DEFAULT_ROUTERS)
+    p.add_argument("--engines", type=int, default=8)
+    p.add_argument("--profile", default="llama70b-h100x4")
+    p.add_argument("--time-scale", type=float, default=1.0)
+    p.add_argument("--prompt-tokens", type=int, default=256)
+    p.add_argument("--output-tokens", type=int, default=64)
+    p.add_argument("--engine-cores", default="1")
+    p.add_argument("--router-cores", default="0")
+    p.add_argument("--no-relay", action="store_true", help="skip the relay-rate test")
+    p.add_argument("--relay-events", type=int, default=2000)
+    p.add_argument("--relay-s", type=float, default=8.0)
+    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--no-report", action="store_true")
+    return p
+
+
+class Paths:
+    """The endpoints of one run and the request bodies they get."""
+
+    def __init__(self, engine_urls: list[str], model: str, prompt_tokens: int,
+                 output_tokens: int) -> None:
+        self.direct = [Endpoint(name="direct", base_url=u, model=model) for u in engine_urls]
+        self.rng = random.Random(1)
+        self.prompt_tokens = prompt_tokens
+        self.output_tokens = output_tokens
+
+    def body(self, endpoint: Endpoint) -> bytes:
+        return request_body(endpoint, random_tokens(self.rng, self.prompt_tokens),
+                            self.output_tokens)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    slice_s = args.slice_s or (2.0 if args.quick else 4.0)
+    rounds = args.rounds or (2 if args.quick else 4)
+    levels = [int(c) for c in args.concurrency.split(",")]
+    spec = FleetSpec(engines=args.engines, profile=args.profile, time_scale=args.time_scale,
+                     max_model_len=args.prompt_tokens + args.output_tokens + 64)
+    routers = parse_router_list(args.routers)
+    result: dict[str, object] = {
+        "benchmark": "overhead", "command": machine.command_line(),
+        "started_at": machine.now_utc(), "machine": machine.environment(),
+        "versions": machine.own_versions(),
+        "settings": {"fleet": spec.settings(), "concurrency": levels, "slice_s": slice_s,
+                     "rounds": rounds, "prompt_tokens": args.prompt_tokens,
+                     "output_tokens": args.output_tokens, "engine_cores": args.engine_cores,
+                     "router_cores": args.router_cores, "loadgen_cores": "unpinned"},
+        "unavailable": {}, "levels": {},
+    }
+    work = args.out / "raw" / "overhead"
+    fleet = Fleet(spec, work, cores=args.engine_cores or None)
+    started: list[tuple[Router, Managed, Endpoint]] = []
+    try:
+        fleet.start()
+        started = start_routers(routers, fleet, spec.model, work, args, result)
+        paths = Paths(fleet.urls, spec.model, args.prompt_tokens, args.output_tokens)
+        result["levels"] = run_async(measure(paths, started, levels, rounds, slice_s))
+    finally:
+        for _, proc, _ in started:
+            proc.stop()
+        fleet.stop()
+    if not args.no_relay:
+        result["relay"] = relay_rate(args, work)
+    result["finished_at"] = machine.now_utc()
+    machine.write_json(args.out / "overhead.json", result)
+    if not args.no_report:
+        report.main(report_args(args.out))
+    return 0
+
+
+def start_routers(routers: list[Router], fleet: Fleet, model: str, work: Path,
+                  args: argparse.Namespace,
+                  result: dict[str, object]) -> list[tuple[Router, Managed, Endpoint]]:
+    versions = result["versions"]
+    unavailable = result["unavailable"]
+    assert isinstance(versions, dict) and isinstance(unavailable, dict)
+    out: list[tuple[Router, Managed, Endpoint]] = []
+    for router in routers:
+        reason = router.unavailable()
+        if reason:
+            unavailable[router.name] = reason
+            continue
+        versions[router.router] = router.version()
+        proc: Managed | None = None
+        try:
+            proc, endpoint, ready = router.launch(fleet.urls, model, work / router.router,
+                                                  args.router_cores or None)
+            proc.wait_http(ready, timeout_s=90, headers=dict(endpoint.headers))
+            out.append((router, proc, endpoint))
+        except Exception as exc:
+            unavailable[router.name] = f"{type(exc).__name__}: {exc}"[:2000]
+            if proc is not None:
+                proc.stop()
+    return out
+
+
+async def measure(paths: Paths, started: list[tuple[Router, Managed, Endpoint]],
+                  levels: list[int], rounds: int, slice_s: float) -> dict[str, object]:
+    out: dict[str, object] = {}
+    async with make_session() as session:
+        await _warm(session, paths, started)
+        for conc in levels:
+            print(f"== {conc} streams", flush=True)
+            out[str(conc)] = await measure_level(session, paths, started, conc, rounds, slice_s)
+    return out
+
+
+async def _warm(session: aiohttp.ClientSession, paths: Paths,
+                started: list[tuple[Router, Managed, Endpoint]]) -> None:
+    for endpoint in [*paths.direct, *(e for _, _, e in started)] * 2:
+        body = request_body(endpoint, "warm up " * 8, 4)
+        async with session.post(endpoint.url, data=body, headers=dict(endpoint.headers)) as r:
+            await r.read()
+
+
+async def measure_level(session: aiohttp.ClientSession, paths: Paths,
+                        started: list[tuple[Router, Managed, Endpoint]], conc: int, rounds: int,
+                        slice_s: float) -> dict[str, object]:
+    names = ["direct", *(r.name for r, _, _ in started)]
+    records: dict[str, list[RequestRecord]] = {n: [] for n in names}
+    spans = dict.fromkeys(names, 0.0)
+    cpu = dict.fromkeys(names, 0.0)
+    round_p50: dict[str, list[float]] = {n: [] for n in names}
+    start = time.perf_counter()
+    for _ in range(rounds):
+        for name in names:
+            recs, span, used = await _slice(session, paths, started, name, conc, slice_s, start)
+            records[name] += recs
+            spans[name] += span
+            cpu[name] += used
+            round_p50[name].append(percentile([r.ttft for r in recs if r.ok and r.ttft], 50))
+    level: dict[str, object] = {}
+    for name in names:
+        ok = sum(1 for r in records[name] if r.ok)
+        level[name] = {
+            "summary": summarize(records[name], duration_s=spans[name]),
+            "cpu_ms_per_request": cpu[name] * 1000.0 / ok if name != "direct" and ok else None,
+            "round_ttft_p50_ratios": [a / b for a, b in zip(round_p50[name], round_p50["direct"],
+                                                            strict=True) if b == b and b > 0]
+            if name != "direct" else None,
+        }
+    return level
+
+
+async def _slice(session: aiohttp.ClientSession, paths: Paths,
+                 started: list[tuple[Router, Managed, Endpoint]], name: str, conc: int,
+                 slice_s: float, start: float) -> tuple[list[RequestRecord], float, float]:
+    proc = next((p for r, p, _ in started if r.name == name), None)
+    endpoint = next((e for r, _, e in started if r.name == name), None)
+
+    def pick(n: int) -> tuple[Endpoint, bytes]:
+        target = endpoint or paths.direct[n % len(paths.direct)]
+        return target, paths.body(target)
+
+    cpu0 = proc.cpu_seconds() if proc else 0.0
+    recs, span = await closed_loop(session, pick, concurrency=conc, duration_s=slice_s,
+                                   run_start=start)
+    cpu1 = proc.cpu_seconds() if proc else 0.0
+    return recs, span, cpu1 - cpu0
+
+
+# -- relay rate ----------------------------------------------------------------------------------
+
+RELAY_MODES = {
+    # name: (streams, pause between a stream's events in ms)
+    "paced": (64, 1.0),  # events arrive one by one, as tokens do
+    "burst": (16, 0.0),  # as fast as the socket takes them: reads coalesce several events
+}
+
+
+def relay_rate(args: argparse.Namespace, work: Path) -> dict[str, object]:
+    """kvproxy alone on its core relaying a fast SSE source, in each mode; events/s and CPU."""
+    out: dict[str, object] = {}
+    for mode, (streams, interval_ms) in RELAY_MODES.items():
+        out[mode] = _relay_mode(args, work, streams, interval_ms)
+        print(f"   relay {mode}: {out[mode]}", flush=True)
+    return out
+
+
+def _relay_mode(args: argparse.Namespace, work: Path, streams: int,
+                interval_ms: float) -> dict[str, object]:
+    port = free_port()
+    argv = [sys.executable, "-m", "bench.firehose", "--port", str(port),
+            "--interval-ms", str(interval_ms)]
+    source = Managed("firehose", argv, work / "firehose.log",
+                     cores=args.engine_cores or None).start()
+    proxy: Managed | None = None
+    old_affinity = os.sched_getaffinity(0)
+    try:
+        source.wait_http(f"http://127.0.0.1:{port}/health")
+        router = Router("kvproxy", "round_robin")
+        proxy, endpoint, ready = router.launch([f"http://127.0.0.1:{port}"], "firehose",
+                                               work / "relay", args.router_cores or None)
+        proxy.wait_http(ready, timeout_s=60)
+        if args.engine_cores:
+            os.sched_setaffinity(0, {int(c) for c in args.engine_cores.split(",")})
+        cpu0 = proxy.cpu_seconds()
+        events, span = run_async(_firehose_load(endpoint, args, streams))
+        cpu_used = proxy.cpu_seconds() - cpu0
+    except Exception as exc:
+        traceback.print_exc()
+        return {"error": f"{type(exc).__name__}: {exc}"[:1000]}
+    finally:
+        os.sched_setaffinity(0, old_affinity)
+        if proxy is not None:
+            proxy.stop()
+        source.stop()
+    return {"events": events, "duration_s": span, "events_per_s": events / span,
+            "proxy_cpu_s": cpu_used, "proxy_cpu_util": cpu_used / span,
+            "events_per_cpu_s": events / cpu_used if cpu_used > 0 else None,
+            "streams": streams, "interval_ms": interval_ms,
+            "events_per_request": args.relay_events, "proxy_cores": args.router_cores,
+            "source_and_client_cores": args.engine_cores}
+
+
+async def _firehose_load(endpoint: Endpoint, args: argparse.Namespace,
+                         streams: int) -> tuple[int, float]:
+    body = request_body(endpoint, "relay", args.relay_events)
+    total = 0
+    async with make_session() as session:
+
+        async def stream(stop_at: float) -> None:
+            nonlocal total
+            while time.perf_counter() < stop_at:
+                async with session.post(endpoint.url, data=body) as resp:
+                    async for chunk in resp.content.iter_any():
+                        total += chunk.count(b"data: ")
+                        if time.perf_counter() >= stop_at:
+                            return
+
+        t0 = time.perf_counter()
+        stop_at = t0 + args.relay_s
+        await asyncio.gather(*(stream(stop_at) for _ in range(streams)))
+        return total, time.perf_counter() - t0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""The issue's targets, checked against results: computed verdicts, never typed ones.
+
+Rules: a target whose inputs are missing (a run failed, a router was not installed) is reported
+as "not measured", never as met.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+KVPROXY = "kvproxy/prefix_affinity"
+ROUND_ROBIN = "kvproxy/round_robin"
+OVERHEAD_ROUTER = "kvproxy/prefix_affinity"
+OVERHEAD_STREAMS = 64
+
+
+def _p90(runs: Sequence[Mapping[str, object]], name: str) -> float:
+    for run in runs:
+        if run.get("router") == name and run.get("status") == "ok":
+            summary = run["summary"]
+            assert isinstance(summary, Mapping)
+            value = summary.get("ttft_p90")
+            return float(value) if isinstance(value, int | float) else math.nan
+    return math.nan
+
+
+def _hit(runs: Sequence[Mapping[str, object]], name: str) -> float:
+    for run in runs:
+        if run.get("router") == name and run.get("status") == "ok":
+            value = run.get("hit_rate")
+            return float(value) if isinstance(value, int | float) else math.nan
+    return math.nan
+
+
+def _verdict(ok: bool | None) -> str:
+    return "not measured" if ok is None else ("**met**" if ok else "**not met**")
+
+
+def _check(value: float, limit: float, *, below: bool) -> bool | None:
+    if math.isnan(value) or math.isnan(limit):
+        return None
+    return value <= limit if below else value >= limit
+
+
+def best_peer_p90(runs: Sequence[Mapping[str, object]]) -> dict[str, tuple[str, float]]:
+    """For each peer router, its policy with the lowest TTFT p90."""
+    best: dict[str, tuple[str, float]] = {}
+    for run in runs:
+        name = str(run.get("router", ""))
+        peer = name.split("/", 1)[0]
+        if peer == "kvproxy" or run.get("status") != "ok":
+            continue
+        p90 = _p90(runs, name)
+        if not math.isnan(p90) and (peer not in best or p90 < best[peer][1]):
+            best[peer] = (name, p90)
+    return best
+
+
+def routing_targets(runs: Sequence[Mapping[str, object]], ideal: float) -> str:
+    ours, rr = _p90(runs, KVPROXY), _p90(runs, ROUND_ROBIN)
+    hit = _hit(runs, KVPROXY)
+    lines = [
+        f"- `{KVPROXY}` TTFT p90 ≤ 0.5 x `{ROUND_ROBIN}`'s: {ours:.3f} s vs {rr:.3f} s "
+        f"(ratio {ours / rr if rr else math.nan:.3f}) - "
+        f"{_verdict(_check(ours, 0.5 * rr, below=True))}",
+        f"- `{KVPROXY}` hit rate ≥ 0.9 x ideal: {hit:.3f} vs {ideal:.3f} "
+        f"(fraction {hit / ideal if ideal else math.nan:.3f}) — "
+        f"{_verdict(_check(hit, 0.9 * ideal, below=False))}",
+    ]
+    best = best_peer_p90(runs)
+    if not best:
+        lines.append("- better TTFT p90 than every peer's best policy — not measured (no peer ran)")
+    for peer, (name, p90) in sorted(best.items()):
+        ok = _check(ours, p90, below=True)
+        if ok is not None and ours == p90:
+            ok = False
+        lines.append(f"- better TTFT p90 than {peer}'s best (`{name}`, {p90:.3f} s): "
+                     f"{ours:.3f} s — {_verdict(ok)}")
+    return "\n".join(lines)
+
+
+def overhead_targets(ratios: Mapping[str, Mapping[int, Mapping[str, float]]]) -> str:
+    value = ratios.get(OVERHEAD_ROUTER, {}).get(OVERHEAD_STREAMS, {}).get("ttft_p50", math.nan)
+    return (f"- through `{OVERHEAD_ROUTER}`, TTFT p50 ≤ 1.05 x direct at {OVERHEAD_STREAMS} "
+            f"streams: {value:.3f}x — {_verdict(_check(value, 1.05, below=True))}")

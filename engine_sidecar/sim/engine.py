@@ -1,0 +1,276 @@
+"""One simulated engine: the scheduler, the KV cache and the step loop that drives them.
+
+Rules:
+- One named asyncio task per engine runs the step loop; a request is not a task. Each step the loop
+  asks the scheduler for a plan, sleeps the modelled step time divided by ``time_scale`` (measured
+  from the start of the step, so delivery work does not slow the simulated GPU), applies the plan
+  and pushes the new tokens to each request's ``RequestStream``, which wakes its reader through a
+  single future.
+- Aborting (client disconnect) removes the request from the scheduler at once and frees its blocks;
+  its id is remembered for ``/admin/state``.
+- Latencies fed to the metrics are simulated seconds: wall seconds times ``time_scale``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import random
+from array import array
+from collections import deque
+from dataclasses import dataclass
+
+from engine_sidecar.sim.config import FaultConfig, SimEngineConfig
+from engine_sidecar.sim.kvcache import BlockPool
+from engine_sidecar.sim.metrics import EngineReading, LatencyMetrics, render
+from engine_sidecar.sim.profiles import PROFILES
+from engine_sidecar.sim.scheduler import FinishReason, Scheduler, SimRequest, Status, StepOutput
+from engine_sidecar.sim.tokenizer import WordStream
+
+_ABORTED_KEPT = 1000
+
+
+@dataclass(frozen=True)
+class Sampling:
+    max_tokens: int
+    temperature: float = 1.0
+    seed: int | None = None
+    priority: int = 0
+    ignore_eos: bool = False
+
+
+class RequestStream:
+    """The reader's end of one request: words arrive in batches, one future per wait."""
+
+    __slots__ = ("_engine", "_pending", "_waiter", "arrival", "finished", "first_at", "last_at",
+                 "public_id", "request")
+
+    def __init__(self, engine: SimEngine, request: SimRequest, public_id: str, arrival: float):
+        self._engine = engine
+        self.request = request
+        self.public_id = public_id
+        self.arrival = arrival
+        self.first_at: float | None = None
+        self.last_at = arrival
+        self.finished = False
+        self._pending: list[int] = []
+        self._waiter: asyncio.Future[None] | None = None
+
+    def push(self, words: list[int], finished: bool) -> None:
+        self._pending.extend(words)
+        self.finished = finished
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def next_words(self) -> list[int]:
+        """New words since the last call; an empty list means the request has finished."""
+        while not self._pending and not self.finished:
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        words, self._pending = self._pending, []
+        return words
+
+    @property
+    def finish_reason(self) -> str:
+        return self.request.finish_reason
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.request.prompt_len
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.request.output)
+
+    @property
+    def cached_tokens(self) -> int:
+        return max(0, self.request.num_cached_tokens)
+
+    def abort(self) -> None:
+        """Stop generating (the reader went away); a no-op once the request has finished."""
+        if not self.finished:
+            self.finished = True
+            self._engine.abort(self)
+
+
+class SimEngine:
+    def __init__(self, config: SimEngineConfig, name: str | None = None) -> None:
+        self.config = config
+        self.name = name or config.name or "sim"
+        self.model = config.model
+        self.faults: FaultConfig = config.faults
+        self.profile = PROFILES[config.profile]
+        self.rng = random.Random(config.seed)
+        self.fault_rng = random.Random(config.seed + 2)
+        self.last_metrics: bytes | None = None
+        self.pool = BlockPool(config.blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.pool, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            policy=config.scheduling_policy, spec_acceptance=config.acceptance_per_pos,
+            rng=random.Random(config.seed + 1),
+        )
+        self.latency = LatencyMetrics()
+        self.draining = False
+        self.aborted_ids: deque[str] = deque(maxlen=_ABORTED_KEPT)
+        self.in_flight = 0
+        self._streams: dict[SimRequest, RequestStream] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._seq = 0
+        self._t0 = 0.0
+
+    # -- state read by the server, the cluster and tests -----------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    @property
+    def kv_usage(self) -> float:
+        return self.pool.usage
+
+    def sim_time(self) -> float:
+        return (asyncio.get_running_loop().time() - self._t0) * self.config.time_scale
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._t0 = asyncio.get_running_loop().time()
+        self._task = asyncio.create_task(self._run(), name=f"sim-engine-steps:{self.name}")
+
+    async def close(self) -> None:
+        for stream in list(self._streams.values()):
+            stream.abort()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    # -- requests --------------------------------------------------------------------------------
+
+    def submit(self, public_id: str, prompt_ids: array[int], sampling: Sampling) -> RequestStream:
+        seed = self._word_seed(prompt_ids, sampling)
+        target, reason = self._target(seed, sampling)
+        self._seq += 1
+        req = SimRequest(
+            request_id=public_id, token_ids=array("I", prompt_ids), prompt_len=len(prompt_ids),
+            target_len=target, finish_reason=reason, priority=sampling.priority, seq=self._seq,
+            words=WordStream(seed),
+        )
+        stream = RequestStream(self, req, public_id, self.sim_time())
+        self._streams[req] = stream
+        self.scheduler.add(req)
+        self._wake.set()
+        return stream
+
+    def fits(self, num_tokens: int) -> bool:
+        """Whether one sequence of ``num_tokens`` can ever be held by this engine's cache."""
+        return -(-num_tokens // self.config.block_size) <= self.pool.num_blocks
+
+    def _word_seed(self, prompt_ids: array[int], sampling: Sampling) -> int:
+        if sampling.temperature > 0 and sampling.seed is None:
+            return self.rng.getrandbits(64)
+        key = (sampling.seed or 0).to_bytes(8, "little", signed=True)
+        digest = hashlib.blake2b(prompt_ids.tobytes(), digest_size=8, key=key).digest()
+        return int.from_bytes(digest, "little")
+
+    def _target(self, seed: int, sampling: Sampling) -> tuple[int, FinishReason]:
+        low, high = self.config.stop_len_range
+        natural = low + (seed >> 11) % (high - low + 1)
+        if sampling.ignore_eos or sampling.max_tokens <= natural:
+            return sampling.max_tokens, "length"
+        return natural, "stop"
+
+    def abort(self, stream: RequestStream) -> None:
+        req = stream.request
+        if req.status in (Status.FINISHED, Status.ABORTED):
+            return
+        self.scheduler.abort(req)
+        self._streams.pop(req, None)
+        self.aborted_ids.append(stream.public_id)
+        self.latency.finished["abort"] += 1
+
+    # -- the step loop ---------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        scale = self.config.time_scale
+        while True:
+            if not self.scheduler.has_work:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            started = loop.time()
+            plan = self.scheduler.schedule()
+            if not plan.items:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            dt = self.profile.step_time(plan.batched_tokens, plan.context_tokens,
+                                        plan.attn_work, plan.draft_tokens) / scale
+            await asyncio.sleep(max(0.0, started + dt - loop.time()))
+            self._deliver(self.scheduler.complete(plan))
+
+    def _deliver(self, outputs: list[StepOutput]) -> None:
+        now = self.sim_time()
+        latency = self.latency
+        for out in outputs:
+            stream = self._streams.get(out.request)
+            if stream is None:
+                continue
+            if stream.first_at is None:
+                stream.first_at = now
+                latency.ttft.observe(now - stream.arrival)
+            else:
+                latency.itl.observe(now - stream.last_at)
+            stream.last_at = now
+            if out.finished:
+                del self._streams[out.request]
+                latency.e2e.observe(now - stream.arrival)
+                latency.finished[out.request.finish_reason] += 1
+            stream.push(out.new_words, out.finished)
+
+    # -- telemetry -------------------------------------------------------------------------------
+
+    def metrics_text(self) -> str:
+        stats = self.scheduler.stats
+        counters = {
+            "vllm:num_preemptions_total": stats.preemptions,
+            "vllm:prompt_tokens_total": stats.prompt_tokens,
+            "vllm:generation_tokens_total": stats.generation_tokens,
+            "vllm:prefix_cache_queries_total": stats.prefix_queries,
+            "vllm:prefix_cache_hits_total": stats.prefix_hits,
+            "vllm:spec_decode_num_drafts_total": stats.spec_drafts,
+            "vllm:spec_decode_num_draft_tokens_total": stats.spec_draft_tokens,
+            "vllm:spec_decode_num_accepted_tokens_total": stats.spec_accepted,
+        }
+        reading = EngineReading(
+            model=self.model, running=self.num_running, waiting=self.num_waiting,
+            kv_usage=self.kv_usage, legacy_kv_metric=self.config.legacy_kv_metric,
+            block_size=self.config.block_size, num_gpu_blocks=self.pool.num_blocks,
+            prefix_caching=self.config.enable_prefix_caching, counters=counters,
+            spec_per_pos=stats.spec_accepted_per_pos if self.scheduler.acceptance else None,
+            draining=self.draining,
+        )
+        return render(reading, self.latency, missing=self.faults.metrics_missing,
+                      overrides=self.faults.metric_overrides)
+
+    def state(self) -> dict[str, object]:
+        stats = self.scheduler.stats
+        return {
+            "name": self.name, "model": self.model, "running": self.num_running,
+            "waiting": self.num_waiting, "kv_usage": self.kv_usage,
+            "num_gpu_blocks": self.pool.num_blocks, "block_size": self.config.block_size,
+            "free_blocks": self.pool.num_free, "in_flight": self.in_flight,
+            "preemptions": stats.preemptions, "prefix_cache_queries": stats.prefix_queries,
+            "prefix_cache_hits": stats.prefix_hits, "draining": self.draining,
+            "aborted_ids": list(self.aborted_ids), "faults": self.faults.as_dict(),
+        }

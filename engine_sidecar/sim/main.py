@@ -1,0 +1,166 @@
+"""``kvproxy-sidecar sim``: serve one or more simulated vLLM engines from one process.
+
+Rules: flags map one to one onto ``SimEngineConfig`` fields (vLLM's own flag names where vLLM
+has one); ``--engines N`` starts N engines on consecutive ports, engine ``i`` seeded ``seed + i``
+with its own fault settings. SIGTERM or SIGINT starts draining: ``/metrics`` reports
+``kvproxy_sidecar_draining 1``, new requests get 503, in-flight requests get up to
+``--drain-timeout`` seconds to finish, then the process exits 0. uvloop is used when installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from engine_sidecar.sim.cluster import start_cluster
+from engine_sidecar.sim.config import FaultConfig, SimEngineConfig
+from engine_sidecar.sim.profiles import PROFILES
+
+log = logging.getLogger("engine_sidecar.sim")
+
+
+def _csv_floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        msg = f"expected comma-separated numbers, got {text!r}"
+        raise argparse.ArgumentTypeError(msg) from None
+
+
+def _range(text: str) -> tuple[int, int]:
+    parts = text.split(",")
+    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"expected MIN,MAX, got {text!r}")
+    return int(parts[0]), int(parts[1])
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    serve = parser.add_argument_group("serving")
+    serve.add_argument("--engines", type=int, default=1, help="engines in this process (1)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8100,
+                       help="port of the first engine; the others follow (8100; 0: any free)")
+    serve.add_argument("--model", "--served-model-name", dest="model", default="sim-model",
+                       help="model name served (sim-model)")
+    serve.add_argument("--name", default=None,
+                       help="engine name prefix for X-Engine-Id (default sim-<port>)")
+    serve.add_argument("--drain-timeout", type=float, default=30.0,
+                       help="seconds in-flight requests get after SIGTERM (30)")
+    serve.add_argument("--log-level", default="info")
+    model = parser.add_argument_group("engine model")
+    model.add_argument("--profile", choices=sorted(PROFILES), default="llama8b-l4")
+    model.add_argument("--time-scale", type=float, default=1.0,
+                       help="divide every modelled duration by this (1.0: real time)")
+    model.add_argument("--num-gpu-blocks", type=int, default=None,
+                       help="KV-cache blocks (default: what fits the profile's GPU)")
+    model.add_argument("--block-size", type=int, default=16)
+    model.add_argument("--max-num-seqs", type=int, default=256)
+    model.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    model.add_argument("--max-model-len", type=int, default=8192)
+    model.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs")
+    model.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
+                       action="store_false")
+    model.add_argument("--num-speculative-tokens", type=int, default=0)
+    model.add_argument("--spec-acceptance", type=_csv_floats, default=(),
+                       help="acceptance probability per draft position, e.g. 0.8,0.6,0.4")
+    model.add_argument("--output-len", type=_range, default=(64, 512),
+                       help="MIN,MAX of the natural answer length before 'stop' (64,512)")
+    model.add_argument("--legacy-kv-metric", action="store_true",
+                       help="emit vllm:gpu_cache_usage_perc (vLLM <= 0.10) instead")
+    model.add_argument("--seed", type=int, default=0)
+    _add_fault_arguments(parser)
+
+
+def _add_fault_arguments(parser: argparse.ArgumentParser) -> None:
+    faults = parser.add_argument_group("fault injection (also: POST /admin/faults)")
+    faults.add_argument("--fault-error-rate", type=float, default=0.0)
+    faults.add_argument("--fault-error-status", type=int, default=500)
+    faults.add_argument("--fault-reset-after-tokens", type=int, default=None)
+    faults.add_argument("--fault-stall-after-tokens", type=int, default=None)
+    faults.add_argument("--fault-stall-s", type=float, default=0.0)
+    faults.add_argument("--fault-header-delay-s", type=float, default=0.0)
+    faults.add_argument("--fault-metrics-status", type=int, default=None)
+    faults.add_argument("--fault-metrics-frozen", action="store_true")
+    faults.add_argument("--fault-metrics-missing", action="append", default=[],
+                        metavar="METRIC", help="leave this metric out of /metrics (repeatable)")
+
+
+def _faults(args: argparse.Namespace) -> FaultConfig:
+    faults = FaultConfig()
+    faults.update({
+        "error_rate": args.fault_error_rate, "error_status": args.fault_error_status,
+        "reset_after_tokens": args.fault_reset_after_tokens,
+        "stall_after_tokens": args.fault_stall_after_tokens, "stall_s": args.fault_stall_s,
+        "header_delay_s": args.fault_header_delay_s, "metrics_status": args.fault_metrics_status,
+        "metrics_frozen": args.fault_metrics_frozen,
+        "metrics_missing": list(args.fault_metrics_missing),
+    })
+    return faults
+
+
+def configs_from_args(args: argparse.Namespace) -> list[SimEngineConfig]:
+    """One validated config per engine; ``ValueError`` names the bad setting."""
+    if args.engines < 1:
+        raise ValueError("--engines must be >= 1")
+    return [
+        SimEngineConfig(
+            model=args.model, name=f"{args.name}-{i}" if args.name else None,
+            profile=args.profile, num_gpu_blocks=args.num_gpu_blocks, block_size=args.block_size,
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len, scheduling_policy=args.scheduling_policy,
+            enable_prefix_caching=args.enable_prefix_caching, time_scale=args.time_scale,
+            num_speculative_tokens=args.num_speculative_tokens, acceptance=args.spec_acceptance,
+            legacy_kv_metric=args.legacy_kv_metric, seed=args.seed + i,
+            stop_len_range=args.output_len, faults=_faults(args),
+        )
+        for i in range(args.engines)
+    ]
+
+
+async def serve(configs: list[SimEngineConfig], host: str, port: int, drain_timeout: float) -> None:
+    cluster = await start_cluster(configs, host=host, port=port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        for engine, url in zip(cluster.engines, cluster.urls, strict=True):
+            log.info("engine %s serving model %r (%s, %d KV blocks of %d) at %s", engine.name,
+                     engine.model, engine.config.profile, engine.pool.num_blocks,
+                     engine.config.block_size, url)
+        await stop.wait()
+        log.info("draining: %d request(s) in flight", cluster.in_flight)
+        if await cluster.drain(drain_timeout):
+            log.info("drained; stopping")
+        else:
+            log.warning("drain timeout: aborting %d request(s)", cluster.in_flight)
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        await cluster.close()
+
+
+def _runner() -> Callable[[Coroutine[Any, Any, None]], None]:
+    try:
+        import uvloop  # noqa: PLC0415  (optional; chosen only here, at the entry point)
+    except ImportError:
+        return asyncio.run
+    return uvloop.run
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        configs = configs_from_args(args)
+    except ValueError as exc:
+        log.error("invalid configuration: %s", exc)
+        return 2
+    with contextlib.suppress(KeyboardInterrupt):
+        _runner()(serve(configs, args.host, args.port, args.drain_timeout))
+    return 0

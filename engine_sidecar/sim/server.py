@@ -1,0 +1,206 @@
+"""HTTP surface of one simulated engine: vLLM's OpenAI routes plus ``/admin/*``.
+
+Rules: handlers are thin: ``protocol`` validates, the engine generates, ``responses`` shapes the
+bytes, ``streaming`` relays words and injects mid-stream faults. ``ApiError`` becomes a response in
+one middleware; anything else becomes a logged, vLLM-shaped 500; ``CancelledError`` (the client went
+away) always propagates after the request has been aborted inside the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+
+import orjson
+from aiohttp import web
+
+from engine_sidecar.sim.engine import Sampling, SimEngine
+from engine_sidecar.sim.protocol import ApiError, Kind, Limits, ParsedRequest, parse
+from engine_sidecar.sim.responses import Identity
+from engine_sidecar.sim.streaming import ConnectionResetByFault, relay_full, relay_stream
+from engine_sidecar.sim.tokenizer import chat_prompt, encode
+
+log = logging.getLogger(__name__)
+
+ENGINE: web.AppKey[SimEngine] = web.AppKey("engine", SimEngine)
+_JSON = "application/json"
+_Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _json(payload: object, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(payload), status=status, content_type=_JSON)
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: _Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        return web.Response(body=exc.body(), status=exc.status, content_type=_JSON)
+    except ConnectionResetByFault:
+        # The transport is already aborted; aiohttp drops whatever is returned here.
+        return web.Response(status=500)
+    except web.HTTPException:
+        raise
+    except Exception:
+        log.exception("unexpected error serving %s %s", request.method, request.path)
+        err = ApiError(500, "Internal server error")
+        return web.Response(body=err.body(), status=500, content_type=_JSON)
+
+
+async def _engine_header(request: web.Request, response: web.StreamResponse) -> None:
+    response.headers["X-Engine-Id"] = request.app[ENGINE].name
+
+
+def build_app(engine: SimEngine) -> web.Application:
+    app = web.Application(middlewares=[_errors], client_max_size=64 * 1024 * 1024)
+    app[ENGINE] = engine
+    app.on_response_prepare.append(_engine_header)
+    app.router.add_post("/v1/chat/completions", _chat)
+    app.router.add_post("/v1/completions", _completions)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_post("/tokenize", _tokenize)
+    app.router.add_get("/admin/state", _state)
+    app.router.add_get("/admin/faults", _faults_get)
+    app.router.add_post("/admin/faults", _faults_set)
+    app.router.add_delete("/admin/faults", _faults_clear)
+    return app
+
+
+def _limits(engine: SimEngine) -> Limits:
+    cfg = engine.config
+    return Limits(model=engine.model, max_model_len=cfg.max_model_len,
+                  priority_scheduling=cfg.scheduling_policy == "priority")
+
+
+async def _chat(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "chat")
+
+
+async def _completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, "completion")
+
+
+async def _admit(request: web.Request, engine: SimEngine, kind: Kind) -> ParsedRequest:
+    if engine.draining:
+        raise ApiError(503, "The engine is draining and accepts no new requests.")
+    parsed = parse(kind, await request.read(), _limits(engine))
+    if not engine.fits(len(parsed.prompt_ids) + parsed.max_tokens):
+        raise ApiError(400, "The request needs more KV-cache blocks than the engine has.",
+                       "max_tokens")
+    faults = engine.faults
+    if faults.header_delay_s > 0:
+        await asyncio.sleep(faults.header_delay_s)
+    if faults.error_rate > 0 and engine.fault_rng.random() < faults.error_rate:
+        raise ApiError(faults.error_status, "Injected fault: the engine failed this request.")
+    return parsed
+
+
+async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
+    engine = request.app[ENGINE]
+    parsed = await _admit(request, engine, kind)
+    base_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+    prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
+    ident = Identity(kind=kind, response_id=prefix + base_id, created=int(time.time()),
+                     model=engine.model, logprobs=parsed.logprobs)
+    sampling = Sampling(max_tokens=parsed.max_tokens, temperature=parsed.temperature,
+                        seed=parsed.seed, priority=parsed.priority, ignore_eos=parsed.ignore_eos)
+    stream = engine.submit(ident.response_id, parsed.prompt_ids, sampling)
+    engine.in_flight += 1
+    try:
+        if parsed.stream:
+            return await relay_stream(request, engine, stream, ident, parsed.include_usage)
+        return await relay_full(request, engine, stream, ident)
+    finally:
+        engine.in_flight -= 1
+        stream.abort()
+
+
+async def _models(request: web.Request) -> web.StreamResponse:
+    engine = request.app[ENGINE]
+    card = {"id": engine.model, "object": "model", "created": int(time.time()),
+            "owned_by": "vllm", "root": engine.model, "parent": None,
+            "max_model_len": engine.config.max_model_len,
+            "permission": [{"id": f"modelperm-{engine.name}", "object": "model_permission",
+                            "allow_sampling": True, "allow_logprobs": True,
+                            "allow_view": True, "is_blocking": False}]}
+    return _json({"object": "list", "data": [card]})
+
+
+async def _health(request: web.Request) -> web.StreamResponse:
+    return web.Response(status=200)
+
+
+async def _metrics(request: web.Request) -> web.StreamResponse:
+    engine = request.app[ENGINE]
+    faults = engine.faults
+    if faults.metrics_status is not None and faults.metrics_status != 200:
+        return web.Response(status=faults.metrics_status, text="injected metrics failure\n")
+    if faults.metrics_frozen and engine.last_metrics is not None:
+        body = engine.last_metrics
+    else:
+        body = engine.metrics_text().encode()
+        engine.last_metrics = body
+    return web.Response(body=body,
+                        headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+
+async def _tokenize(request: web.Request) -> web.StreamResponse:
+    engine = request.app[ENGINE]
+    try:
+        body = orjson.loads(await request.read())
+    except orjson.JSONDecodeError as exc:
+        raise ApiError(400, f"Invalid JSON body: {exc}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "The request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and model != engine.model:
+        raise ApiError(404, f"The model `{model}` does not exist.", "model")
+    if isinstance(body.get("prompt"), str):
+        ids = encode(body["prompt"])
+    elif isinstance(body.get("messages"), list):
+        try:
+            ids = encode(chat_prompt(body["messages"]))
+        except (ValueError, AttributeError):
+            raise ApiError(400, "messages must be a list of message objects", "messages") from None
+    else:
+        raise ApiError(400, "Either prompt (a string) or messages must be given", "prompt")
+    return _json({"count": len(ids), "max_model_len": engine.config.max_model_len,
+                  "tokens": ids.tolist(), "token_strs": None})
+
+
+async def _state(request: web.Request) -> web.StreamResponse:
+    return _json(request.app[ENGINE].state())
+
+
+async def _faults_get(request: web.Request) -> web.StreamResponse:
+    return _json(request.app[ENGINE].faults.as_dict())
+
+
+async def _faults_set(request: web.Request) -> web.StreamResponse:
+    engine = request.app[ENGINE]
+    try:
+        body = orjson.loads(await request.read())
+    except orjson.JSONDecodeError as exc:
+        raise ApiError(400, f"Invalid JSON body: {exc}") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "The request body must be a JSON object")
+    try:
+        engine.faults.update(body)
+    except ValueError as exc:
+        raise ApiError(400, str(exc)) from None
+    if not engine.faults.metrics_frozen:
+        engine.last_metrics = None
+    return _json(engine.faults.as_dict())
+
+
+async def _faults_clear(request: web.Request) -> web.StreamResponse:
+    engine = request.app[ENGINE]
+    engine.faults.clear()
+    engine.last_metrics = None
+    return _json(engine.faults.as_dict())

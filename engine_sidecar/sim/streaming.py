@@ -1,0 +1,132 @@
+"""Relaying a request's words to the client, with the mid-stream faults injected on the way.
+
+Rules: words are read from the engine in per-step batches and written as they come; a write to a
+closed connection or a cancelled handler aborts the request inside the engine (the caller's
+``finally`` does it). Faults are read from the engine's live ``FaultConfig`` at each batch:
+``stall_after_tokens`` pauses the relay once for ``stall_s`` wall seconds, ``reset_after_tokens``
+sends exactly that many tokens and then resets the TCP connection (RST, not FIN), as a crashing
+engine would. A non-streamed response applies the same faults to the tokens it collects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import struct
+
+from aiohttp import web
+
+from engine_sidecar.sim import responses
+from engine_sidecar.sim.engine import RequestStream, SimEngine
+from engine_sidecar.sim.protocol import ApiError
+from engine_sidecar.sim.responses import Identity
+from engine_sidecar.sim.scheduler import Status
+
+SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
+
+
+class ConnectionResetByFault(Exception):
+    """The reset fault fired: the connection is gone and nothing more may be written."""
+
+
+def reset_connection(request: web.Request) -> None:
+    transport = request.transport
+    if transport is None:
+        return
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    transport.abort()
+
+
+class _FaultGate:
+    """Decides, per batch of words, how many may pass and whether to stall or reset."""
+
+    def __init__(self, engine: SimEngine) -> None:
+        self.faults = engine.faults
+        self.sent = 0
+        self.stalled = False
+
+    def allowed(self, n: int) -> tuple[int, bool]:
+        """(words to pass now, reset after them)."""
+        limit = self.faults.reset_after_tokens
+        if limit is not None and self.sent + n >= limit:
+            return max(0, limit - self.sent), True
+        return n, False
+
+    async def maybe_stall(self) -> None:
+        after = self.faults.stall_after_tokens
+        if not self.stalled and after is not None and self.sent >= after:
+            self.stalled = True
+            await asyncio.sleep(self.faults.stall_s)
+
+
+async def relay_stream(request: web.Request, engine: SimEngine, stream: RequestStream,
+                       ident: Identity, include_usage: bool) -> web.StreamResponse:
+    resp = web.StreamResponse(headers=SSE_HEADERS)
+    await resp.prepare(request)
+    if ident.kind == "chat":
+        await resp.write(responses.role_chunk(ident))
+    gate = _FaultGate(engine)
+    try:
+        await _relay_words(request, stream, ident, resp, gate)
+    except ConnectionResetByFault:
+        return resp
+    except ConnectionResetError:
+        stream.abort()
+        return resp
+    if include_usage and stream.request.status is Status.FINISHED:
+        await resp.write(responses.usage_chunk(ident, stream.prompt_tokens,
+                                               stream.completion_tokens))
+    await resp.write(responses.DONE)
+    await resp.write_eof()
+    return resp
+
+
+async def _relay_words(request: web.Request, stream: RequestStream, ident: Identity,
+                       resp: web.StreamResponse, gate: _FaultGate) -> None:
+    while True:
+        await gate.maybe_stall()
+        words = await stream.next_words()
+        if not words:
+            return
+        n, reset = gate.allowed(len(words))
+        done = stream.finished and not reset and n == len(words)
+        finished = done and stream.request.status is Status.FINISHED
+        reason = stream.finish_reason if finished else None
+        if n:
+            await resp.write(responses.delta_chunk(ident, words[:n], gate.sent, reason))
+        gate.sent += n
+        if reset:
+            stream.abort()
+            reset_connection(request)
+            raise ConnectionResetByFault
+        if stream.finished:
+            return
+
+
+async def relay_full(request: web.Request, engine: SimEngine, stream: RequestStream,
+                     ident: Identity) -> web.StreamResponse:
+    gate = _FaultGate(engine)
+    words: list[int] = []
+    while True:
+        await gate.maybe_stall()
+        batch = await stream.next_words()
+        if not batch:
+            break
+        n, reset = gate.allowed(len(batch))
+        words.extend(batch[:n])
+        gate.sent += n
+        if reset:
+            stream.abort()
+            reset_connection(request)
+            raise ConnectionResetByFault
+        if stream.finished:
+            break
+    if stream.request.status is not Status.FINISHED:
+        raise ApiError(503, "The engine stopped before the request finished.")
+    body = responses.full_response(ident, words, stream.finish_reason, stream.prompt_tokens,
+                                   stream.cached_tokens)
+    return web.Response(body=body, content_type="application/json")

@@ -1,0 +1,1 @@
+"""vLLM backend of the engine sidecar: profiles, supervision and derived metrics."""

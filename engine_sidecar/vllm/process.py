@@ -1,0 +1,57 @@
+"""One run of the vLLM server as a child process group.
+
+Rules:
+- vLLM forks an engine-core process and workers; the server is started in its own session so the
+  whole group is signalled together and nothing outlives a stop.
+- Stopping is SIGTERM to the group, then SIGKILL after a grace period; stopping twice is harmless.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+from collections.abc import Mapping, Sequence
+
+log = logging.getLogger(__name__)
+
+
+class EngineProcess:
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self._proc = proc
+
+    @classmethod
+    async def start(cls, cmd: Sequence[str], env: Mapping[str, str]) -> EngineProcess:
+        proc = await asyncio.create_subprocess_exec(*cmd, env=dict(env), start_new_session=True,
+                                                    stdin=asyncio.subprocess.DEVNULL)
+        log.info("started vLLM pid=%d", proc.pid)
+        return cls(proc)
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.returncode
+
+    async def wait(self) -> int:
+        return await self._proc.wait()
+
+    def _signal_group(self, sig: signal.Signals) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self._proc.pid, sig)
+
+    async def stop(self, timeout_s: float) -> int:
+        """SIGTERM the group, SIGKILL it after ``timeout_s``; returns the exit status."""
+        if self._proc.returncode is None:
+            self._signal_group(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(asyncio.shield(self._proc.wait()), timeout_s)
+            except TimeoutError:
+                log.warning("vLLM pid=%d ignored SIGTERM for %.0f s; killing", self.pid, timeout_s)
+        # Children may linger after the server itself exited; the group goes in every case.
+        self._signal_group(signal.SIGKILL)
+        return await self._proc.wait()

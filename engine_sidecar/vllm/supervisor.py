@@ -1,0 +1,211 @@
+"""Runs the vLLM server: start, wait for health, warm up, watch, restart with backoff, drain.
+
+Rules:
+- The decisions (command line, backoff delays, derived figures) come from the pure modules; this
+  module only performs them.
+- Every background task is named and owned by :class:`Supervisor`; ``close`` cancels them.
+- Ready means: the process runs, ``/health`` answered 200 and every warm-up request succeeded, and
+  the sidecar is not draining. Anything else is not ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from engine_sidecar.vllm import metrics as m
+from engine_sidecar.vllm.backoff import Backoff
+from engine_sidecar.vllm.process import EngineProcess
+from engine_sidecar.vllm.profile import Profile, flatten_args
+from engine_sidecar.vllm.spec import SpecStats, SpecWindow
+
+log = logging.getLogger(__name__)
+_WARMUP_PROMPT = "Warm up the engine: the quick brown fox jumps over the lazy dog."
+
+
+class StartupFailed(Exception):
+    """The engine exited or never became healthy during start-up."""
+
+
+@dataclass
+class SupervisorState:
+    ready: bool = False
+    draining: bool = False
+    restarts: int = 0
+    process: EngineProcess | None = None
+    last_exit: int | None = None
+    events: list[str] = field(default_factory=list)
+
+    @property
+    def engine_up(self) -> bool:
+        return self.process is not None and self.process.returncode is None
+
+
+class Supervisor:
+    def __init__(self, profile: Profile, cmd: Sequence[str], env: Mapping[str, str],
+                 session: aiohttp.ClientSession) -> None:
+        self.profile = profile
+        self.cmd = list(cmd)
+        self.env = dict(env)
+        self.state = SupervisorState()
+        self._session = session
+        side = profile.sidecar
+        self._backoff = Backoff(side.restart_initial_s, side.restart_max_s,
+                                side.restart_reset_after_s)
+        self._window = SpecWindow(side.spec_window_s)
+        self._stopping = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._tasks.append(asyncio.create_task(self._run_forever(), name="vllm-supervisor"))
+        if self.profile.engine.num_speculative_tokens > 0:
+            self._tasks.append(asyncio.create_task(self._poll_spec(), name="vllm-spec-poller"))
+
+    async def close(self) -> None:
+        self._stopping.set()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await self._stop_engine()
+
+    async def drain_and_stop(self) -> None:
+        """Report draining, wait for the engine's requests to finish (bounded), then stop it."""
+        self.state.draining = True
+        self.state.ready = False
+        deadline = time.monotonic() + self.profile.sidecar.drain_timeout_s
+        while self.state.engine_up and time.monotonic() < deadline:
+            busy = await self._in_flight()
+            if busy is not None and busy <= 0:
+                break
+            await asyncio.sleep(0.5)
+        await self.close()
+
+    async def _stop_engine(self) -> None:
+        proc, self.state.ready = self.state.process, False
+        if proc is not None and proc.returncode is None:
+            self.state.last_exit = await proc.stop(self.profile.sidecar.stop_timeout_s)
+            log.info("vLLM pid=%d stopped (status %s)", proc.pid, self.state.last_exit)
+
+    # -- supervision -------------------------------------------------------------------------
+
+    async def _run_forever(self) -> None:
+        while not self._stopping.is_set():
+            started = time.monotonic()
+            try:
+                await self._run_once()
+            except StartupFailed as exc:
+                log.error("vLLM start-up failed: %s", exc)
+            await self._stop_engine()
+            if self._stopping.is_set() or self.state.draining:
+                return
+            delay = self._backoff.next_delay(time.monotonic() - started)
+            self.state.restarts += 1
+            self._note(f"restart {self.state.restarts} in {delay:.1f} s")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), delay)
+
+    async def _run_once(self) -> None:
+        log.info("starting vLLM: %s", flatten_args(self.cmd))
+        proc = await EngineProcess.start(self.cmd, self.env)
+        self.state.process = proc
+        await self._wait_healthy(proc)
+        await self._warm_up()
+        if not self.state.draining:
+            self.state.ready = True
+            self._note(f"ready (pid {proc.pid})")
+        status = await proc.wait()
+        self.state.ready = False
+        self.state.last_exit = status
+        self._note(f"vLLM pid {proc.pid} exited with status {status}")
+
+    async def _wait_healthy(self, proc: EngineProcess) -> None:
+        side = self.profile.sidecar
+        deadline = time.monotonic() + side.startup_timeout_s
+        while time.monotonic() < deadline:
+            if proc.returncode is not None:
+                raise StartupFailed(f"exited with status {proc.returncode} before /health")
+            if await self._get_status("/health") == 200:
+                return
+            await asyncio.sleep(side.health_interval_s)
+        raise StartupFailed(f"no healthy /health within {side.startup_timeout_s:.0f} s")
+
+    async def _warm_up(self) -> None:
+        """The first requests after load are slow (kernels compile, caches fill): take them
+        ourselves so the first client does not."""
+        side, eng = self.profile.sidecar, self.profile.engine
+        body = {"model": eng.served_model_name, "prompt": _WARMUP_PROMPT,
+                "max_tokens": side.warmup_max_tokens, "temperature": 0.0}
+        url = self.profile.local_engine_url + "/v1/completions"
+        for i in range(side.warmup_requests):
+            try:
+                async with self._session.post(url, json=body) as resp:
+                    await resp.read()
+                    if resp.status != 200:
+                        raise StartupFailed(f"warm-up request {i + 1} answered {resp.status}")
+            except aiohttp.ClientError as exc:
+                raise StartupFailed(f"warm-up request {i + 1} failed: {exc}") from exc
+
+    def _note(self, event: str) -> None:
+        log.info("%s", event)
+        self.state.events = [*self.state.events[-19:], event]
+
+    # -- engine metrics ----------------------------------------------------------------------
+
+    async def _get_status(self, path: str) -> int | None:
+        try:
+            async with self._session.get(self.profile.local_engine_url + path,
+                                         timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                await resp.read()
+                return resp.status
+        except (aiohttp.ClientError, TimeoutError):
+            return None
+
+    async def engine_metrics(self) -> str | None:
+        """vLLM's /metrics text, or ``None`` while it cannot be had; feeds the spec window."""
+        if not self.state.engine_up:
+            return None
+        try:
+            async with self._session.get(self.profile.local_engine_url + "/metrics",
+                                         timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                if resp.status != 200:
+                    return None
+                text = await resp.text()
+        except (aiohttp.ClientError, TimeoutError):
+            return None
+        counters = m.spec_counters(list(m.parse_samples(text)))
+        if counters is not None:
+            self._window.add(time.monotonic(), counters)
+        return text
+
+    async def _in_flight(self) -> float | None:
+        text = await self.engine_metrics()
+        return None if text is None else m.in_flight(list(m.parse_samples(text)))
+
+    async def _poll_spec(self) -> None:
+        # The window needs samples even when nobody scrapes the sidecar.
+        while True:
+            await self.engine_metrics()
+            await asyncio.sleep(self.profile.sidecar.spec_poll_s)
+
+    def spec_stats(self) -> SpecStats | None:
+        k = self.profile.engine.num_speculative_tokens
+        if k <= 0:
+            return None
+        return self._window.stats(num_speculative_tokens=k,
+                                  token_cost=self.profile.sidecar.spec_token_cost)
+
+    def sidecar_state(self) -> m.SidecarState:
+        s = self.state
+        return m.SidecarState(ready=s.ready and not s.draining, draining=s.draining,
+                              engine_up=s.engine_up, restarts=s.restarts,
+                              num_speculative_tokens=self.profile.engine.num_speculative_tokens)

@@ -1,0 +1,143 @@
+"""The aiohttp application: routes, the one error middleware, and owned background resources.
+
+Rules:
+- ``build_app`` wires pure-core objects into a ``ShellContext`` reachable only via typed keys.
+- The upstream sessions and the named scraper task are created and destroyed by ``cleanup_ctx``;
+  nothing outlives the application.
+- One middleware turns every exception into a response: ``KvproxyError`` renders itself,
+  aiohttp's own HTTP errors (unknown route, wrong method) become OpenAI-shaped errors, anything else
+  is logged and becomes a 500. ``asyncio.CancelledError`` always propagates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+
+import orjson
+from aiohttp import web
+
+from proxy import handlers
+from proxy.admission import Admission
+from proxy.config import Config
+from proxy.context import Drain, ShellContext
+from proxy.errors import KvproxyError
+from proxy.fleet import Engine, Fleet
+from proxy.keys import REQUEST_ID, SCRAPER_TASK, SHELL
+from proxy.metrics import ProxyMetrics
+from proxy.routing import make_policy
+from proxy.scraper import Scraper
+from proxy.upstream import make_data_session, make_scrape_session
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def build_app(
+    cfg: Config,
+    *,
+    engines_override: Sequence[Engine] | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> web.Application:
+    """The proxy application for ``cfg`` (``engines_override``: a prepared fleet, for tests)."""
+    app = web.Application(
+        middlewares=[error_middleware], client_max_size=cfg.server.max_body_bytes + 1
+    )
+    app[SHELL] = _context(cfg, engines_override, clock)
+    app.cleanup_ctx.append(_upstream_sessions)
+    app.cleanup_ctx.append(_scraper)
+    _routes(app)
+    return app
+
+
+def _context(
+    cfg: Config, engines: Sequence[Engine] | None, clock: Callable[[], float]
+) -> ShellContext:
+    metrics = ProxyMetrics()
+    fleet = Fleet(cfg, engines)
+    return ShellContext(
+        cfg=cfg,
+        fleet=fleet,
+        policies={pool.name: make_policy(cfg.routing) for pool in cfg.pools},
+        admission=Admission(cfg.admission),
+        metrics=metrics,
+        drain=Drain(metrics),
+        clock=clock,
+        started_at=time.time(),
+    )
+
+
+def _routes(app: web.Application) -> None:
+    app.router.add_post("/v1/chat/completions", handlers.chat_completions)
+    app.router.add_post("/v1/completions", handlers.completions)
+    app.router.add_get("/v1/models", handlers.models)
+    app.router.add_get("/health", handlers.health)
+    app.router.add_get("/ready", handlers.ready)
+    app.router.add_get("/metrics", handlers.metrics)
+    app.router.add_get("/admin/engines", handlers.admin_engines)
+
+
+async def _upstream_sessions(app: web.Application) -> AsyncIterator[None]:
+    ctx = app[SHELL]
+    ctx.data_session = make_data_session(ctx.cfg.upstream)
+    ctx.scrape_session = make_scrape_session()
+    try:
+        yield
+    finally:
+        await ctx.data_session.close()
+        await ctx.scrape_session.close()
+
+
+async def _scraper(app: web.Application) -> AsyncIterator[None]:
+    ctx = app[SHELL]
+    assert ctx.scrape_session is not None
+    scraper = Scraper(ctx.fleet, ctx.scrape_session, ctx.cfg.telemetry, ctx.metrics, ctx.clock)
+    task = asyncio.create_task(scraper.run(), name="kvproxy-scraper")
+    app[SCRAPER_TASK] = task
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    request[REQUEST_ID] = handlers.request_id(request)
+    try:
+        response = await handler(request)
+    except KvproxyError as exc:
+        response = render(exc)
+    except web.HTTPException as exc:
+        response = _http_error(request, exc)
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        response = render(KvproxyError("internal error in the proxy"))
+    if not response.prepared:
+        response.headers.setdefault("X-Request-Id", request[REQUEST_ID])
+    return response
+
+
+def render(exc: KvproxyError) -> web.Response:
+    return web.Response(
+        status=exc.status, body=exc.body(), content_type="application/json", headers=exc.headers()
+    )
+
+
+def _http_error(request: web.Request, exc: web.HTTPException) -> web.Response:
+    """aiohttp's own refusals (no such route, wrong method, body too large) in OpenAI shape."""
+    err_type = "invalid_request_error" if exc.status < 500 else "internal_error"
+    message = f"{exc.reason}: {request.method} {request.path}"
+    code = exc.reason.lower().replace(" ", "_")
+    body = {"error": {"message": message, "type": err_type, "param": None, "code": code}}
+    headers = {k: v for k, v in exc.headers.items() if k.lower() == "allow"}
+    return web.Response(
+        status=exc.status, body=orjson.dumps(body), content_type="application/json", headers=headers
+    )

@@ -1,0 +1,144 @@
+"""The engines this proxy knows: per engine its config, telemetry state and circuit breaker.
+
+Rules: this module only assembles pure-core objects and answers questions about them; it performs
+no I/O and reads no clock (``now`` is always passed in). The scraper feeds telemetry into it, the
+request path reads views from it and reports dispatches, settlements and breaker outcomes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from proxy.breaker import Breaker, BreakerState, Outcome
+from proxy.config import Config, EngineConfig
+from proxy.metrics import EngineGaugeRow
+from proxy.routing import EngineView
+from proxy.telemetry import EngineState, Health
+
+
+@dataclass
+class Engine:
+    """One engine as the proxy sees it."""
+
+    cfg: EngineConfig
+    pool: str
+    state: EngineState
+    breaker: Breaker
+    # Requests this proxy saw the engine complete; the scraper uses it to spot frozen metrics.
+    completed: int = 0
+
+    @property
+    def name(self) -> str:
+        return self.cfg.name
+
+    @property
+    def metrics_url(self) -> str:
+        return self.cfg.metrics_url or self.cfg.url + "/metrics"
+
+    def view(self, now: float) -> EngineView:
+        # peek: a view must not take a half-open probe slot; dispatch does that.
+        return self.state.view(now, self.breaker.peek(now))
+
+    def record(self, outcome: Outcome, now: float) -> None:
+        self.breaker.record(outcome, now)
+
+
+class Fleet:
+    def __init__(self, cfg: Config, engines: Sequence[Engine] | None = None) -> None:
+        if engines is None:
+            engines = [_engine(cfg, pool.name, e) for pool in cfg.pools for e in pool.engines]
+        self._engines: dict[str, Engine] = {e.name: e for e in engines}
+        self._pools: dict[str, list[Engine]] = {}
+        for engine in engines:
+            self._pools.setdefault(engine.pool, []).append(engine)
+
+    def __iter__(self) -> Iterator[Engine]:
+        return iter(self._engines.values())
+
+    def __len__(self) -> int:
+        return len(self._engines)
+
+    def get(self, name: str) -> Engine:
+        return self._engines[name]
+
+    def pool(self, name: str) -> Sequence[Engine]:
+        return self._pools.get(name, ())
+
+    def views(self, pool: str, now: float) -> list[EngineView]:
+        return [e.view(now) for e in self.pool(pool)]
+
+    def tick(self, now: float, stale_after_s: float) -> None:
+        for engine in self:
+            engine.state.tick(now, stale_after_s)
+
+    def any_routable(self, now: float) -> bool:
+        return any(e.view(now).routable for e in self)
+
+    def admin_view(self, now: float) -> list[dict[str, Any]]:
+        return [_admin_row(e, now) for e in self]
+
+    def gauge_rows(self, now: float) -> list[EngineGaugeRow]:
+        return [_gauge_row(e, now) for e in self]
+
+
+def _engine(cfg: Config, pool: str, engine: EngineConfig) -> Engine:
+    state = EngineState(
+        engine.name,
+        pool,
+        engine.url,
+        stale_after_s=cfg.telemetry.stale_after_s,
+        unhealthy_after_failures=cfg.telemetry.unhealthy_after_failures,
+    )
+    return Engine(engine, pool, state, Breaker(cfg.breaker))
+
+
+def _admin_row(engine: Engine, now: float) -> dict[str, Any]:
+    state = engine.state
+    snap = state.snapshot
+    view = engine.view(now)
+    return {
+        "name": engine.name,
+        "pool": engine.pool,
+        "url": engine.cfg.url,
+        "health": state.health.name.lower(),
+        "breaker": _breaker_name(engine.breaker.state),
+        "routable": view.routable,
+        "fresh": view.fresh,
+        "load": view.load,
+        "inflight": state.open_requests,
+        "dispatched_since_snapshot": state.dispatched_since_snapshot,
+        "consecutive_scrape_failures": state.consecutive_failures,
+        "last_error": state.last_error,
+        "snapshot_age_s": None if snap is None else round(max(0.0, now - snap.taken_at), 3),
+        "snapshot": None if snap is None else _snapshot_dict(snap),
+    }
+
+
+def _gauge_row(engine: Engine, now: float) -> EngineGaugeRow:
+    state = engine.state
+    snap = state.snapshot
+    return EngineGaugeRow(
+        engine=engine.name,
+        pool=engine.pool,
+        kv_usage=None if snap is None else snap.kv_usage,
+        running=None if snap is None else snap.running,
+        waiting=None if snap is None else snap.waiting,
+        snapshot_age_s=None if snap is None else state.snapshot_age(now),
+        inflight=state.open_requests,
+        breaker=_breaker_name(engine.breaker.state),
+        health=state.health.name.lower(),
+    )
+
+
+def _snapshot_dict(snap: object) -> dict[str, Any]:
+    fields = getattr(snap, "__dataclass_fields__", {})
+    return {name: getattr(snap, name) for name in fields if name != "taken_at"}
+
+
+def _breaker_name(state: BreakerState) -> str:
+    return state.name.lower()
+
+
+HEALTH_STATES: tuple[str, ...] = tuple(h.name.lower() for h in Health)

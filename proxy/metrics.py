@@ -1,0 +1,146 @@
+"""The proxy's own Prometheus metrics.
+
+Rules: every series is named ``kvproxy_*`` (never ``vllm:*``, never ``kvproxy_sidecar_*``) and lives
+in this process's own ``CollectorRegistry``, so several proxies in one test process never collide.
+Per-engine gauges are refreshed from the engine states right before each exposition, so snapshot
+ages are true at the moment Prometheus reads them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+__all__ = ["CONTENT_TYPE", "EngineGaugeRow", "ProxyMetrics"]
+
+_LATENCY_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+)  # fmt: skip
+_SCRAPE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+BREAKER_VALUES = {"closed": 0.0, "half_open": 1.0, "open": 2.0}
+
+
+@dataclass(frozen=True)
+class EngineGaugeRow:
+    """One engine's figures at exposition time (None: no snapshot yet)."""
+
+    engine: str
+    pool: str
+    kv_usage: float | None
+    running: float | None
+    waiting: float | None
+    snapshot_age_s: float | None
+    inflight: int
+    breaker: str
+    health: str
+
+
+class ProxyMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "kvproxy_requests", "Requests answered, by pool, engine, priority class and status",
+            ["pool", "engine", "class", "status"], registry=r,
+        )  # fmt: skip
+        self.ttft = Histogram(
+            "kvproxy_time_to_first_byte_seconds",
+            "Time from request arrival to the first response byte relayed to the client",
+            ["pool"], buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.duration = Histogram(
+            "kvproxy_request_duration_seconds", "Total time a proxied request took",
+            ["pool", "status"], buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.sheds = Counter(
+            "kvproxy_shed", "Requests refused with 503 before any response byte, by reason",
+            ["pool", "class", "reason"], registry=r,
+        )  # fmt: skip
+        self.degraded = Counter(
+            "kvproxy_degraded", "Requests served by another pool than asked for (tiering)",
+            ["from_pool", "to_pool"], registry=r,
+        )  # fmt: skip
+        self.stale_fail_open = Counter(
+            "kvproxy_stale_fail_open", "Requests admitted while every engine's telemetry was stale",
+            ["pool"], registry=r,
+        )  # fmt: skip
+        self.retries = Counter(
+            "kvproxy_retries", "Requests retried on another engine before the first byte",
+            ["pool", "reason"], registry=r,
+        )  # fmt: skip
+        self.upstream_errors = Counter(
+            "kvproxy_upstream_errors", "Failed engine exchanges, by kind",
+            ["engine", "kind"], registry=r,
+        )  # fmt: skip
+        self.client_disconnects = Counter(
+            "kvproxy_client_disconnects", "Requests whose client went away before the end",
+            ["pool"], registry=r,
+        )  # fmt: skip
+        self.scrape_duration = Histogram(
+            "kvproxy_scrape_duration_seconds", "Time one engine metrics scrape took",
+            ["engine"], buckets=_SCRAPE_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.scrape_failures = Counter(
+            "kvproxy_scrape_failures", "Engine metrics scrapes that failed, by reason",
+            ["engine", "reason"], registry=r,
+        )  # fmt: skip
+        self.inflight_total = Gauge(
+            "kvproxy_inflight_requests", "Proxied requests currently open", registry=r
+        )
+        self.draining = Gauge(
+            "kvproxy_draining", "1 while the proxy drains for shutdown", registry=r
+        )
+        self._engine_gauges(r)
+
+    def _engine_gauges(self, r: CollectorRegistry) -> None:
+        labels = ["engine", "pool"]
+        self.kv_usage = Gauge(
+            "kvproxy_engine_kv_usage", "Last scraped KV-cache usage (0-1)", labels, registry=r
+        )
+        self.running = Gauge(
+            "kvproxy_engine_running", "Last scraped running requests", labels, registry=r
+        )
+        self.waiting = Gauge(
+            "kvproxy_engine_waiting", "Last scraped waiting (queued) requests", labels, registry=r
+        )
+        self.snapshot_age = Gauge(
+            "kvproxy_engine_snapshot_age_seconds", "Age of the last good snapshot", labels,
+            registry=r,
+        )  # fmt: skip
+        self.engine_inflight = Gauge(
+            "kvproxy_engine_inflight", "Requests open at this engine through this proxy", labels,
+            registry=r,
+        )  # fmt: skip
+        self.breaker = Gauge(
+            "kvproxy_breaker_state", "Circuit breaker: 0 closed, 1 half-open, 2 open", labels,
+            registry=r,
+        )  # fmt: skip
+        self.health = Gauge(
+            "kvproxy_engine_health", "1 for the engine's current health state", [*labels, "state"],
+            registry=r,
+        )  # fmt: skip
+
+    def refresh_engines(self, rows: Iterable[EngineGaugeRow], health_states: Iterable[str]) -> None:
+        states = tuple(health_states)
+        for row in rows:
+            key = (row.engine, row.pool)
+            _set_optional(self.kv_usage, key, row.kv_usage)
+            _set_optional(self.running, key, row.running)
+            _set_optional(self.waiting, key, row.waiting)
+            _set_optional(self.snapshot_age, key, row.snapshot_age_s)
+            self.engine_inflight.labels(*key).set(row.inflight)
+            self.breaker.labels(*key).set(BREAKER_VALUES.get(row.breaker, -1.0))
+            for state in states:
+                self.health.labels(*key, state).set(1.0 if state == row.health else 0.0)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def _set_optional(gauge: Gauge, key: tuple[str, str], value: float | None) -> None:
+    # NaN says "never scraped" without inventing a zero that would read as idle.
+    gauge.labels(*key).set(float("nan") if value is None else value)

@@ -1,0 +1,247 @@
+"""State that proxy replicas share through Redis: breaker openings and the engine registry.
+
+Rules:
+- Breakers: when a replica's breaker for an engine opens, it writes a short-lived key (TTL = the
+  breaker's ``open_s``) naming that opening. Every replica polls the keys of its engines every
+  ``poll_s`` (default 0.25 s, so others follow within a second) and opens its own breaker for each
+  opening it has not seen yet, by reporting failures to it through its ordinary ``record`` API. An
+  opening applied from Redis is never published again, so replicas do not echo each other. Each
+  replica still probes a half-open engine itself.
+- Registry: a sidecar writes its engine's record to ``<prefix>engine:<name>`` with a TTL and adds
+  the name to the set ``<prefix>engines``; it renews the record every third of the TTL. A record
+  whose key expired is an engine that stopped heartbeating; readers drop its name from the set.
+- Without Redis none of this runs; static config keeps working. Redis trouble skips a round, never
+  changes a breaker, and never reaches a client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+from typing import Protocol
+
+import orjson
+
+from proxy.breaker import Breaker, BreakerState, Outcome
+from proxy.redis_link import RedisClient, RedisLink, RedisUnavailable
+
+log = logging.getLogger("kvproxy.shared")
+
+
+class HasBreaker(Protocol):
+    @property
+    def name(self) -> str: ...
+
+    breaker: Breaker
+
+
+def trip(breaker: Breaker, now: float) -> None:
+    """Open ``breaker`` as if it had seen enough failures itself (no-op when already open)."""
+    breaker.peek(now)
+    if breaker.state is BreakerState.HALF_OPEN:
+        breaker.record(Outcome.FAILURE, now)
+    while breaker.state is BreakerState.CLOSED:
+        breaker.record(Outcome.FAILURE, now)
+
+
+class SharedBreakers:
+    """Publishes this replica's breaker openings and applies the other replicas' ones."""
+
+    def __init__(
+        self,
+        link: RedisLink,
+        engines: Callable[[], Iterable[HasBreaker]],
+        *,
+        open_s: float,
+        clock: Callable[[], float],
+        poll_s: float = 0.25,
+    ) -> None:
+        self._link = link
+        self._engines = engines
+        self._open_ms = max(1, int(open_s * 1000))
+        self._clock = clock
+        self.poll_s = poll_s
+        self.replica = uuid.uuid4().hex[:12]
+        self._seq = 0
+        self._seen_open: dict[str, float] = {}  # engine -> opened_at already handled
+        self._applied: set[bytes] = set()  # remote opening tokens already applied
+        self.published = 0
+        self.applied = 0
+
+    def _key(self, engine: str) -> str:
+        return self._link.key("breaker", engine)
+
+    async def sync(self) -> None:
+        """One round: publish new local openings, then apply remote ones."""
+        engines = list(self._engines())
+        try:
+            await self._publish(engines)
+            await self._apply(engines)
+        except RedisUnavailable:
+            return
+
+    async def _publish(self, engines: list[HasBreaker]) -> None:
+        now = self._clock()
+        for engine in engines:
+            breaker = engine.breaker
+            breaker.peek(now)
+            if breaker.state is not BreakerState.OPEN:
+                continue
+            if self._seen_open.get(engine.name) == breaker.opened_at:
+                continue
+            self._seen_open[engine.name] = breaker.opened_at
+            self._seq += 1
+            token = f"{self.replica}:{self._seq}".encode()
+            self._applied.add(token)
+            await self._set(self._key(engine.name), token)
+            self.published += 1
+
+    async def _set(self, key: str, token: bytes) -> None:
+        px = self._open_ms
+        await self._link.run("breaker_publish", lambda r: r.set(key, token, px=px))
+
+    async def _apply(self, engines: list[HasBreaker]) -> None:
+        if not engines:
+            return
+        keys = [self._key(e.name) for e in engines]
+        values = await self._link.run("breaker_poll", lambda r: r.mget(keys))
+        now = self._clock()
+        for engine, token in zip(engines, values, strict=True):
+            if not isinstance(token, bytes) or token in self._applied:
+                continue
+            self._applied.add(token)
+            trip(engine.breaker, now)
+            self._seen_open[engine.name] = engine.breaker.opened_at
+            self.applied += 1
+            log.info("breaker for engine %s opened by another replica", engine.name)
+        if len(self._applied) > 10_000:
+            self._applied = {v for v in values if isinstance(v, bytes)}
+
+    async def run(self) -> None:
+        """The polling loop; run it as one named task owned by the app."""
+        while True:
+            await self.sync()
+            await asyncio.sleep(self.poll_s)
+
+
+# --- engine registry ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EngineRecord:
+    """What a sidecar advertises: enough for a proxy to route to and scrape the engine."""
+
+    name: str
+    pool: str
+    model: str
+    url: str
+    metrics_url: str | None = None
+
+    def encode(self) -> bytes:
+        return orjson.dumps(asdict(self))
+
+    @classmethod
+    def decode(cls, raw: bytes) -> EngineRecord | None:
+        try:
+            doc = orjson.loads(raw)
+            record = cls(**doc)
+        except (orjson.JSONDecodeError, TypeError):
+            return None
+        fields = (record.name, record.pool, record.model, record.url)
+        return record if all(isinstance(f, str) and f for f in fields) else None
+
+
+async def register_engine(link: RedisLink, record: EngineRecord, ttl_s: float) -> None:
+    key, names, raw = link.key("engine", record.name), link.key("engines"), record.encode()
+    px = max(1, int(ttl_s * 1000))
+
+    async def write(r: RedisClient) -> None:
+        async with r.pipeline(transaction=True) as pipe:
+            pipe.set(key, raw, px=px)
+            pipe.sadd(names, record.name)
+            await pipe.execute()
+
+    await link.run("registry_write", write)
+
+
+async def deregister_engine(link: RedisLink, name: str) -> None:
+    key, names = link.key("engine", name), link.key("engines")
+
+    async def delete(r: RedisClient) -> None:
+        async with r.pipeline(transaction=True) as pipe:
+            pipe.delete(key)
+            pipe.srem(names, name)
+            await pipe.execute()
+
+    await link.run("registry_delete", delete)
+
+
+async def heartbeat_engine(
+    link: RedisLink, record: EngineRecord, *, ttl_s: float, stop: asyncio.Event
+) -> None:
+    """The sidecar's side: keep ``record`` registered until ``stop`` is set, then remove it."""
+    try:
+        while not stop.is_set():
+            try:
+                await register_engine(link, record, ttl_s)
+            except RedisUnavailable:
+                log.warning("engine registry heartbeat for %s failed; retrying", record.name)
+            try:
+                async with asyncio.timeout(ttl_s / 3):
+                    await stop.wait()
+            except TimeoutError:
+                pass
+    finally:
+        # On failure the TTL removes the record soon enough.
+        with contextlib.suppress(RedisUnavailable):
+            await asyncio.shield(deregister_engine(link, record.name))
+
+
+async def list_engines(link: RedisLink) -> list[EngineRecord]:
+    """The engines registered now, sorted by name; expired names are dropped from the set."""
+    names_key = link.key("engines")
+    raw_names = await link.run("registry_names", lambda r: r.smembers(names_key))
+    names = sorted(n.decode() if isinstance(n, bytes) else str(n) for n in raw_names)
+    if not names:
+        return []
+    keys = [link.key("engine", n) for n in names]
+    values = await link.run("registry_read", lambda r: r.mget(keys))
+    gone = [n for n, v in zip(names, values, strict=True) if v is None]
+    if gone:
+        await link.run("registry_prune", lambda r: r.srem(names_key, *gone))
+    records = (EngineRecord.decode(v) for v in values if isinstance(v, bytes))
+    return [r for r in records if r is not None]
+
+
+class RegistryWatcher:
+    """Polls the registry and calls ``on_change`` with the full list whenever it changes."""
+
+    def __init__(
+        self,
+        link: RedisLink,
+        on_change: Callable[[list[EngineRecord]], None],
+        *,
+        poll_s: float = 1.0,
+    ) -> None:
+        self._link = link
+        self._on_change = on_change
+        self.poll_s = poll_s
+        self.current: list[EngineRecord] | None = None
+
+    async def poll(self) -> None:
+        try:
+            records = await list_engines(self._link)
+        except RedisUnavailable:
+            return  # keep the engines we know; a Redis outage is not an engine outage
+        if records != self.current:
+            self.current = records
+            self._on_change(records)
+
+    async def run(self) -> None:
+        while True:
+            await self.poll()
+            await asyncio.sleep(self.poll_s)

@@ -1,0 +1,200 @@
+"""API keys to tenants, from config and optionally from Redis.
+
+Rules:
+- A key is never kept, compared or logged in clear: it is hashed (SHA-256) on arrival, and the
+  digest is compared with every configured digest in constant time (``hmac.compare_digest``, no
+  early exit), so response timing says nothing about which key is close to which.
+- Config may list keys in clear (``keys``, hashed at start-up, never printed) or as SHA-256 hex
+  digests (``key_sha256``, preferred). Redis may add keys: hash ``<prefix>apikeys`` maps a digest to
+  a tenant name; answers are remembered for ``redis_cache_s`` (unknown keys for a few seconds).
+- ``required = false`` (the demo): a request without a known key is tenant ``default_tenant``; a
+  known key still names its tenant. ``required = true``: no known key is 401.
+- Redis trouble never turns a key that worked into a 401: a remembered tenant stays valid while
+  Redis is down, and a key that cannot be checked at all is a 503 (retry), not "invalid key".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import re
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter
+
+from proxy.errors import ConfigError, NoCapacity, Unauthorized
+from proxy.redis_link import RedisLink, RedisUnavailable
+
+log = logging.getLogger("kvproxy.tenants")
+TENANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_NEGATIVE_CACHE_S = 5.0
+_REMEMBERED_MAX = 10_000
+
+
+def key_digest(key: str) -> str:
+    """SHA-256 hex digest of an API key: the only form in which keys are kept."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def bearer_token(authorization: str | None) -> str | None:
+    if not authorization:
+        return None
+    scheme, _, token = authorization.strip().partition(" ")
+    token = token.strip()
+    return token if scheme.lower() == "bearer" and token else None
+
+
+@dataclass(frozen=True)
+class TenantConfig:
+    name: str
+    keys: tuple[str, ...] = field(default=(), repr=False)
+    key_sha256: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not TENANT_NAME.match(self.name):
+            raise ConfigError("name", "must be 1-64 of A-Z a-z 0-9 _ . - (starting alphanumeric)")
+        for i, digest in enumerate(self.key_sha256):
+            if not _HEX64.match(digest):
+                raise ConfigError(f"key_sha256[{i}]", "must be 64 lowercase hex digits (SHA-256)")
+        for i, key in enumerate(self.keys):
+            if len(key) < 8:
+                raise ConfigError(f"keys[{i}]", "must be at least 8 characters")
+
+    def digests(self) -> tuple[str, ...]:
+        return self.key_sha256 + tuple(key_digest(k) for k in self.keys)
+
+
+@dataclass(frozen=True)
+class AuthConfig:
+    """``[auth]`` and ``[[auth.tenants]]``."""
+
+    required: bool = False
+    default_tenant: str = "default"
+    tenants: tuple[TenantConfig, ...] = ()
+    redis_keys: bool = False
+    redis_cache_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not TENANT_NAME.match(self.default_tenant):
+            raise ConfigError("default_tenant", "must be a valid tenant name")
+        if self.redis_cache_s < 0:
+            raise ConfigError("redis_cache_s", "must be >= 0")
+        owner: dict[str, str] = {}
+        for i, tenant in enumerate(self.tenants):
+            for digest in tenant.digests():
+                if owner.setdefault(digest, tenant.name) != tenant.name:
+                    raise ConfigError(f"tenants[{i}]", "a key is listed for two tenants")
+        if self.required and not self.tenants and not self.redis_keys:
+            raise ConfigError("required", "needs [[auth.tenants]] or redis_keys = true")
+
+    @classmethod
+    def from_mapping(cls, raw: Mapping[str, object], field_prefix: str) -> AuthConfig:
+        from proxy.configload import build  # noqa: PLC0415
+
+        return build(cls, dict(raw), field_prefix)
+
+
+class TenantDirectory:
+    """Resolves the ``Authorization`` header of a request to a tenant name."""
+
+    def __init__(
+        self,
+        cfg: AuthConfig,
+        link: RedisLink | None = None,
+        *,
+        registry: CollectorRegistry | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.cfg = cfg
+        self._static = tuple((bytes.fromhex(d), t.name) for t in cfg.tenants for d in t.digests())
+        self._link = link if cfg.redis_keys else None
+        self._remembered: OrderedDict[str, tuple[str | None, float]] = OrderedDict()
+        self._clock = clock
+        self.failures = Counter(
+            "kvproxy_auth_failures", "Requests refused for their API key, by reason",
+            ["reason"], registry=registry or CollectorRegistry(),
+        )  # fmt: skip
+
+    async def identify(self, authorization: str | None) -> str:
+        """The tenant for this header; Unauthorized or NoCapacity when there is none."""
+        token = bearer_token(authorization)
+        tenant = None if token is None else await self._resolve(key_digest(token))
+        if tenant is not None:
+            return tenant
+        if not self.cfg.required:
+            return self.cfg.default_tenant
+        reason = "missing" if token is None else "invalid"
+        self.failures.labels(reason).inc()
+        raise Unauthorized(
+            "missing API key (Authorization: Bearer ...)" if token is None else "invalid API key"
+        )
+
+    def static_tenant(self, digest: str) -> str | None:
+        presented = bytes.fromhex(digest)
+        found: str | None = None
+        for known, name in self._static:
+            # Every digest is compared, match or not: the loop's time does not depend on the key.
+            if hmac.compare_digest(presented, known):
+                found = name
+        return found
+
+    async def _resolve(self, digest: str) -> str | None:
+        tenant = self.static_tenant(digest)
+        if tenant is not None or self._link is None:
+            return tenant
+        remembered = self._remembered.get(digest)
+        now = self._clock()
+        if remembered is not None and now - remembered[1] < self._ttl(remembered[0]):
+            return remembered[0]
+        try:
+            tenant = await self._fetch(self._link, digest)
+        except RedisUnavailable:
+            if remembered is not None and remembered[0] is not None:
+                return remembered[0]
+            if not self.cfg.required:
+                return None
+            self.failures.labels("unavailable").inc()
+            raise NoCapacity(
+                "API key cannot be checked right now", reason="auth_unavailable"
+            ) from None
+        self._remember(digest, tenant, now)
+        return tenant
+
+    def _ttl(self, tenant: str | None) -> float:
+        return (
+            self.cfg.redis_cache_s
+            if tenant is not None
+            else min(_NEGATIVE_CACHE_S, self.cfg.redis_cache_s)
+        )
+
+    async def _fetch(self, link: RedisLink, digest: str) -> str | None:
+        raw = await link.run("apikey_get", lambda r: r.hget(link.key("apikeys"), digest))
+        if raw is None:
+            return None
+        name = raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw)
+        if not TENANT_NAME.match(name):
+            log.warning("ignoring an API key in redis with an invalid tenant name %r", name[:80])
+            return None
+        return name
+
+    def _remember(self, digest: str, tenant: str | None, now: float) -> None:
+        self._remembered[digest] = (tenant, now)
+        self._remembered.move_to_end(digest)
+        while len(self._remembered) > _REMEMBERED_MAX:
+            self._remembered.popitem(last=False)
+
+
+async def register_key(link: RedisLink, key: str, tenant: str) -> None:
+    """Add an API key for ``tenant`` to Redis (stored as its digest only)."""
+    if not TENANT_NAME.match(tenant):
+        raise ValueError(f"invalid tenant name {tenant!r}")
+    await link.run("apikey_set", lambda r: r.hset(link.key("apikeys"), key_digest(key), tenant))
+
+
+async def revoke_key(link: RedisLink, key: str) -> None:
+    await link.run("apikey_del", lambda r: r.hdel(link.key("apikeys"), key_digest(key)))

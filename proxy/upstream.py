@@ -1,0 +1,113 @@
+"""Talking to engines: the pooled client sessions, header hygiene, and failure classification.
+
+Rules:
+- One data-path ``ClientSession`` (keep-alive pool, a connection limit per engine) and one small
+  separate session for scrapes, so that a saturated data path never starves telemetry.
+- Nothing hop-by-hop, no ``X-Forwarded-*``, no client ``Authorization`` and no ``Host`` ever reaches
+  an engine; nothing hop-by-hop comes back to the client.
+- Bodies travel as the engine sent them: no automatic decompression, and we never ask for
+  compression, so SSE bytes can be passed through without re-encoding.
+- Library exceptions are translated here, once, into ``UpstreamError`` / ``UpstreamTimeout``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import aiohttp
+
+from proxy.config import UpstreamConfig
+from proxy.errors import UpstreamError, UpstreamTimeout
+
+# RFC 9110 §7.6.1 plus the legacy names that proxies still see in the wild.
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
+# Never forwarded to an engine, on top of the hop-by-hop set.
+_REQUEST_DROP = frozenset(
+    {"host", "authorization", "content-length", "accept-encoding", "forwarded", "cookie"}
+)
+# Never copied back to the client: the proxy's own server writes these.
+_RESPONSE_DROP = frozenset({"content-length", "content-encoding", "server", "date"})
+
+SCRAPE_CONNECTIONS_PER_ENGINE = 2
+
+
+def make_data_session(cfg: UpstreamConfig) -> aiohttp.ClientSession:
+    """The keep-alive session every proxied request goes through."""
+    connector = aiohttp.TCPConnector(
+        limit=0,
+        limit_per_host=cfg.max_connections_per_engine,
+        keepalive_timeout=30.0,
+        enable_cleanup_closed=False,
+    )
+    return _session(connector)
+
+
+def make_scrape_session() -> aiohttp.ClientSession:
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=SCRAPE_CONNECTIONS_PER_ENGINE)
+    return _session(connector)
+
+
+def _session(connector: aiohttp.TCPConnector) -> aiohttp.ClientSession:
+    # Timeouts are applied per phase by the caller, so the session-wide one is disabled.
+    return aiohttp.ClientSession(
+        connector=connector,
+        timeout=aiohttp.ClientTimeout(total=None),
+        auto_decompress=False,
+        skip_auto_headers=("Accept-Encoding", "User-Agent"),
+    )
+
+
+def request_headers(client: Mapping[str, str], request_id: str) -> dict[str, str]:
+    """Headers for the engine: the client's, cleaned, plus the request id and content type."""
+    out = _filtered(client.items(), _REQUEST_DROP, _connection_tokens(client))
+    out = {k: v for k, v in out.items() if not k.lower().startswith("x-forwarded-")}
+    out["Content-Type"] = "application/json"
+    out["X-Request-Id"] = request_id
+    return out
+
+
+def response_headers(upstream: Mapping[str, str]) -> dict[str, str]:
+    """Headers for the client: the engine's, minus hop-by-hop and what our server writes."""
+    return _filtered(upstream.items(), _RESPONSE_DROP, _connection_tokens(upstream))
+
+
+def _filtered(
+    items: Iterable[tuple[str, str]], drop: frozenset[str], extra: frozenset[str]
+) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for name, value in items:
+        low = name.lower()
+        if low in HOP_BY_HOP or low in drop or low in extra:
+            continue
+        out[name] = value
+    return out
+
+
+def _connection_tokens(headers: Mapping[str, str]) -> frozenset[str]:
+    # Headers named in Connection are hop-by-hop for this hop only (RFC 9110 §7.6.1).
+    value = headers.get("Connection") or headers.get("connection") or ""
+    return frozenset(t.strip().lower() for t in value.split(",") if t.strip())
+
+
+def retryable_status(status: int) -> bool:
+    return status == 429 or status >= 500
+
+
+def translate(exc: BaseException, engine: str, phase: str) -> UpstreamError:
+    """The one place aiohttp / timeout exceptions become kvproxy errors."""
+    if isinstance(exc, TimeoutError):
+        return UpstreamTimeout(f"engine {engine} timed out ({phase})")
+    detail = str(exc) or type(exc).__name__
+    return UpstreamError(f"engine {engine} failed ({phase}): {detail}")

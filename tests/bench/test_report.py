@@ -1,0 +1,131 @@
+"""The report writer: tables, computed verdicts, failures named, docs page regenerated."""
+
+import importlib.util
+import math
+
+from bench import report
+from bench.machine import write_json
+from bench.targets import best_peer_p90, routing_targets
+
+MACHINE = {"nproc": 2, "cpu_model": "Test CPU", "kernel": "6", "python": "3.11",
+           "memory_gib": 24.0, "load_avg_at_start": [0.5, 0.4, 0.3]}
+
+
+def _summary(p90, **kw):
+    s = {"requests": 100.0, "completed": 98.0, "shed": 1.0, "rate_limited": 0.0, "failed": 1.0,
+         "ttft_p50": p90 / 2, "ttft_p90": p90, "ttft_p99": p90 * 2, "itl_p50": 0.02,
+         "itl_p99": 0.1, "e2e_p50": 3.0, "e2e_p99": 9.0, "output_tokens": 5000.0,
+         "throughput_tok_s": 321.5, "throughput_req_s": 1.2, "ttft_p90_ci": [p90 * 0.9, p90 * 1.1]}
+    s.update(kw)
+    return s
+
+
+def _run(name, p90, hit, status="ok"):
+    if status != "ok":
+        return {"router": name, "status": status, "error": "boom: could not bind"}
+    return {"router": name, "version": "1.0", "status": "ok", "summary": _summary(p90),
+            "hit_rate": hit, "share_max_over_mean": 1.3, "preemptions": 4.0,
+            "errors": ["1x 503: overloaded"], "router_cpu_s": 12.0, "duration_s": 60.0,
+            "engine_requests": {"u0": 10.0, "u1": 12.0},
+            "engine_load": {"queued_fraction": 0.25, "mean_waiting": 1.5, "mean_kv_usage": 0.5}}
+
+
+ROUTING = {
+    "benchmark": "routing", "command": "python -m bench.routing --quick",
+    "started_at": "2026-01-01 00:00:00 UTC", "finished_at": "2026-01-01 00:10:00 UTC",
+    "machine": MACHINE, "versions": {"kvproxy": "0.1.0"},
+    "settings": {"trace": "mooncake_conversation.jsonl", "slice_start_s": 0.0,
+                 "slice_duration_s": 600.0, "rate_scale": 3.5, "time_scale": 3.0,
+                 "compression": 10.5,
+                 "caps": {"max_input_tokens": 16384, "max_output_tokens": 256,
+                          "min_output_tokens": 1, "output_scale": 0.25},
+                 "fleet": {"engines": 8, "profile": "llama70b-h100x4", "model": "m",
+                           "time_scale": 10.0, "num_gpu_blocks": None, "max_model_len": 16704,
+                           "max_num_seqs": None, "max_num_batched_tokens": None},
+                 "engine_cores": "1", "router_cores": "0", "loadgen_cores": "unpinned",
+                 "request_timeout_s": 180.0, "api": "chat", "quick": True},
+    "trace": {"requests": 1750, "span_s": 599.0, "rate_per_s": 2.9, "mean_input_tokens": 10000.0,
+              "max_input_tokens": 16384, "mean_output_tokens": 80.0, "max_output_tokens": 256,
+              "ideal_hit_rate": 0.3, "round_robin_infinite_hit_rate": 0.09},
+    "runs": [
+        _run("kvproxy/round_robin", 4.0, 0.08),
+        _run("kvproxy/prefix_affinity", 1.5, 0.28),
+        _run("vllm-router/cache_aware", 2.0, 0.25),
+        _run("vllm-router/round_robin", 4.5, 0.08),
+        _run("litellm/least-busy", 0.0, 0.0, status="error"),
+    ],
+}
+
+OVERHEAD = {
+    "benchmark": "overhead", "command": "python -m bench.overhead --quick",
+    "started_at": "2026-01-01 00:00:00 UTC", "machine": MACHINE, "versions": {"kvproxy": "0.1.0"},
+    "settings": {"fleet": {"engines": 8, "profile": "p", "time_scale": 1.0},
+                 "concurrency": [1, 64], "slice_s": 2.0, "rounds": 2, "prompt_tokens": 256,
+                 "output_tokens": 64, "engine_cores": "1", "router_cores": "0",
+                 "loadgen_cores": "unpinned"},
+    "unavailable": {"sglang-router/round_robin": "not installed"},
+    "levels": {
+        str(c): {
+            "direct": {"summary": _summary(0.02, ttft_p50=0.010), "cpu_ms_per_request": None,
+                       "round_ttft_p50_ratios": None},
+            "kvproxy/prefix_affinity": {"summary": _summary(0.02, ttft_p50=0.0104),
+                                        "cpu_ms_per_request": 1.5,
+                                        "round_ttft_p50_ratios": [1.02, 1.06]},
+        }
+        for c in (1, 64)
+    },
+    "relay": {"paced": {"events": 100000, "duration_s": 8.0, "events_per_s": 12500.0,
+                        "proxy_cpu_s": 6.0, "proxy_cpu_util": 0.75, "events_per_cpu_s": 16666.7,
+                        "streams": 64, "interval_ms": 1.0, "events_per_request": 2000},
+              "burst": {"error": "firehose exited"}},
+}
+
+
+def test_targets_are_computed_from_the_runs():
+    text = routing_targets(ROUTING["runs"], 0.3)
+    assert "0.375" in text  # 1.5 / 4.0
+    assert text.count("**met**") == 3  # p90 ratio, hit 0.28 >= 0.27, beats vllm-router's best
+    assert best_peer_p90(ROUTING["runs"]) == {"vllm-router": ("vllm-router/cache_aware", 2.0)}
+
+
+def test_missing_runs_are_not_measured_never_met():
+    text = routing_targets([], float("nan"))
+    assert "**met**" not in text and "not measured" in text
+
+
+def test_report_writes_markdown_pngs_and_the_docs_page(tmp_path):
+    results = tmp_path / "results"
+    write_json(results / "routing.json", ROUTING)
+    write_json(results / "overhead.json", OVERHEAD)
+    docs = tmp_path / "docs" / "benchmarks.md"
+    assert report.main(["--results", str(results), "--docs", str(docs)]) == 0
+    routing = (results / "routing.md").read_text()
+    assert "| kvproxy/prefix_affinity | 1.0 | 0.75 | 1.50 | 1.35-1.65 | 3.00 |" in routing
+    assert "| 0.25 | 1.5 | 0.50 | 0.20 |" in routing
+    assert "- kvproxy/prefix_affinity: 10 12" in routing
+    assert "litellm/least-busy** (error): `boom: could not bind`" in routing
+    assert "python -m bench.routing --quick" in routing and "Test CPU" in routing
+    overhead = (results / "overhead.md").read_text()
+    assert "1.040" in overhead  # TTFT p50 ratio 0.0104 / 0.010
+    assert "1.020-1.060" in overhead
+    assert "16667 events per proxy CPU-second" in overhead
+    assert "burst: failed: `firehose exited`" in overhead
+    assert "sglang-router/round_robin" in overhead
+    page = docs.read_text()
+    assert "### Routing benchmark" in page and "### Overhead benchmark" in page
+    if importlib.util.find_spec("matplotlib") is None:
+        return
+    assert (results / "routing.png").stat().st_size > 10000
+    assert (results / "overhead.png").stat().st_size > 10000
+    assert "](../results/routing.png)" in page
+
+
+def test_report_without_results_says_how_to_get_them(tmp_path):
+    docs = tmp_path / "benchmarks.md"
+    report.main(["--results", str(tmp_path / "none"), "--docs", str(docs)])
+    assert "run `python -m bench.routing`" in docs.read_text()
+
+
+def test_fmt_renders_missing_values_as_a_dash():
+    assert report.fmt(None) == "n/a" and report.fmt(math.nan) == "n/a"
+    assert report.fmt(1.23456) == "1.235"

@@ -1,0 +1,187 @@
+"""Engine behaviour the proxy relies on: priority scheduling, prefix-cache counters, speculative
+decoding counters, and that closing the client connection aborts the request."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+
+from contract.client import Backend, Engine, metric, post_json, scrape, value, wait_until
+
+# Where the simulator does not (yet) behave like vLLM 0.32; the [vllm] variants are the reference.
+SIM_DIVERGES = {
+    "test_priority_on_fcfs_engine_is_accepted":
+        "sim answers 400 to a non-zero priority without priority scheduling; vLLM 0.32 accepts it",
+    "test_spec_decode_counters_draft_model":
+        "sim drafts fewer than num_speculative_tokens near max_tokens; vLLM always drafts k",
+}
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
+GENERATED = "vllm:generation_tokens_total"
+LONG = 2000
+
+
+@contextlib.asynccontextmanager
+async def open_stream(session: aiohttp.ClientSession, engine: Engine,
+                      body: dict[str, Any]) -> AsyncIterator[aiohttp.ClientResponse]:
+    """A streamed completion left open; leaving the block closes the connection (abort)."""
+    resp = await session.post(engine.url + "/v1/completions", json={**body, "stream": True})
+    try:
+        assert resp.status == 200, await resp.text()
+        yield resp
+    finally:
+        resp.close()
+
+
+async def first_content(resp: aiohttp.ClientResponse) -> float:
+    """Wait for the first generated text; returns the loop time it arrived."""
+    async for line in resp.content:
+        if line.startswith(b"data: {") and b'"text":"' in line and b'"text":""' not in line:
+            return asyncio.get_running_loop().time()
+    raise AssertionError("stream ended without content")
+
+
+def long_body(backend: Backend, prompt: str, **extra: object) -> dict[str, Any]:
+    # ignore_eos: keep generating until aborted, whatever the random weights say; nearly the
+    # whole context, so a request outlives the few steps a test needs by a wide margin.
+    return {"model": backend.model, "prompt": prompt, "max_tokens": LONG, "ignore_eos": True,
+            "temperature": 0, **extra}
+
+
+async def test_priority_orders_the_waiting_queue(backend: Backend) -> None:
+    """Engine a has two slots. With both busy, a low-priority request queued first and a
+    high-priority one queued second: when a slot frees, the high-priority one starts."""
+    a = backend.a
+    async with aiohttp.ClientSession() as s, contextlib.AsyncExitStack() as stack:
+        blockers = [await stack.enter_async_context(
+            open_stream(s, a, long_body(backend, f"blocker {i}"))) for i in range(2)]
+        for b in blockers:
+            await first_content(b)
+        low = await stack.enter_async_context(
+            open_stream(s, a, long_body(backend, "low", priority=10)))
+        await wait_until(lambda: _at_least(a, WAITING, 1), what="low queued")
+        high = await stack.enter_async_context(
+            open_stream(s, a, long_body(backend, "high", priority=-10)))
+        await wait_until(lambda: _at_least(a, WAITING, 2), what="both queued")
+        high_task = asyncio.create_task(first_content(high))
+        low_task = asyncio.create_task(first_content(low))
+        blockers[0].close()  # frees exactly one slot
+        done, _ = await asyncio.wait({high_task, low_task}, timeout=60,
+                                     return_when=asyncio.FIRST_COMPLETED)
+        assert high_task in done, "the high-priority request should start first"
+        assert not low_task.done(), "the low-priority request should still wait"
+        low_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await low_task
+    await wait_until(lambda: _at_most(a, RUNNING, 0), what="engine a idle again")
+
+
+async def test_priority_on_fcfs_engine_is_accepted(backend: Backend) -> None:
+    """vLLM 0.32 accepts (and ignores) ``priority`` without priority scheduling."""
+    body = {"model": backend.model, "prompt": "hello", "max_tokens": 2, "priority": 5}
+    status, reply = await post_json(backend.b.url + "/v1/completions", body)
+    assert status == 200, reply
+
+
+async def _at_least(engine: Engine, name: str, n: float) -> bool:
+    return await metric(engine.metrics_url, name) >= n
+
+
+async def _at_most(engine: Engine, name: str, n: float) -> bool:
+    return await metric(engine.metrics_url, name) <= n
+
+
+async def test_prefix_cache_hits_on_repeated_prompt(backend: Backend) -> None:
+    engine = backend.b
+    prompt = " ".join(f"block {i} of a long shared system prompt about routing." for i in range(40))
+    body = {"model": backend.model, "prompt": prompt, "max_tokens": 1, "temperature": 0}
+    status, first = await post_json(engine.url + "/v1/completions", body)
+    assert status == 200
+    prompt_tokens = first["usage"]["prompt_tokens"]
+    assert prompt_tokens > 4 * backend.block_size
+    before = await scrape(engine.metrics_url)
+    status, _ = await post_json(engine.url + "/v1/completions", body)
+    assert status == 200
+    after = await scrape(engine.metrics_url)
+    queries = value(after, "vllm:prefix_cache_queries_total") - value(
+        before, "vllm:prefix_cache_queries_total")
+    hits = value(after, "vllm:prefix_cache_hits_total") - value(
+        before, "vllm:prefix_cache_hits_total")
+    # Counted in tokens: the repeated prompt hits every full block it spans (the last token
+    # is always recomputed).
+    assert queries == pytest.approx(prompt_tokens, abs=backend.block_size)
+    full_blocks = (prompt_tokens - 1) // backend.block_size
+    assert hits >= full_blocks * backend.block_size
+    assert hits <= queries
+
+
+SPEC = ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
+        "vllm:spec_decode_num_accepted_tokens_total")
+
+
+async def _spec_deltas(engine: Engine, body: dict[str, Any]) -> dict[str, float]:
+    before = await scrape(engine.metrics_url)
+    status, reply = await post_json(engine.url + "/v1/completions", body)
+    assert status == 200, reply
+    after = await scrape(engine.metrics_url)
+    deltas = {n: value(after, n) - value(before, n) for n in SPEC}
+    k = 0
+    while any(s.labels.get("position") == str(k) for s in after
+              if s.name == "vllm:spec_decode_num_accepted_tokens_per_pos_total"):
+        name = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+        deltas[f"pos{k}"] = value(after, name, position=str(k)) - value(
+            before, name, position=str(k))
+        k += 1
+    return deltas
+
+
+def _check_spec_invariants(d: dict[str, float], k: int) -> None:
+    drafts, proposed, accepted = (d[n] for n in SPEC)
+    assert drafts > 0, "speculation ran"
+    assert drafts <= proposed <= k * drafts
+    assert 0 <= accepted <= proposed
+    per_pos = [d[f"pos{i}"] for i in range(k)]
+    assert sum(per_pos) == accepted
+    # A position is only reached when every earlier one was accepted.
+    assert all(x >= y for x, y in itertools.pairwise(per_pos))
+
+
+async def test_spec_decode_counters_ngram(backend: Backend) -> None:
+    text = "the cache holds the prefix and the prefix holds the cache " * 6
+    body = {"model": backend.model, "prompt": text, "max_tokens": 64, "ignore_eos": True,
+            "temperature": 0}
+    _check_spec_invariants(await _spec_deltas(backend.a, body), backend.num_speculative_tokens)
+
+
+async def test_spec_decode_counters_draft_model(backend: Backend) -> None:
+    body = {"model": backend.model, "prompt": "Once upon a time there lived", "max_tokens": 64,
+            "ignore_eos": True, "temperature": 0}
+    d = await _spec_deltas(backend.b, body)
+    _check_spec_invariants(d, backend.num_speculative_tokens)
+    # A draft model proposes the full draft length at every step.
+    assert d["vllm:spec_decode_num_draft_tokens_total"] == (
+        backend.num_speculative_tokens * d["vllm:spec_decode_num_drafts_total"])
+
+
+async def test_client_disconnect_aborts_the_request(backend: Backend) -> None:
+    engine = backend.b
+    async with aiohttp.ClientSession() as s:
+        await wait_until(lambda: _at_most(engine, RUNNING, 0), what="engine b idle")
+        before = await metric(engine.metrics_url, GENERATED)
+        async with open_stream(s, engine, long_body(backend, "abort me")) as resp:
+            for _ in range(5):
+                await resp.content.readline()
+            assert await metric(engine.metrics_url, RUNNING) >= 1
+        # The connection is closed: the engine must drop the request, not finish it.
+        await wait_until(lambda: _at_most(engine, RUNNING, 0), timeout_s=20,
+                         what="running count to drop after disconnect")
+    settled = await metric(engine.metrics_url, GENERATED)
+    await asyncio.sleep(1.0)
+    assert await metric(engine.metrics_url, GENERATED) == settled, "tokens after the abort"
+    assert settled - before < LONG, "the request was cut short"

@@ -1,0 +1,81 @@
+"""Admission with live telemetry: shedding by class under KV pressure, and degrading to draft."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from .stack import ALIAS, DRAFT_MODEL, TARGET_MODEL, Stack, StackFactory, chat_body
+
+HOT = {"metric_overrides": {"vllm:kv_cache_usage_perc": 0.93}}
+
+
+async def _heat(stack: Stack, *names: str) -> None:
+    for name in names:
+        await stack.faults(name, **HOT)
+
+    async def seen_hot() -> bool:
+        rows = await stack.admin()
+        return all(rows[n]["snapshot"]["kv_usage"] == pytest.approx(0.93) for n in names)
+
+    await stack.wait_for(seen_hot)
+
+
+async def test_sheddable_shed_critical_served_under_kv_pressure(stack: Stack) -> None:
+    await _heat(stack, "t0", "t1")
+    with pytest.raises(openai.APIStatusError) as info:
+        await stack.client.chat.completions.create(
+            **chat_body("hello"), extra_headers={"X-Priority": "sheddable"}
+        )
+    err = info.value
+    assert err.status_code == 503
+    assert int(err.response.headers["Retry-After"]) >= 1
+    assert err.response.headers["X-Kvproxy-Shed-Reason"] == "kv_pressure"
+    assert err.response.json()["error"]["type"] == "overloaded"
+
+    critical = await stack.client.chat.completions.create(
+        **chat_body("hello"), extra_headers={"X-Priority": "critical"}
+    )
+    assert critical.choices[0].message.content
+    # Body priority in vLLM's sense (> 0: sheddable) is honoured as well.
+    resp = await stack.post("/v1/chat/completions", chat_body("hi", priority=5))
+    assert resp.status == 503
+    assert await stack.metric("kvproxy_shed_total", reason="kv_pressure") == 2
+
+
+async def test_pressure_lifts_after_hysteresis(stack: Stack) -> None:
+    await _heat(stack, "t0", "t1")
+    resp = await stack.post("/v1/chat/completions", chat_body("x"), **{"X-Priority": "sheddable"})
+    assert resp.status == 503
+    for name in ("t0", "t1"):
+        await stack.clear_faults(name)
+
+    async def admitted() -> bool:
+        again = await stack.post(
+            "/v1/chat/completions", chat_body("x"), **{"X-Priority": "sheddable"}
+        )
+        return again.status == 200
+
+    await stack.wait_for(admitted)
+
+
+async def test_sheddable_tiering_alias_degrades_to_draft(make_stack: StackFactory) -> None:
+    stack = await make_stack(targets=2, drafts=1)
+    await _heat(stack, "t0", "t1")
+    raw = await stack.client.chat.completions.with_raw_response.create(
+        **chat_body("hello", model=ALIAS), extra_headers={"X-Priority": "sheddable"}
+    )
+    assert raw.headers["X-Served-By"] == "draft"
+    assert raw.headers["X-Engine"] == "d0"
+    assert raw.parse().model == DRAFT_MODEL
+    # Critical work on the alias stays on the target pool.
+    raw = await stack.client.chat.completions.with_raw_response.create(
+        **chat_body("hello", model=ALIAS), extra_headers={"X-Priority": "critical"}
+    )
+    assert raw.headers["X-Served-By"] == "target"
+    # The target model named directly has no fallback: shed.
+    resp = await stack.post(
+        "/v1/chat/completions", chat_body("hi", model=TARGET_MODEL), **{"X-Priority": "sheddable"}
+    )
+    assert resp.status == 503
+    assert await stack.metric("kvproxy_degraded_total", from_pool="target", to_pool="draft") == 1

@@ -1,0 +1,184 @@
+"""Client-facing edges: OpenAI-shaped 400/404/413 errors and what headers reach an engine."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import openai
+import orjson
+import pytest
+from aiohttp import web
+
+from proxy.config import Config, EngineConfig, PoolConfig, ServerConfig
+from proxy.lifecycle import ProxyServer
+
+from .stack import TARGET_MODEL, Stack, StackFactory, chat_body
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"messages": [{"role": "user", "content": "x"}]}, "model"),
+        ({"model": 7, "messages": []}, "model"),
+        ({"model": TARGET_MODEL}, "messages"),
+        ({"model": TARGET_MODEL, "messages": "hi"}, "messages"),
+        ({"model": TARGET_MODEL, "messages": [{"content": "x"}]}, "messages[0].role"),
+        (chat_body("x", temperature="hot"), "temperature"),
+        (chat_body("x", max_tokens=0), "max_tokens"),
+        (chat_body("x", stream="yes"), "stream"),
+        (chat_body("x", n=0), "n"),
+        (chat_body("x", seed=1.5), "seed"),
+        (chat_body("x", priority="urgent"), "priority"),
+    ],
+)
+async def test_bad_chat_fields_name_the_param(stack: Stack, body: Any, param: str) -> None:
+    resp = await stack.post("/v1/chat/completions", body)
+    assert resp.status == 400
+    error = (await resp.json())["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param
+    assert set(error) == {"message", "type", "param", "code"}
+
+
+async def test_bad_completion_prompt(stack: Stack) -> None:
+    resp = await stack.post("/v1/completions", {"model": TARGET_MODEL, "prompt": {"a": 1}})
+    assert resp.status == 400
+    assert (await resp.json())["error"]["param"] == "prompt"
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b"[1, 2]", b""])
+async def test_unparsable_body_is_400(stack: Stack, raw: bytes) -> None:
+    async with stack.http.post(
+        stack.url + "/v1/chat/completions",
+        data=raw,
+        headers={"Content-Type": "application/json", "X-Request-Id": "bad-json"},
+    ) as resp:
+        assert resp.status == 400
+        assert resp.headers["X-Request-Id"] == "bad-json"
+        error = (await resp.json())["error"]
+    assert error["type"] == "invalid_request_error"
+    assert "JSON" in error["message"] or "empty" in error["message"]
+
+
+async def test_bad_priority_header_is_400(stack: Stack) -> None:
+    resp = await stack.post("/v1/chat/completions", chat_body("x"), **{"X-Priority": "asap"})
+    assert resp.status == 400
+    assert (await resp.json())["error"]["param"] == "priority"
+
+
+async def test_sdk_sees_openai_errors(stack: Stack) -> None:
+    with pytest.raises(openai.NotFoundError) as info:
+        await stack.client.chat.completions.create(
+            model="no-such-model", messages=[{"role": "user", "content": "x"}]
+        )
+    assert info.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as bad:
+        await stack.client.chat.completions.create(
+            model=TARGET_MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=-1
+        )
+    assert bad.value.param == "max_tokens"
+
+
+async def test_body_over_limit_is_413(make_stack: StackFactory) -> None:
+    stack = await make_stack(server=ServerConfig(port=0, max_body_bytes=2048))
+    resp = await stack.post("/v1/chat/completions", chat_body("y" * 4096))
+    assert resp.status == 413
+    assert (await resp.json())["error"]["type"] == "invalid_request_error"
+
+
+async def test_unknown_route_and_method_are_openai_shaped(stack: Stack) -> None:
+    async with stack.http.get(stack.url + "/v1/nothing") as resp:
+        assert resp.status == 404
+        assert (await resp.json())["error"]["type"] == "invalid_request_error"
+    async with stack.http.get(stack.url + "/v1/chat/completions") as resp:
+        assert resp.status == 405
+        assert "error" in await resp.json()
+
+
+# --- what reaches the engine ------------------------------------------------------------------
+
+_METRICS = b"""vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.1
+vllm:num_requests_running{engine="0",model_name="m"} 0
+vllm:num_requests_waiting{engine="0",model_name="m"} 0
+"""
+
+
+@dataclasses.dataclass
+class Recorder:
+    url: str
+    seen: list[tuple[dict[str, str], dict[str, Any]]]
+
+
+@pytest.fixture
+async def recorder() -> AsyncIterator[Recorder]:
+    """A minimal engine that records the headers and body of each request it gets."""
+    seen: list[tuple[dict[str, str], dict[str, Any]]] = []
+
+    async def chat(request: web.Request) -> web.Response:
+        seen.append((dict(request.headers), orjson.loads(await request.read())))
+        return web.json_response({"id": "x", "object": "chat.completion", "choices": []})
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(body=_METRICS, content_type="text/plain")
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    yield Recorder(f"http://127.0.0.1:{port}", seen)
+    await runner.cleanup()
+
+
+async def test_hop_by_hop_forwarded_and_authorization_not_passed(recorder: Recorder) -> None:
+    pool = PoolConfig("target", "served-name", (EngineConfig("rec", recorder.url),))
+    server = ProxyServer(Config(server=ServerConfig(port=0), pools=(pool,)))
+    await server.start()
+    try:
+        async with aiohttp.ClientSession() as http:
+            await _wait_routable(http, server.url)
+            headers = {
+                "Authorization": "Bearer sk-secret",
+                "Proxy-Authorization": "Basic abc",
+                "X-Forwarded-For": "10.0.0.1",
+                "X-Forwarded-Proto": "https",
+                "Forwarded": "for=10.0.0.1",
+                "Connection": "keep-alive, X-Hop-Secret",
+                "X-Hop-Secret": "hop",
+                "Keep-Alive": "timeout=5",
+                "TE": "trailers",
+                "X-Custom": "kept",
+                "X-Request-Id": "rid-7",
+            }
+            body = {"model": "served-name", "messages": [{"role": "user", "content": "x"}]}
+            async with http.post(
+                server.url + "/v1/chat/completions", json=body | {"priority": 3}, headers=headers
+            ) as resp:
+                assert resp.status == 200
+    finally:
+        await server.stop()
+    ((got, sent_body),) = recorder.seen
+    lower = {k.lower(): v for k, v in got.items()}
+    for gone in ("authorization", "proxy-authorization", "x-forwarded-for", "x-forwarded-proto",
+                 "forwarded", "x-hop-secret", "keep-alive", "te"):  # fmt: skip
+        assert gone not in lower, gone
+    assert lower["x-custom"] == "kept"
+    assert lower["x-request-id"] == "rid-7"
+    assert lower["host"] == recorder.url.removeprefix("http://")
+    assert "priority" not in sent_body  # the pool runs no priority scheduling
+
+
+async def _wait_routable(http: aiohttp.ClientSession, url: str) -> None:
+    for _ in range(200):
+        async with http.get(url + "/ready") as resp:
+            if resp.status == 200:
+                return
+        await asyncio.sleep(0.02)
+    raise AssertionError("the proxy never became ready")

@@ -1,0 +1,230 @@
+"""The response cache with both backends, against a real redis-server."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import orjson
+import pytest
+from prometheus_client import CollectorRegistry
+from redisproc import RedisFactory, RedisServer
+
+from proxy.cache import CacheRequest, MemoryBackend, RedisBackend, ResponseCache, make_cache
+from proxy.cache_entry import replay_sse
+from proxy.cache_key import CacheConfig
+from proxy.redis_link import RedisConfig, RedisLink
+
+CHAT = "/v1/chat/completions"
+SECRET = "0123456789abcdef-secret"
+
+
+def request(tenant: str = "t", content: str = "hi", **extra: object) -> CacheRequest:
+    body = {"model": "m", "messages": [{"role": "user", "content": content}], "temperature": 0}
+    return CacheRequest(tenant, "m", CHAT, {**body, **extra})
+
+
+def answer(content: str) -> bytes:
+    return orjson.dumps({
+        "id": "x", "object": "chat.completion", "created": 1, "model": "m",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
+                     "logprobs": None, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+    })  # fmt: skip
+
+
+async def fill_json(cache: ResponseCache, req: CacheRequest, content: str) -> str:
+    lookup = await cache.lookup(req)
+    assert lookup.fill is not None
+    async with lookup.fill as fill:
+        fill.start(200, streamed=False)
+        fill.feed(answer(content))
+    return lookup.status
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def cache(request: pytest.FixtureRequest, redis_server: RedisServer) -> Any:
+    registry = CollectorRegistry()
+    if request.param == "memory":
+        yield make_cache(CacheConfig(), None, registry=registry)
+        return
+    link = RedisLink(RedisConfig(url=redis_server.url), registry=registry)
+    cfg = CacheConfig(backend="redis", secret=SECRET)
+    try:
+        yield make_cache(cfg, link, registry=registry)
+    finally:
+        await link.close()
+
+
+async def test_miss_then_hit_then_bypass(cache: ResponseCache) -> None:
+    assert await fill_json(cache, request(), "hello") == "MISS"
+    hit = await cache.lookup(request(stream=True))
+    assert hit.status == "HIT" and hit.entry is not None
+    assert orjson.loads(hit.entry.json_body())["choices"][0]["message"]["content"] == "hello"
+    assert b"hello" in replay_sse(hit.entry, include_usage=False)
+    sampled = await cache.lookup(request(temperature=0.8))
+    assert sampled.status == "BYPASS" and sampled.fill is None
+    no_store = CacheRequest("t", "m", CHAT, request().body, "no-store")
+    assert (await cache.lookup(no_store)).status == "BYPASS"
+    registry = cache.metrics.registry
+    for result, count in (("hit", 1), ("miss", 1), ("bypass", 2)):
+        assert registry.get_sample_value("kvproxy_cache_lookups_total", {"result": result}) == count
+
+
+async def test_no_cache_refreshes_the_entry(cache: ResponseCache) -> None:
+    await fill_json(cache, request(), "old")
+    refresh = CacheRequest("t", "m", CHAT, request().body, "no-cache")
+    assert await fill_json(cache, refresh, "new") == "BYPASS"
+    hit = await cache.lookup(request())
+    assert hit.entry is not None and hit.entry.response["choices"][0]["message"]["content"] == "new"
+
+
+async def test_other_tenants_and_models_miss(cache: ResponseCache) -> None:
+    await fill_json(cache, request("a"), "for a")
+    assert (await cache.lookup(request("b"))).status == "MISS"
+    other_model = CacheRequest("a", "m2", CHAT, {**request().body, "model": "m2"})
+    assert (await cache.lookup(other_model)).status == "MISS"
+
+
+async def test_incomplete_answers_are_not_stored(cache: ResponseCache) -> None:
+    lookup = await cache.lookup(request())
+    assert lookup.fill is not None
+    async with lookup.fill as fill:
+        fill.start(200, streamed=True)
+        fill.feed(b'data: {"id":"x","choices":[{"index":0,"delta":{"content":"par"}}]}\n\n')
+    assert (await cache.lookup(request())).status == "MISS"
+
+
+async def test_errors_and_exceptions_are_not_stored(cache: ResponseCache) -> None:
+    lookup = await cache.lookup(request())
+    assert lookup.fill is not None
+    async with lookup.fill as fill:
+        fill.start(500, streamed=False)
+        fill.feed(answer("error page"))
+    lookup = await cache.lookup(request())
+    assert lookup.status == "MISS" and lookup.fill is not None
+    with pytest.raises(RuntimeError):
+        async with lookup.fill as fill:
+            fill.start(200, streamed=False)
+            fill.feed(answer("would be fine"))
+            raise RuntimeError("client went away")
+    assert (await cache.lookup(request())).status == "MISS"
+
+
+async def test_single_flight(cache: ResponseCache) -> None:
+    leader = await cache.lookup(request())
+    assert leader.status == "MISS" and leader.fill is not None
+    waiters = [asyncio.create_task(cache.lookup(request())) for _ in range(20)]
+    await asyncio.sleep(0.05)
+    assert not any(w.done() for w in waiters)
+    async with leader.fill as fill:
+        fill.start(200, streamed=False)
+        fill.feed(answer("shared"))
+    results = await asyncio.gather(*waiters)
+    assert all(r.status == "HIT" and r.coalesced for r in results)
+    registry = cache.metrics.registry
+    assert (
+        registry.get_sample_value("kvproxy_cache_coalesced_waits_total", {"outcome": "hit"}) == 20
+    )
+
+
+async def test_single_flight_failed_leader_hands_over(cache: ResponseCache) -> None:
+    leader = await cache.lookup(request())
+    assert leader.fill is not None
+    waiters = [asyncio.create_task(cache.lookup(request())) for _ in range(5)]
+    await asyncio.sleep(0.02)
+    await leader.fill.finish(completed=False)
+    # Exactly one waiter leads the next attempt; the others wait for it and hit.
+    done, pending = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    assert len(done) == 1
+    second = done.pop().result()
+    assert second.status == "MISS" and second.fill is not None
+    async with second.fill as fill:
+        fill.start(200, streamed=False)
+        fill.feed(answer("second try"))
+    results = await asyncio.gather(*pending)
+    assert [r.status for r in results] == ["HIT"] * 4
+
+
+async def test_single_flight_timeout() -> None:
+    cache = make_cache(CacheConfig(single_flight_timeout_s=0.2), None)
+    leader = await cache.lookup(request())
+    follower = await cache.lookup(request())
+    assert follower.status == "MISS" and follower.fill is None  # waited, then went alone
+    assert leader.fill is not None
+    await leader.fill.finish(completed=False)
+
+
+def test_memory_backend_bounds() -> None:
+    now = [0.0]
+    backend = MemoryBackend(max_entries=2, max_bytes=10, clock=lambda: now[0])
+
+    async def scenario() -> None:
+        await backend.set("a", b"1234", 10)
+        await backend.set("b", b"1234", 10)
+        assert await backend.get("a") == b"1234"  # a is now most recent
+        await backend.set("c", b"1234", 10)  # evicts b (LRU)
+        assert await backend.get("b") is None
+        await backend.set("d", b"12345678", 10)  # over max_bytes together: evicts a
+        assert await backend.get("a") is None and await backend.get("d") == b"12345678"
+        now[0] = 11
+        assert await backend.get("d") is None  # expired
+        await backend.set("huge", b"x" * 11, 10)
+        assert await backend.get("huge") is None
+
+    asyncio.run(scenario())
+
+
+async def test_redis_garbage_is_a_miss(redis_server: RedisServer) -> None:
+    link = RedisLink(RedisConfig(url=redis_server.url))
+    cache = make_cache(CacheConfig(backend="redis", secret=SECRET), link)
+    try:
+        key = cache.key(request())
+        await link.client.set(link.key("cache", key), b"\x00garbage")
+        lookup = await cache.lookup(request())
+        assert lookup.status == "MISS"
+        registry = cache.metrics.registry
+        assert registry.get_sample_value("kvproxy_cache_errors_total", {"op": "decode"}) == 1
+        await lookup.fill.finish(completed=False)  # type: ignore[union-attr]
+        # A wrong type under the key (someone else's data) is also a miss.
+        await link.client.delete(link.key("cache", key))
+        await link.client.lpush(link.key("cache", key), b"x")
+        assert (await cache.lookup(request())).status == "MISS"
+    finally:
+        await link.close()
+
+
+async def test_redis_ttl(redis_server: RedisServer) -> None:
+    link = RedisLink(RedisConfig(url=redis_server.url))
+    cache = make_cache(CacheConfig(backend="redis", secret=SECRET, ttl_s=7), link)
+    try:
+        await fill_json(cache, request(), "x")
+        ttl = await link.client.pttl(link.key("cache", cache.key(request())))
+        assert 0 < ttl <= 7000
+    finally:
+        await link.close()
+
+
+async def test_redis_down_or_frozen_is_a_miss(redis_factory: RedisFactory) -> None:
+    server = redis_factory.start()
+    link = RedisLink(RedisConfig(url=server.url, op_timeout_s=0.2, retry_after_failure_s=0.5))
+    cache = make_cache(CacheConfig(backend="redis", secret=SECRET), link)
+    try:
+        await fill_json(cache, request(), "cached")
+        server.pause()
+        lookup = await cache.lookup(request())  # times out: a miss, not an error
+        assert lookup.status == "MISS" and lookup.fill is not None
+        await lookup.fill.finish(completed=False)
+        server.resume()
+        server.stop()
+        for _ in range(3):
+            lookup = await cache.lookup(request())
+            assert lookup.status == "MISS" and lookup.fill is not None
+            async with lookup.fill as fill:
+                fill.start(200, streamed=False)
+                fill.feed(answer("x"))
+        registry = cache.metrics.registry
+        assert registry.get_sample_value("kvproxy_cache_errors_total", {"op": "get"}) >= 3
+        assert isinstance(cache.backend, RedisBackend)
+    finally:
+        await link.close()

@@ -1,0 +1,151 @@
+"""Answer assembly from SSE, entry encoding and replay (pure)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from proxy.cache_entry import (
+    CachedResponse,
+    EntryError,
+    StreamAssembler,
+    complete_json,
+    decode_entry,
+    replay_sse,
+)
+
+HEAD = {"id": "chatcmpl-1", "created": 1700000000, "model": "m"}
+
+
+def chat_chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+    return {**HEAD, "object": "chat.completion.chunk", "choices": [choice]}
+
+
+def sse(*objs: dict[str, Any], done: bool = True) -> bytes:
+    out = b"".join(b"data: " + orjson.dumps(o) + b"\n\n" for o in objs)
+    return out + (b"data: [DONE]\n\n" if done else b"")
+
+
+def chat_stream(pieces: list[str], finish: str = "stop", usage: bool = True) -> bytes:
+    chunks = [chat_chunk({"role": "assistant", "content": ""})]
+    chunks += [chat_chunk({"content": p}) for p in pieces]
+    chunks.append(chat_chunk({"content": ""}, finish))
+    if usage:
+        totals = {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+        chunks.append({**HEAD, "object": "chat.completion.chunk", "choices": [], "usage": totals})
+    return sse(*chunks)
+
+
+def assemble(data: bytes, *, chat: bool = True, split: int = 7) -> dict[str, Any] | None:
+    asm = StreamAssembler(chat=chat, max_bytes=1 << 20)
+    for i in range(0, len(data), split):
+        asm.feed(data[i : i + split])
+    return asm.result()
+
+
+def content_of_stream(data: bytes) -> str:
+    text = ""
+    for line in data.split(b"\n"):
+        if line.startswith(b"data: ") and line != b"data: [DONE]":
+            for choice in orjson.loads(line[6:])["choices"]:
+                text += (choice.get("delta") or {}).get("content") or choice.get("text") or ""
+    return text
+
+
+@given(st.lists(st.text(max_size=8), max_size=12), st.integers(1, 50))
+def test_assembled_answer_equals_the_stream(pieces: list[str], split: int) -> None:
+    result = assemble(chat_stream(pieces), split=split)
+    assert result is not None
+    assert result["object"] == "chat.completion"
+    assert result["choices"][0]["message"] == {"role": "assistant", "content": "".join(pieces)}
+    assert result["choices"][0]["finish_reason"] == "stop"
+    assert result["usage"]["total_tokens"] == 7
+
+
+def test_crlf_and_comments_are_understood() -> None:
+    data = b": keep-alive\r\n\r\n" + chat_stream(["a", "b"]).replace(b"\n", b"\r\n")
+    result = assemble(data)
+    assert result is not None and result["choices"][0]["message"]["content"] == "ab"
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        chat_stream(["a", "b"])[: -len(b"data: [DONE]\n\n")],  # cut before [DONE]
+        sse(chat_chunk({"content": "a"})),  # no finish_reason
+        sse(chat_chunk({"content": "a"}), chat_chunk({}, "abort")),
+        sse(chat_chunk({"content": "a"}), {"error": {"message": "boom"}}),
+        sse(chat_chunk({"tool_calls": [{"index": 0, "function": {"arguments": "{"}}]}, "stop")),
+        b"data: {not json\n\ndata: [DONE]\n\n",
+        chat_stream(["a"]) + b"data: " + orjson.dumps(chat_chunk({"content": "late"})) + b"\n\n",
+        chat_stream(["a"]) + b'data: {"partial',
+    ],
+)
+def test_incomplete_or_unmergeable_streams_are_not_answers(data: bytes) -> None:
+    assert assemble(data) is None
+
+
+def test_size_bound_gives_up() -> None:
+    asm = StreamAssembler(chat=True, max_bytes=100)
+    asm.feed(chat_stream(["x" * 200]))
+    assert asm.result() is None and not asm.storable
+
+
+def test_text_completion_stream() -> None:
+    def chunk(text: str, finish: str | None = None) -> dict[str, Any]:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        return {**HEAD, "object": "text_completion", "choices": [choice]}
+
+    result = assemble(sse(chunk("Hel"), chunk("lo"), chunk("", "length")), chat=False)
+    assert result is not None
+    assert result["choices"][0]["text"] == "Hello"
+    assert result["choices"][0]["finish_reason"] == "length"
+
+
+def test_complete_json() -> None:
+    ok = {**HEAD, "object": "chat.completion",
+          "choices": [{"index": 0, "message": {"role": "assistant", "content": "x"},
+                       "finish_reason": "stop"}]}  # fmt: skip
+    assert complete_json(orjson.dumps(ok)) == ok
+    unfinished = orjson.loads(orjson.dumps(ok))
+    unfinished["choices"][0]["finish_reason"] = None
+    assert complete_json(orjson.dumps(unfinished)) is None
+    assert complete_json(b'{"error": {"message": "x"}}') is None
+    assert complete_json(b"garbage") is None
+
+
+@given(st.text(max_size=40), st.booleans(), st.booleans())
+def test_replay_round_trips(content: str, chat: bool, include_usage: bool) -> None:
+    if chat:
+        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": content},
+                                  "logprobs": None, "finish_reason": "stop"}  # fmt: skip
+    else:
+        choice = {"index": 0, "text": content, "logprobs": None, "finish_reason": "stop"}
+    usage = {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}
+    response = {**HEAD, "object": "chat.completion" if chat else "text_completion",
+                "choices": [choice], "usage": usage}  # fmt: skip
+    entry = CachedResponse("t", "m", chat, response)
+    replay = replay_sse(entry, include_usage=include_usage)
+    assert replay.endswith(b"data: [DONE]\n\n")
+    assert content_of_stream(replay) == content
+    again = assemble(replay, chat=chat)
+    assert again is not None
+    assert again["choices"][0]["finish_reason"] == "stop"
+    assert (again["usage"] == usage) is include_usage
+
+
+def test_entry_encoding_binds_tenant_and_model() -> None:
+    response = {"choices": [{"index": 0, "text": "x", "finish_reason": "stop"}]}
+    raw = CachedResponse("acme", "m", False, response).encode()
+    assert decode_entry(raw, tenant="acme", model="m").response == response
+    for tenant, model in (("other", "m"), ("acme", "n")):
+        with pytest.raises(EntryError):
+            decode_entry(raw, tenant=tenant, model=model)
+    for garbage in (b"", b"\x00\xff", b"[]", b'{"v": 99}', b'{"v":1,"t":"acme","m":"m","r":{}}'):
+        with pytest.raises(EntryError):
+            decode_entry(garbage, tenant="acme", model="m")

@@ -1,0 +1,106 @@
+"""Cacheability and key derivation (pure)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from proxy.cache_key import CacheConfig, cache_key, canonical_body, decide
+from proxy.errors import ConfigError
+
+SECRET = b"s" * 32
+CHAT = "/v1/chat/completions"
+
+
+def body(**extra: object) -> dict[str, object]:
+    return {"model": "m", "messages": [{"role": "user", "content": "hi"}], **extra}
+
+
+@pytest.mark.parametrize(
+    ("extra", "cache_control", "expected"),
+    [
+        ({"temperature": 0}, None, (True, True, "")),
+        ({"temperature": 0.0}, None, (True, True, "")),
+        ({"temperature": 0.7, "seed": 3}, None, (True, True, "")),
+        ({"temperature": 0.7}, None, (False, False, "sampling")),
+        ({}, None, (False, False, "sampling")),  # default temperature samples
+        ({"seed": True}, None, (False, False, "sampling")),
+        ({"temperature": 0, "n": 2}, None, (False, False, "n_not_1")),
+        ({"temperature": 0, "n": 1}, None, (True, True, "")),
+        ({"temperature": 0}, "no-store", (False, False, "no_store")),
+        ({"temperature": 0}, "No-Cache", (False, True, "no_cache")),
+        ({"temperature": 0}, "max-age=0, no-store", (False, False, "no_store")),
+    ],
+)
+def test_cacheability(
+    extra: dict[str, object], cache_control: str | None, expected: tuple[bool, bool, str]
+) -> None:
+    policy = decide(body(**extra), cache_control, enabled=True)
+    assert (policy.read, policy.write, policy.reason) == expected
+
+
+def test_disabled_by_config() -> None:
+    policy = decide(body(temperature=0), None, enabled=False)
+    assert policy.bypass and policy.reason == "disabled"
+
+
+def test_transport_fields_do_not_change_the_key() -> None:
+    a = body(temperature=0)
+    b = body(temperature=0.0, stream=True, stream_options={"include_usage": True}, priority=5)
+    key = cache_key(SECRET, tenant="t", model="m", endpoint=CHAT, body=a)
+    assert key == cache_key(SECRET, tenant="t", model="m", endpoint=CHAT, body=b)
+
+
+def test_everything_else_changes_the_key() -> None:
+    base = cache_key(SECRET, tenant="t", model="m", endpoint=CHAT, body=body(temperature=0))
+    variants = [
+        cache_key(SECRET, tenant="u", model="m", endpoint=CHAT, body=body(temperature=0)),
+        cache_key(SECRET, tenant="t", model="n", endpoint=CHAT, body=body(temperature=0)),
+        cache_key(
+            SECRET, tenant="t", model="m", endpoint="/v1/completions", body=body(temperature=0)
+        ),
+        cache_key(
+            SECRET, tenant="t", model="m", endpoint=CHAT, body=body(temperature=0, max_tokens=5)
+        ),
+        cache_key(b"x" * 32, tenant="t", model="m", endpoint=CHAT, body=body(temperature=0)),
+    ]
+    assert base not in variants and len(set(variants)) == len(variants)
+
+
+def test_fields_are_length_prefixed() -> None:
+    # "ab" + "c" and "a" + "bc" must not collide.
+    one = cache_key(SECRET, tenant="ab", model="c", endpoint=CHAT, body={})
+    two = cache_key(SECRET, tenant="a", model="bc", endpoint=CHAT, body={})
+    assert one != two
+
+
+def test_canonical_body_sorts_and_normalises() -> None:
+    assert canonical_body({"b": 1.0, "a": [2.0, 2.5], "stream": True}) == b'{"a":[2,2.5],"b":1}'
+
+
+@given(
+    st.dictionaries(
+        st.text(min_size=1, max_size=5),
+        st.one_of(st.integers(), st.floats(allow_nan=False), st.text(max_size=5)),
+        max_size=6,
+    )
+)
+def test_key_ignores_key_order(raw: dict[str, object]) -> None:
+    reordered = dict(reversed(list(raw.items())))
+    one = cache_key(SECRET, tenant="t", model="m", endpoint=CHAT, body=raw)
+    assert one == cache_key(SECRET, tenant="t", model="m", endpoint=CHAT, body=reordered)
+
+
+def test_config_validation_names_fields() -> None:
+    with pytest.raises(ConfigError) as exc:
+        CacheConfig.from_mapping({"ttl_s": 0}, "cache")
+    assert exc.value.field == "cache.ttl_s"
+    with pytest.raises(ConfigError) as exc:
+        CacheConfig.from_mapping({"backend": "redis"}, "cache")
+    assert exc.value.field == "cache.secret"
+    with pytest.raises(ConfigError) as exc:
+        CacheConfig.from_mapping({"tll_s": 3}, "cache")
+    assert exc.value.field == "cache.tll_s"
+    cfg = CacheConfig.from_mapping({"backend": "redis", "secret": "x" * 16}, "cache")
+    assert "x" * 16 not in repr(cfg)

@@ -1,0 +1,163 @@
+"""Per-tenant limits through the request gate, in Redis and in-process."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from prometheus_client import CollectorRegistry
+from redisproc import RedisFactory, RedisServer
+
+from proxy.errors import RateLimited
+from proxy.limit_rules import Limits, LocalLimits
+from proxy.ratelimit import LimitsConfig, RedisLimits, RequestGate
+from proxy.redis_link import RedisConfig, RedisLink
+
+
+def gate_cfg(**limits: int) -> LimitsConfig:
+    return LimitsConfig(enabled=True, **limits)
+
+
+async def admit_all(gates: list[RequestGate], tenant: str, n: int) -> tuple[int, list[RateLimited]]:
+    async def one(i: int) -> RateLimited | None:
+        try:
+            await gates[i % len(gates)].admit(tenant)
+        except RateLimited as exc:
+            return exc
+        return None
+
+    results = await asyncio.gather(*(one(i) for i in range(n)))
+    refused = [r for r in results if r is not None]
+    return n - len(refused), refused
+
+
+async def test_requests_per_minute_hold_across_replicas(redis_server: RedisServer) -> None:
+    links = [RedisLink(RedisConfig(url=redis_server.url)) for _ in range(2)]
+    gates = [RequestGate(gate_cfg(requests_per_min=10), lk) for lk in links]
+    try:
+        admitted, refused = await admit_all(gates, "acme", 30)
+        assert admitted == 10
+        assert {r.code for r in refused} == {"requests_per_min"}
+        assert all(int(r.headers()["Retry-After"]) >= 1 for r in refused)
+        assert refused[0].status == 429
+        # Another tenant is unaffected.
+        await gates[0].admit("other")
+    finally:
+        for lk in links:
+            await lk.close()
+
+
+async def test_concurrent_streams_across_replicas(redis_server: RedisServer) -> None:
+    links = [RedisLink(RedisConfig(url=redis_server.url)) for _ in range(2)]
+    gates = [RequestGate(gate_cfg(concurrent_streams=3), lk) for lk in links]
+    try:
+        leases = [await gates[i % 2].admit("acme") for i in range(3)]
+        with pytest.raises(RateLimited) as exc:
+            await gates[1].admit("acme")
+        assert exc.value.code == "concurrent_streams"
+        await leases[0].settle(0)
+        await leases[0].settle(0)  # idempotent
+        lease = await gates[1].admit("acme")
+        assert gates[1].open_leases == 2 and gates[0].open_leases == 1
+        await lease.settle(0)
+    finally:
+        for lk in links:
+            await lk.close()
+
+
+async def test_tokens_per_minute_debt(redis_server: RedisServer) -> None:
+    link = RedisLink(RedisConfig(url=redis_server.url))
+    registry = CollectorRegistry()
+    gate = RequestGate(gate_cfg(tokens_per_min=1000), link, registry=registry)
+    try:
+        lease = await gate.admit("acme")
+        await lease.settle(5000)
+        with pytest.raises(RateLimited) as exc:
+            await gate.admit("acme")
+        assert exc.value.code == "tokens_per_min"
+        # 4001 tokens of debt at 1000/min: about 4 minutes.
+        assert 230 <= exc.value.retry_after_s <= 242
+        sample = registry.get_sample_value(
+            "kvproxy_ratelimit_rejections_total", {"tenant": "acme", "limit": "tokens_per_min"}
+        )
+        assert sample == 1
+    finally:
+        await link.close()
+
+
+async def test_lua_and_local_arithmetic_agree(redis_server: RedisServer) -> None:
+    link = RedisLink(RedisConfig(url=redis_server.url))
+    store = RedisLimits(link)
+    local = LocalLimits(lambda: 0.0)  # no time passes locally; Redis' clock moves by microseconds
+    limits = Limits(requests_per_min=5, tokens_per_min=100, concurrent_streams=4)
+    try:
+        for i in range(8):
+            lease_id = f"l{i}"
+            remote = await store.admit("t", limits, lease_id, 30)
+            here = local.admit("t", limits, lease_id, 30)
+            assert (remote.allowed, remote.limit) == (here.allowed, here.limit), i
+            assert remote.retry_after_s == pytest.approx(here.retry_after_s, abs=0.01)
+            if i in (1, 3):
+                await store.settle("t", limits, lease_id, 60)
+                local.settle("t", limits, lease_id, 60)
+    finally:
+        await link.close()
+
+
+async def test_leases_of_a_dead_replica_expire(redis_server: RedisServer) -> None:
+    link = RedisLink(RedisConfig(url=redis_server.url))
+    cfg = LimitsConfig(enabled=True, concurrent_streams=1, lease_ttl_s=3)
+    dead, alive = RequestGate(cfg, link), RequestGate(cfg, link)
+    try:
+        await dead.admit("acme")  # never settled, never renewed
+        with pytest.raises(RateLimited):
+            await alive.admit("acme")
+        # Renewal keeps a live lease; expiry frees a dead one (fast-forward Redis' view of it).
+        zset = link.tenant_key("acme", "streams")
+        members = await link.client.zrange(zset, 0, -1, withscores=True)
+        await link.client.zadd(zset, {members[0][0]: 1.0})
+        lease = await alive.admit("acme")
+        score_before = (await link.client.zrange(zset, 0, -1, withscores=True))[0][1]
+        await asyncio.sleep(0.01)
+        await alive.renew()
+        score_after = (await link.client.zrange(zset, 0, -1, withscores=True))[0][1]
+        assert score_after > score_before
+        await lease.settle(0)
+    finally:
+        await link.close()
+
+
+async def test_redis_down_falls_back_to_local_limits(redis_factory: RedisFactory) -> None:
+    server = redis_factory.start()
+    registry = CollectorRegistry()
+    link = RedisLink(RedisConfig(url=server.url, op_timeout_s=0.2))
+    gate = RequestGate(gate_cfg(requests_per_min=3), link, registry=registry)
+    try:
+        lease = await gate.admit("acme")
+        server.stop()
+        await lease.settle(10)  # settle falls back too, without an error
+        admitted, refused = await admit_all([gate], "acme", 5)
+        assert admitted == 3 and len(refused) == 2  # limits now hold per replica
+        fallbacks = registry.get_sample_value("kvproxy_ratelimit_fallbacks_total", {"op": "admit"})
+        assert fallbacks is not None and fallbacks >= 1
+    finally:
+        await link.close()
+
+
+async def test_disabled_or_unlimited_costs_nothing() -> None:
+    gate = RequestGate(LimitsConfig(enabled=False, requests_per_min=1))
+    for _ in range(5):
+        await (await gate.admit("acme")).settle(100)
+    gate = RequestGate(LimitsConfig(enabled=True))
+    lease = await gate.admit("acme")
+    assert gate.open_leases == 0
+    await lease.settle(1)
+
+
+async def test_renewer_task_lifecycle() -> None:
+    gate = RequestGate(LimitsConfig(enabled=True, concurrent_streams=1, lease_ttl_s=3))
+    gate.start()
+    lease = await gate.admit("acme")
+    await asyncio.sleep(0)
+    await gate.close()
+    await lease.settle(0)

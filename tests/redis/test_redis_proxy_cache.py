@@ -1,0 +1,176 @@
+"""The response cache through the proxy: hit / miss / bypass, SSE replay, cut streams, single flight.
+
+Run against both backends; the clients are the official openai SDK and plain aiohttp.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import openai
+import orjson
+import pytest
+from conftest import StackFactory
+from proxystack import MODEL, chat, door_config
+from redisproc import RedisServer
+
+
+def content(text: bytes) -> tuple[str, str | None]:
+    """Concatenated content and the finish reason of an SSE body."""
+    out, finish = "", None
+    for line in text.split(b"\n"):
+        if line.startswith(b"data: ") and line != b"data: [DONE]":
+            for choice in orjson.loads(line[6:]).get("choices", []):
+                out += (choice.get("delta") or {}).get("content") or ""
+                finish = choice.get("finish_reason") or finish
+    return out, finish
+
+
+@pytest.fixture(params=["memory", "redis"])
+def backend(request: pytest.FixtureRequest, redis_server: RedisServer) -> dict[str, Any]:
+    if request.param == "memory":
+        return {}
+    return {"backend": "redis", "redis_url": redis_server.url}
+
+
+async def test_miss_hit_bypass_with_the_sdk(
+    make_stack: StackFactory, backend: dict[str, Any]
+) -> None:
+    stack = await make_stack(door_config(**backend))
+    client = stack.client("acme")
+    messages: Any = [{"role": "user", "content": "What is a KV cache?"}]
+    seen = []
+    for _ in range(2):
+        raw = await client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=messages, temperature=0, max_tokens=16
+        )
+        seen.append((raw.headers["x-cache"], raw.parse().choices[0].message.content))
+    assert [s[0] for s in seen] == ["MISS", "HIT"]
+    assert seen[0][1] == seen[1][1] and seen[0][1]
+    sampled = await client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=messages, temperature=0.9, max_tokens=16
+    )
+    assert sampled.headers["x-cache"] == "BYPASS"
+    refused = await client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=messages, temperature=0, max_tokens=16,
+        extra_headers={"Cache-Control": "no-store"},
+    )  # fmt: skip
+    assert refused.headers["x-cache"] == "BYPASS"
+    # The cached JSON answer is replayed as a stream to a client that streams.
+    stream = await client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=messages, temperature=0, max_tokens=16, stream=True
+    )
+    assert stream.headers["x-cache"] == "HIT"
+    text = "".join([c.choices[0].delta.content or "" async for c in stream.parse() if c.choices])
+    assert text == seen[0][1]
+    assert await stack.metric("kvproxy_cache_lookups_total", result="hit") == 2
+    assert await stack.metric("kvproxy_cache_lookups_total", result="miss") == 1
+    assert await stack.metric("kvproxy_cache_lookups_total", result="bypass") == 2
+    assert await stack.engine_requests() == 3
+    await client.close()
+
+
+async def test_sse_replay_equals_the_original_stream(
+    make_stack: StackFactory, backend: dict[str, Any]
+) -> None:
+    stack = await make_stack(door_config(**backend))
+    body = chat("Tell me about paged attention.", stream=True)
+    first, raw_first = await stack.post(body)
+    second, raw_second = await stack.post(body)
+    assert (first.headers["X-Cache"], second.headers["X-Cache"]) == ("MISS", "HIT")
+    assert second.headers["Content-Type"].startswith("text/event-stream")
+    assert content(raw_first) == content(raw_second)
+    assert content(raw_first)[0] and content(raw_first)[1] in ("stop", "length")
+    assert raw_second.endswith(b"data: [DONE]\n\n")
+    # With usage asked for, the replay carries it too.
+    _, with_usage = await stack.post({**body, "stream_options": {"include_usage": True}})
+    last = [ln for ln in with_usage.split(b"\n") if ln.startswith(b"data: {")][-1]
+    assert orjson.loads(last[6:])["usage"]["completion_tokens"] >= 1
+    # And a JSON client gets the same answer as JSON.
+    resp, raw_json = await stack.post({**body, "stream": False})
+    assert resp.headers["X-Cache"] == "HIT"
+    answer = orjson.loads(raw_json)["choices"][0]
+    assert (answer["message"]["content"], answer["finish_reason"]) == content(raw_first)
+
+
+async def test_a_stream_cut_midway_is_not_cached(
+    make_stack: StackFactory, backend: dict[str, Any]
+) -> None:
+    stack = await make_stack(door_config(**backend))
+    body = chat("A question whose answer breaks off.", stream=True)
+    await stack.faults(reset_after_tokens=3)
+    resp, raw = await stack.post(body)
+    assert resp.status == 200 and b"data: [DONE]" not in raw
+    await stack.clear_faults()
+    again, raw_again = await stack.post(body)
+    assert again.headers["X-Cache"] == "MISS"
+    assert raw_again.endswith(b"data: [DONE]\n\n")
+    third, _ = await stack.post(body)
+    assert third.headers["X-Cache"] == "HIT"
+    assert await stack.metric("kvproxy_cache_stores_total", outcome="incomplete") >= 1
+
+
+async def test_engine_errors_are_not_cached(make_stack: StackFactory) -> None:
+    stack = await make_stack(door_config(), engines=1)
+    await stack.faults(error_rate=1.0, error_status=500)
+    body = chat("Failing question")
+    resp, _ = await stack.post(body)
+    assert resp.status >= 500
+    await stack.clear_faults()
+    resp, _ = await stack.post(body)
+    assert resp.status == 200 and resp.headers["X-Cache"] == "MISS"
+
+
+async def test_single_flight_50_identical_requests(
+    make_stack: StackFactory, backend: dict[str, Any]
+) -> None:
+    stack = await make_stack(door_config(**backend))
+    await stack.faults(header_delay_s=0.5)  # the first request stays open while the rest arrive
+    body = chat("Fifty clients ask the same thing at once.")
+    results = await asyncio.gather(*(stack.post(body) for _ in range(50)))
+    assert all(r.status == 200 for r, _ in results)
+    bodies = {orjson.loads(raw)["choices"][0]["message"]["content"] for _, raw in results}
+    assert len(bodies) == 1
+    assert sorted(r.headers["X-Cache"] for r, _ in results) == ["HIT"] * 49 + ["MISS"]
+    assert await stack.engine_requests() == 1
+    assert await stack.metric("kvproxy_cache_coalesced_waits_total", outcome="hit") == 49
+
+
+async def test_tenants_never_share_answers(
+    make_stack: StackFactory, backend: dict[str, Any]
+) -> None:
+    stack = await make_stack(door_config(**backend))
+    body = chat("The same question from two tenants")
+    a, _ = await stack.post(body, tenant="acme")
+    b, _ = await stack.post(body, tenant="beta")
+    a2, _ = await stack.post(body, tenant="acme")
+    assert [r.headers["X-Cache"] for r in (a, b, a2)] == ["MISS", "MISS", "HIT"]
+
+
+async def test_auth_and_keys_stay_out_of_logs(
+    make_stack: StackFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("DEBUG")
+    stack = await make_stack(door_config())
+    resp, raw = await stack.post(chat("hi"), tenant=None)
+    assert resp.status == 401
+    assert orjson.loads(raw)["error"]["type"] == "authentication_error"
+    resp, _ = await stack.post(chat("hi"), tenant=None, Authorization="Bearer sk-not-a-real-key-42")
+    assert resp.status == 401
+    wrong = openai.AsyncOpenAI(
+        base_url=stack.url + "/v1", api_key="sk-wrong-key-777", max_retries=0
+    )
+    async with wrong:
+        with pytest.raises(openai.AuthenticationError):
+            await wrong.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "x"}]
+            )
+    async with stack.client("acme") as client:
+        await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=4
+        )
+    assert "sk-not-a-real-key-42" not in caplog.text and "sk-wrong-key-777" not in caplog.text
+    assert "sk-acme" not in caplog.text
+    assert await stack.metric("kvproxy_auth_failures_total", reason="missing") == 1
+    assert await stack.metric("kvproxy_auth_failures_total", reason="invalid") == 2

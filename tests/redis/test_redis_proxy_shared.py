@@ -1,0 +1,208 @@
+"""Proxy replicas sharing Redis: limits across processes, Redis dying under load, shared breakers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+from conftest import StackFactory
+from proxystack import KEYS, MODEL, chat, door_config, proxy_config, sim
+from redisproc import RedisFactory, RedisServer
+
+from engine_sidecar.sim.cluster import SimCluster, start_cluster
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture
+async def cluster() -> AsyncIterator[SimCluster]:
+    c = await start_cluster([sim("t0", seed=0), sim("t1", seed=1)], host="127.0.0.1", port=0)
+    try:
+        yield c
+    finally:
+        await c.close()
+
+
+class ProxyProcess:
+    """One ``proxystack.py`` proxy in its own process; stopped by its PID."""
+
+    def __init__(self, spec_path: Path) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(HERE / "proxystack.py"), str(spec_path)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+        )
+        self.url = ""
+
+    async def started(self) -> str:
+        assert self.proc.stdout is not None
+        line = await asyncio.wait_for(asyncio.to_thread(self.proc.stdout.readline), 30)
+        self.url = line.decode().strip()
+        assert self.url.startswith("http://"), "proxy process did not start"
+        return self.url
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+
+async def wait_ready(http: aiohttp.ClientSession, url: str) -> None:
+    async with asyncio.timeout(10):
+        while True:
+            async with http.get(url + "/ready") as resp:
+                if resp.status == 200:
+                    return
+            await asyncio.sleep(0.05)
+
+
+async def test_limits_hold_across_two_proxy_processes(
+    cluster: SimCluster, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    spec = {
+        "urls": cluster.urls,
+        "names": [e.name for e in cluster.engines],
+        "models": [MODEL, MODEL],
+        "door": {
+            "redis_url": redis_server.url,
+            "backend": "redis",
+            "limits": {"enabled": True, "requests_per_min": 12},
+        },
+    }
+    spec_path = tmp_path / "proxy.json"
+    spec_path.write_text(json.dumps(spec))
+    procs = [ProxyProcess(spec_path), ProxyProcess(spec_path)]
+    try:
+        urls = [await p.started() for p in procs]
+        async with aiohttp.ClientSession() as http:
+            for url in urls:
+                await wait_ready(http, url)
+            headers = {"Authorization": f"Bearer {KEYS['acme']}"}
+
+            async def one(i: int) -> tuple[int, str | None]:
+                body = chat(f"question {i}", temperature=0.5)  # not cacheable: every one counts
+                async with http.post(
+                    urls[i % 2] + "/v1/chat/completions", json=body, headers=headers
+                ) as resp:
+                    await resp.read()
+                    return resp.status, resp.headers.get("Retry-After")
+
+            results = await asyncio.gather(*(one(i) for i in range(30)))
+            # Another tenant still has its own allowance.
+            async with http.post(
+                urls[1] + "/v1/chat/completions",
+                json=chat("beta's turn", temperature=0.5),
+                headers={"Authorization": f"Bearer {KEYS['beta']}"},
+            ) as resp:
+                assert resp.status == 200
+            async with http.get(urls[0] + "/metrics") as resp:
+                text = await resp.text()
+    finally:
+        for p in procs:
+            p.stop()
+    statuses = [s for s, _ in results]
+    assert statuses.count(200) == 12 and statuses.count(429) == 18
+    assert all(int(ra) >= 1 for s, ra in results if s == 429 and ra is not None)
+    assert all(ra is not None for s, ra in results if s == 429)
+    assert 'kvproxy_ratelimit_rejections_total{limit="requests_per_min",tenant="acme"}' in text
+
+
+async def test_concurrent_stream_limit_through_the_proxy(
+    make_stack: StackFactory, redis_server: RedisServer
+) -> None:
+    door = door_config(
+        redis_url=redis_server.url, limits={"enabled": True, "concurrent_streams": 2}
+    )
+    stack = await make_stack(door)
+    await stack.faults(header_delay_s=0.4)
+    results = await asyncio.gather(*(stack.post(chat(f"q{i}", temperature=0.5)) for i in range(5)))
+    statuses = sorted(r.status for r, _ in results)
+    assert statuses == [200, 200, 429, 429, 429]
+    refused = [raw for r, raw in results if r.status == 429]
+    assert b'"type":"rate_limit_error"' in refused[0]
+    assert b'"code":"concurrent_streams"' in refused[0]
+    await stack.clear_faults()
+    resp, _ = await stack.post(chat("after", temperature=0.5))
+    assert resp.status == 200  # leases were released
+    assert (
+        await stack.metric(
+            "kvproxy_ratelimit_rejections_total", tenant="acme", limit="concurrent_streams"
+        )
+        == 3
+    )
+
+
+async def test_redis_killed_during_load_causes_no_client_errors(
+    make_stack: StackFactory, redis_factory: RedisFactory
+) -> None:
+    server = redis_factory.start()
+    door = door_config(
+        redis_url=server.url,
+        backend="redis",
+        limits={"enabled": True, "requests_per_min": 100_000, "concurrent_streams": 1000},
+        redis={"op_timeout_s": 0.2, "retry_after_failure_s": 0.3},
+    )
+    stack = await make_stack(door)
+    statuses: list[int] = []
+    stop = asyncio.Event()
+
+    async def client(n: int) -> None:
+        i = 0
+        while not stop.is_set():
+            i += 1
+            stream = i % 2 == 0
+            body = chat(f"client {n} question {i % 5}", stream=stream)  # repeats: cache traffic
+            resp, raw = await stack.post(body, tenant=("acme", "beta")[n % 2])
+            statuses.append(resp.status)
+            if stream:
+                assert raw.endswith(b"data: [DONE]\n\n")
+
+    clients = [asyncio.create_task(client(n)) for n in range(8)]
+    await asyncio.sleep(0.6)
+    before = len(statuses)
+    server.stop()  # SIGKILL, mid-load
+    await asyncio.sleep(1.0)
+    stop.set()
+    await asyncio.gather(*clients)
+    assert before > 10 and len(statuses) > before + 10
+    assert set(statuses) == {200}
+    assert await stack.metric("kvproxy_redis_errors_total") >= 1
+    assert await stack.metric("kvproxy_cache_errors_total") >= 1
+
+
+async def test_breaker_opened_by_one_replica_reaches_the_other(
+    make_stack: StackFactory, redis_server: RedisServer, cluster: SimCluster
+) -> None:
+    door = door_config(redis_url=redis_server.url)
+    first = await make_stack(door, cluster=cluster)
+    second = await make_stack(door, cluster=cluster)
+
+    async def breakers(stack: object) -> dict[str, str]:
+        async with first.http.get(stack.url + "/admin/engines") as resp:  # type: ignore[attr-defined]
+            rows = (await resp.json())["engines"]
+        return {row["name"]: row["breaker"] for row in rows}
+
+    await first.faults(error_rate=1.0, error_status=500)
+    for i in range(6):  # enough failures to open both engines' breakers at the first proxy
+        await first.post(chat(f"fail {i}", temperature=0.5))
+    await first.clear_faults()
+    assert "open" in (await breakers(first)).values()
+    opened = {n for n, state in (await breakers(first)).items() if state == "open"}
+    async with asyncio.timeout(1.0):
+        while not opened <= {n for n, s in (await breakers(second)).items() if s == "open"}:
+            await asyncio.sleep(0.05)
+    # The second proxy never sent a request to the failing engines itself.
+    assert await second.metric("kvproxy_upstream_errors_total") == 0
+    assert proxy_config  # the replicas share config shape only, no routing state

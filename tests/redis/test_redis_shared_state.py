@@ -1,0 +1,125 @@
+"""Breaker openings shared across replicas, and the engine registry."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from redisproc import RedisServer
+
+from proxy.breaker import Breaker, BreakerState, Outcome
+from proxy.config import BreakerConfig
+from proxy.redis_link import RedisConfig, RedisLink
+from proxy.shared_state import (
+    EngineRecord,
+    RegistryWatcher,
+    SharedBreakers,
+    heartbeat_engine,
+    list_engines,
+    register_engine,
+    trip,
+)
+
+CFG = BreakerConfig(failure_threshold=3, open_s=5.0)
+
+
+@dataclass
+class FakeEngine:
+    name: str
+    breaker: Breaker
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_trip_opens_from_any_state() -> None:
+    breaker = Breaker(CFG)
+    trip(breaker, 1.0)
+    assert breaker.state is BreakerState.OPEN and breaker.opened_at == 1.0
+    trip(breaker, 2.0)  # already open: unchanged
+    assert breaker.opened_at == 1.0
+    assert breaker.allows(1.0 + CFG.open_s)  # half-open probe
+    trip(breaker, 7.0)
+    assert breaker.state is BreakerState.OPEN and breaker.opened_at == 7.0
+
+
+async def test_breaker_opening_reaches_other_replicas(redis_server: RedisServer) -> None:
+    clock = Clock()
+    replicas = []
+    links = [RedisLink(RedisConfig(url=redis_server.url)) for _ in range(3)]
+    for lk in links:
+        engines = [FakeEngine("e0", Breaker(CFG)), FakeEngine("e1", Breaker(CFG))]
+        shared = SharedBreakers(lk, lambda e=engines: e, open_s=CFG.open_s, clock=clock)
+        replicas.append((engines, shared))
+    try:
+        a_engines = replicas[0][0]
+        for _ in range(CFG.failure_threshold):
+            a_engines[1].breaker.record(Outcome.FAILURE, clock.now)
+        for _, shared in replicas:
+            await shared.sync()
+        for _, shared in replicas:
+            await shared.sync()  # a second round must not echo anything
+        states = [[e.breaker.state for e in engines] for engines, _ in replicas]
+        assert states == [[BreakerState.CLOSED, BreakerState.OPEN]] * 3
+        assert [s.published for _, s in replicas] == [1, 0, 0]
+        assert [s.applied for _, s in replicas] == [0, 1, 1]
+        ttl = await links[0].client.pttl(links[0].key("breaker", "e1"))
+        assert 0 < ttl <= CFG.open_s * 1000
+    finally:
+        for lk in links:
+            await lk.close()
+
+
+async def test_breaker_polling_loop_within_a_second(redis_server: RedisServer) -> None:
+    links = [RedisLink(RedisConfig(url=redis_server.url)) for _ in range(2)]
+    loop = asyncio.get_running_loop()
+    a = [FakeEngine("e0", Breaker(CFG))]
+    b = [FakeEngine("e0", Breaker(CFG))]
+    sa = SharedBreakers(links[0], lambda: a, open_s=CFG.open_s, clock=loop.time)
+    sb = SharedBreakers(links[1], lambda: b, open_s=CFG.open_s, clock=loop.time)
+    tasks = [
+        asyncio.create_task(s.run(), name=f"shared-breakers-{i}") for i, s in enumerate((sa, sb))
+    ]
+    try:
+        trip(a[0].breaker, loop.time())
+        async with asyncio.timeout(1.0):
+            while b[0].breaker.state is not BreakerState.OPEN:  # noqa: ASYNC110 - polled state
+                await asyncio.sleep(0.02)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for lk in links:
+            await lk.close()
+
+
+async def test_registry_heartbeat_and_expiry(redis_server: RedisServer) -> None:
+    link = RedisLink(RedisConfig(url=redis_server.url))
+    seen: list[list[str]] = []
+    watcher = RegistryWatcher(link, lambda records: seen.append([r.name for r in records]))
+    record = EngineRecord("t0", "target", "llama", "http://127.0.0.1:9000")
+    stop = asyncio.Event()
+    try:
+        beat = asyncio.create_task(heartbeat_engine(link, record, ttl_s=3, stop=stop))
+        await asyncio.sleep(0.05)
+        assert await list_engines(link) == [record]
+        await register_engine(link, EngineRecord("t1", "target", "llama", "http://h:1"), ttl_s=0.05)
+        await watcher.poll()
+        await asyncio.sleep(0.1)  # t1 stops heartbeating and expires
+        await watcher.poll()
+        await watcher.poll()  # unchanged: no call
+        stop.set()
+        await beat  # deregisters on the way out
+        await watcher.poll()
+        assert seen == [["t0", "t1"], ["t0"], []]
+        assert await link.client.smembers(link.key("engines")) == set()
+        await link.client.set(link.key("engine", "junk"), b"not json")
+        await link.client.sadd(link.key("engines"), "junk")
+        assert await list_engines(link) == []
+    finally:
+        await link.close()

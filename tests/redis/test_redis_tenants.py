@@ -1,0 +1,111 @@
+"""API keys to tenants: config keys, Redis keys, and keys never appearing in logs."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from redisproc import RedisFactory, RedisServer
+
+from proxy.errors import ConfigError, NoCapacity, Unauthorized
+from proxy.redis_link import RedisConfig, RedisLink
+from proxy.tenants import (
+    AuthConfig,
+    TenantConfig,
+    TenantDirectory,
+    bearer_token,
+    key_digest,
+    register_key,
+    revoke_key,
+)
+
+KEY_A = "sk-acme-0123456789"
+KEY_B = "sk-beta-0123456789"
+
+
+def auth(required: bool = True, **extra: object) -> AuthConfig:
+    tenants = (
+        TenantConfig("acme", keys=(KEY_A,)),
+        TenantConfig("beta", key_sha256=(key_digest(KEY_B),)),
+    )
+    return AuthConfig(required=required, tenants=tenants, **extra)  # type: ignore[arg-type]
+
+
+def test_bearer_token() -> None:
+    assert bearer_token("Bearer abc") == "abc"
+    assert bearer_token("bearer   abc ") == "abc"
+    assert bearer_token("Basic abc") is None
+    assert bearer_token("Bearer ") is None
+    assert bearer_token(None) is None
+
+
+async def test_config_keys() -> None:
+    directory = TenantDirectory(auth())
+    assert await directory.identify(f"Bearer {KEY_A}") == "acme"
+    assert await directory.identify(f"Bearer {KEY_B}") == "beta"
+    with pytest.raises(Unauthorized) as exc:
+        await directory.identify("Bearer sk-wrong")
+    assert exc.value.status == 401 and KEY_A not in str(exc.value)
+    with pytest.raises(Unauthorized):
+        await directory.identify(None)
+
+
+async def test_open_mode_defaults_but_keeps_known_tenants() -> None:
+    directory = TenantDirectory(auth(required=False))
+    assert await directory.identify(None) == "default"
+    assert await directory.identify("Bearer whatever") == "default"
+    assert await directory.identify(f"Bearer {KEY_A}") == "acme"
+
+
+def test_keys_never_in_repr_or_errors() -> None:
+    cfg = auth()
+    assert KEY_A not in repr(cfg)
+    with pytest.raises(ConfigError) as exc:
+        AuthConfig.from_mapping(
+            {"tenants": [{"name": "a", "keys": [KEY_A]}, {"name": "b", "keys": [KEY_A]}]}, "auth"
+        )
+    assert exc.value.field == "auth.tenants[1]" and KEY_A not in str(exc.value)
+    with pytest.raises(ConfigError) as exc:
+        AuthConfig.from_mapping({"tenants": [{"name": "a", "key_sha256": ["abc"]}]}, "auth")
+    assert exc.value.field == "auth.tenants[0].key_sha256[0]"
+    with pytest.raises(ConfigError) as exc:
+        AuthConfig.from_mapping({"required": True}, "auth")
+    assert exc.value.field == "auth.required"
+
+
+async def test_redis_keys(redis_server: RedisServer, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
+    link = RedisLink(RedisConfig(url=redis_server.url))
+    directory = TenantDirectory(auth(redis_keys=True, redis_cache_s=0), link)
+    try:
+        await register_key(link, "sk-from-redis-1", "gamma")
+        assert await directory.identify("Bearer sk-from-redis-1") == "gamma"
+        stored = await link.client.hgetall(link.key("apikeys"))
+        assert stored == {key_digest("sk-from-redis-1").encode(): b"gamma"}
+        await revoke_key(link, "sk-from-redis-1")
+        with pytest.raises(Unauthorized):
+            await directory.identify("Bearer sk-from-redis-1")
+        await link.client.hset(link.key("apikeys"), key_digest("sk-bad-name-1"), "{bad}")
+        with pytest.raises(Unauthorized):
+            await directory.identify("Bearer sk-bad-name-1")
+    finally:
+        await link.close()
+    assert "sk-from-redis-1" not in caplog.text and "sk-bad-name-1" not in caplog.text
+
+
+async def test_redis_outage_keeps_known_keys(redis_factory: RedisFactory) -> None:
+    server = redis_factory.start()
+    link = RedisLink(RedisConfig(url=server.url, op_timeout_s=0.2))
+    directory = TenantDirectory(auth(redis_keys=True, redis_cache_s=0.0), link)
+    try:
+        await register_key(link, "sk-known-key-1", "gamma")
+        assert await directory.identify("Bearer sk-known-key-1") == "gamma"
+        server.stop()
+        # Remembered: still gamma. Config keys: unaffected. Unknown: 503, not 401.
+        assert await directory.identify("Bearer sk-known-key-1") == "gamma"
+        assert await directory.identify(f"Bearer {KEY_A}") == "acme"
+        with pytest.raises(NoCapacity) as exc:
+            await directory.identify("Bearer sk-never-seen-1")
+        assert exc.value.status == 503 and exc.value.reason == "auth_unavailable"
+    finally:
+        await link.close()

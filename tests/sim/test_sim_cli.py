@@ -1,0 +1,77 @@
+"""``kvproxy-sidecar sim``: flags, and draining on SIGTERM in a real process."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import re
+import signal
+import sys
+
+import aiohttp
+import pytest
+
+from engine_sidecar.sim.main import add_arguments, configs_from_args
+
+from .conftest import chat_body, metric, parse_sse
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_flags_map_onto_engine_configs() -> None:
+    args = _parse("--engines", "3", "--model", "m", "--profile", "llama70b-h100",
+                  "--num-gpu-blocks", "100", "--block-size", "32", "--max-num-seqs", "4",
+                  "--scheduling-policy", "priority", "--num-speculative-tokens", "2",
+                  "--spec-acceptance", "0.9,0.5", "--legacy-kv-metric", "--seed", "10",
+                  "--fault-error-rate", "0.25", "--fault-metrics-missing", "vllm:x",
+                  "--time-scale", "4")
+    configs = configs_from_args(args)
+    assert [c.seed for c in configs] == [10, 11, 12]
+    first = configs[0]
+    assert (first.model, first.profile, first.blocks, first.block_size) == (
+        "m", "llama70b-h100", 100, 32)
+    assert first.scheduling_policy == "priority" and first.legacy_kv_metric
+    assert first.acceptance_per_pos == (0.9, 0.5)
+    assert first.faults.error_rate == 0.25 and first.faults.metrics_missing == ("vllm:x",)
+    assert configs[0].faults is not configs[1].faults
+    with pytest.raises(ValueError, match="block_size"):
+        configs_from_args(_parse("--block-size", "0"))
+
+
+async def _read_urls(stream: asyncio.StreamReader, count: int) -> list[str]:
+    urls: list[str] = []
+    while len(urls) < count:
+        line = (await asyncio.wait_for(stream.readline(), 20)).decode()
+        assert line, "the simulator exited before serving"
+        found = re.search(r"at (http://\S+)$", line.strip())
+        if found:
+            urls.append(found.group(1))
+    return urls
+
+
+async def test_sigterm_drains_then_exits(http: aiohttp.ClientSession) -> None:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "engine_sidecar", "sim", "--engines", "2", "--port", "0",
+        "--time-scale", "5", "--drain-timeout", "20", stderr=asyncio.subprocess.PIPE)
+    try:
+        assert proc.stderr is not None
+        urls = await _read_urls(proc.stderr, 2)
+        body = chat_body("stay with me", max_tokens=40, ignore_eos=True, stream=True)
+        async with http.post(urls[0] + "/v1/chat/completions", json=body) as resp:
+            await resp.content.readuntil(b"\n\n")
+            proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.1)
+            assert await metric(http, urls[1], "kvproxy_sidecar_draining") == 1
+            async with http.post(urls[1] + "/v1/chat/completions", json=chat_body("new")) as r:
+                assert r.status == 503
+            events = parse_sse(await resp.read())
+        assert events[-1] == "[DONE]"
+        assert await asyncio.wait_for(proc.wait(), 20) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()

@@ -1,0 +1,220 @@
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from proxy.config import ENV_PREFIX, SCALAR_SECTIONS, ClassThreshold, Config, load_config
+from proxy.configload import scalar_paths
+from proxy.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+GOOD = """
+[server]
+host = "0.0.0.0"
+port = 8001
+
+[routing]
+policy = "least_load"
+
+[admission.sheddable]
+shed_above = 0.8
+
+[[pools]]
+name = "target"
+model = "llama-70b"
+priority_scheduling = true
+  [[pools.engines]]
+  name = "t0"
+  url = "http://10.0.0.5:8000/"
+  [[pools.engines]]
+  name = "t1"
+  url = "http://10.0.0.6:8000"
+  metrics_url = "http://10.0.0.6:9100/metrics"
+
+[[pools]]
+name = "draft"
+model = "llama-1b"
+  [[pools.engines]]
+  name = "d0"
+  url = "http://10.0.0.7:8000"
+
+[[aliases]]
+name = "chat"
+pool = "target"
+tiering = true
+"""
+
+
+def write(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "kvproxy.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def error_for(tmp_path: Path, text: str, env: dict[str, str] | None = None) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, text), env or {}, [])
+    return info.value
+
+
+def test_defaults() -> None:
+    cfg = Config.default()
+    assert cfg.server.port == 8000
+    assert cfg.server.max_body_bytes == 4 * 1024 * 1024
+    assert cfg.telemetry.interval_s == 0.2
+    assert cfg.routing.policy == "prefix_affinity"
+    assert cfg.routing.load_factor == 1.25
+    assert cfg.admission.sheddable == ClassThreshold(0.85, 0.75)
+    assert cfg.breaker.failure_threshold == 3
+    assert cfg.pools == ()
+    assert load_config(None, {}, []) == cfg
+
+
+def test_frozen() -> None:
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        Config.default().server.port = 1  # type: ignore[misc]
+
+
+def test_full_file(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, GOOD), {}, [])
+    assert cfg.server.host == "0.0.0.0"
+    assert cfg.routing.policy == "least_load"
+    # A partial nested table keeps the defaults it leaves out.
+    assert cfg.admission.sheddable == ClassThreshold(0.8, 0.75)
+    target = cfg.pool("target")
+    assert target is not None and target.priority_scheduling
+    assert target.engines[0].url == "http://10.0.0.5:8000"
+    assert target.engines[0].metrics_url == "http://10.0.0.5:8000/metrics"
+    assert target.engines[1].metrics_url == "http://10.0.0.6:9100/metrics"
+    assert cfg.aliases[0].tiering
+
+
+def test_env_then_cli(tmp_path: Path) -> None:
+    env = {
+        "KVPROXY_SERVER_PORT": "9000",
+        "KVPROXY_ROUTING_LOAD_FACTOR": "1.5",
+        "KVPROXY_ADMISSION_SHEDDABLE_SHED_ABOVE": "0.9",
+        "KVPROXY_ADMISSION_DEGRADE_TO_DRAFT": "false",
+        "KVPROXY_VLLM_PYTHON": "/usr/bin/python3",  # not a config section: not ours
+        "PATH": "/bin",
+    }
+    cfg = load_config(
+        write(tmp_path, GOOD), env, ["server.port=9100", "routing.policy=round_robin"]
+    )
+    assert cfg.server.port == 9100  # CLI beats env
+    assert cfg.routing.load_factor == 1.5
+    assert cfg.routing.policy == "round_robin"
+    assert cfg.admission.sheddable.shed_above == 0.9
+    assert cfg.admission.degrade_to_draft is False
+
+
+@pytest.mark.parametrize(
+    ("env", "overrides", "field"),
+    [
+        ({"KVPROXY_SERVER_PROT": "1"}, [], "KVPROXY_SERVER_PROT"),
+        ({"KVPROXY_SERVER_PORT": "eighty"}, [], "server.port"),
+        ({"KVPROXY_ADMISSION_DEGRADE_TO_DRAFT": "maybe"}, [], "admission.degrade_to_draft"),
+        ({}, ["server.prot=1"], "server.prot"),
+        ({}, ["server.port"], "server.port"),
+        ({}, ["pools.name=x"], "pools.name"),
+        ({}, ["routing.policy=fastest"], "routing.policy"),
+        ({}, ["server.port=70000"], "server.port"),
+    ],
+)
+def test_env_and_cli_errors(env: dict[str, str], overrides: list[str], field: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, env, overrides)
+    assert info.value.field == field
+    assert str(info.value).startswith(field)
+
+
+def engines_toml(*urls: str, names: tuple[str, ...] | None = None) -> str:
+    names = names or tuple(f"e{i}" for i in range(len(urls)))
+    body = "".join(
+        f'  [[pools.engines]]\n  name = "{n}"\n  url = "{u}"\n'
+        for n, u in zip(names, urls, strict=True)
+    )
+    return f'[[pools]]\nname = "target"\nmodel = "m"\n{body}'
+
+
+@pytest.mark.parametrize(
+    ("text", "field", "words"),
+    [
+        (engines_toml("http://a", "ftp://b"), "pools[0].engines[1].url", "http(s) URL"),
+        (engines_toml("http://a/v1/"), "pools[0].engines[0].url", "without /v1"),
+        (engines_toml("http://a", "http://b", names=("x", "x")), "pools[0].engines[1].name", "dup"),
+        ("[server]\nprot = 1\n", "server.prot", "unknown key"),
+        ("[serve]\nport = 1\n", "serve", "unknown key"),
+        ('[server]\nport = "80"\n', "server.port", "integer"),
+        ("[server]\nport = true\n", "server.port", "integer"),
+        ("[telemetry]\ninterval_s = 0.1\ntimeout_s = 0.2\n", "telemetry.timeout_s", "<"),
+        (
+            "[admission.standard]\nshed_above = 0.5\nadmit_below = 0.6\n",
+            "admission.standard.admit_below",
+            "<=",
+        ),
+        ("[routing]\nload_factor = 0.5\n", "routing.load_factor", ">= 1.0"),
+        (
+            '[[pools]]\nname = "big"\nmodel = "m"\n' + engines_toml("http://a").split("\n", 3)[3],
+            "pools[0].name",
+            "draft",
+        ),
+        ('[[pools]]\nname = "target"\nmodel = "m"\nengines = []\n', "pools[0].engines", "at least"),
+        ('[[pools]]\nname = "target"\nengines = []\n', "pools[0].model", "required"),
+        (
+            engines_toml("http://a") + '[[aliases]]\nname = "m"\npool = "target"\n',
+            "aliases[0].name",
+            "collides",
+        ),
+        (
+            engines_toml("http://a") + '[[aliases]]\nname = "c"\npool = "draft"\n',
+            "aliases[0].pool",
+            "no pool",
+        ),
+        (
+            engines_toml("http://a") + '[[aliases]]\nname = "c"\npool = "target"\ntiering = true\n',
+            "aliases[0].tiering",
+            "draft",
+        ),
+        (
+            engines_toml("http://a") + '[[aliases]]\nname = "c"\npool = "target"\nfoo = 1\n',
+            "aliases[0].foo",
+            "unknown",
+        ),
+        ("pools = 3\n", "pools", "array"),
+        ("server = 3\n", "server", "table"),
+    ],
+)
+def test_file_errors_name_the_field(tmp_path: Path, text: str, field: str, words: str) -> None:
+    err = error_for(tmp_path, text)
+    assert err.field == field
+    assert words in str(err)
+
+
+def test_duplicate_engine_across_pools(tmp_path: Path) -> None:
+    text = engines_toml("http://a") + engines_toml("http://b").replace('"target"', '"draft"', 1)
+    text = text.replace('model = "m"', 'model = "n"', 1)
+    err = error_for(tmp_path, text)
+    assert err.field == "pools[1].engines[0].name"
+
+
+def test_missing_and_broken_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(str(tmp_path / "nope.toml"), {}, [])
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        load_config(write(tmp_path, "[server\n"), {}, [])
+
+
+def test_example_file_loads() -> None:
+    cfg = load_config(str(ROOT / "examples" / "kvproxy.toml"), {}, [])
+    assert {p.name for p in cfg.pools} == {"draft", "target"}
+    assert any(a.tiering for a in cfg.aliases)
+
+
+def test_every_setting_has_a_distinct_env_name_and_is_documented() -> None:
+    paths = scalar_paths(Config, SCALAR_SECTIONS)
+    env_names = {ENV_PREFIX + p.replace(".", "_").upper() for p in paths}
+    assert len(env_names) == len(paths)
+    doc = (ROOT / "docs" / "configuration.md").read_text()
+    assert all(name in doc for name in env_names)

@@ -1,0 +1,320 @@
+import math
+from collections import Counter
+from collections.abc import Sequence
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from proxy.config import RoutingConfig
+from proxy.routing import (
+    BlockIndex,
+    EngineView,
+    LeastLoad,
+    PrefixAffinity,
+    RoundRobin,
+    RouteKey,
+    candidates,
+    common_depth,
+    load_bound,
+    make_policy,
+)
+
+CFG = RoutingConfig()
+
+
+def view(
+    name: str, load: float = 0.0, *, routable: bool = True, fresh: bool = True, kv: float = 0.1
+) -> EngineView:
+    return EngineView(name=name, routable=routable, fresh=fresh, load=load, kv_usage=kv)
+
+
+def fleet(n: int, load: float = 0.0) -> list[EngineView]:
+    return [view(f"e{i}", load) for i in range(n)]
+
+
+def key(*chain: int) -> RouteKey:
+    return RouteKey(chain=tuple(chain), tenant="t", model="m")
+
+
+@st.composite
+def views(draw: st.DrawFn, min_size: int = 1) -> list[EngineView]:
+    n = draw(st.integers(min_value=min_size, max_value=8))
+    return [
+        view(
+            f"e{i}",
+            draw(st.integers(0, 30)),
+            routable=draw(st.booleans()),
+            fresh=draw(st.booleans()),
+            kv=draw(st.floats(0, 1)),
+        )
+        for i in range(n)
+    ]
+
+
+chains = st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=6).map(tuple)
+policy_names = st.sampled_from(["round_robin", "least_load", "prefix_affinity"])
+
+
+def test_make_policy() -> None:
+    assert isinstance(make_policy(RoutingConfig(policy="round_robin")), RoundRobin)
+    assert isinstance(make_policy(RoutingConfig(policy="least_load")), LeastLoad)
+    assert isinstance(make_policy(RoutingConfig()), PrefixAffinity)
+    for name in ("round_robin", "least_load", "prefix_affinity"):
+        assert make_policy(RoutingConfig(policy=name)).name == name
+
+
+# --- properties shared by every policy -----------------------------------------------------------
+
+
+@given(policy_names, chains, views())
+def test_only_routable_and_fresh_first(
+    name: str, chain: tuple[int, ...], vs: list[EngineView]
+) -> None:
+    ranked = make_policy(RoutingConfig(policy=name)).rank(RouteKey(chain), vs)
+    by_name = {v.name: v for v in vs}
+    assert len(set(ranked)) == len(ranked)
+    assert all(by_name[n].routable for n in ranked)
+    assert len(ranked) == len(candidates(vs)[0])
+    if any(v.routable and v.fresh for v in vs):
+        # Stale engines only when no engine is fresh: never the pick, never the retry target.
+        assert all(by_name[n].fresh for n in ranked)
+    elif any(v.routable for v in vs):
+        # All stale: fail open, least loaded first.
+        assert [by_name[n].load for n in ranked] == sorted(by_name[n].load for n in ranked)
+    else:
+        assert ranked == ()
+
+
+@given(policy_names, st.lists(st.tuples(chains, views()), max_size=10))
+def test_deterministic(name: str, calls: list[tuple[tuple[int, ...], list[EngineView]]]) -> None:
+    # Two replicas that see the same sequence decide the same way.
+    a, b = make_policy(RoutingConfig(policy=name)), make_policy(RoutingConfig(policy=name))
+    for chain, vs in calls:
+        ra, rb = a.rank(RouteKey(chain), vs), b.rank(RouteKey(chain), vs)
+        assert ra == rb
+        if ra:
+            a.observe(RouteKey(chain), ra[0])
+            b.observe(RouteKey(chain), rb[0])
+
+
+# --- prefix affinity -----------------------------------------------------------------------------
+
+
+@given(chains, views(), st.sampled_from([1.0, 1.25, 1.5, 2.0]))
+def test_load_bound(chain: tuple[int, ...], vs: list[EngineView], factor: float) -> None:
+    policy = PrefixAffinity(RoutingConfig(load_factor=factor))
+    ranked = policy.rank(RouteKey(chain), vs)
+    cands, stale_only = candidates(vs)
+    if not ranked or stale_only:
+        return
+    by_name = {v.name: v for v in vs}
+    bound = math.ceil(factor * (sum(v.load for v in cands) + 1) / len(cands))
+    assert bound == load_bound(cands, factor)
+    # With whole-number loads some engine always fits (Mirrokni et al.), so the pick does.
+    assert by_name[ranked[0]].load + 1 <= bound
+
+
+@given(chains, st.integers(2, 8))
+def test_stable_spill_when_home_removed(chain: tuple[int, ...], n: int) -> None:
+    policy = PrefixAffinity(CFG)
+    vs = fleet(n)
+    ranked = policy.rank(RouteKey(chain), vs)
+    without = [v for v in vs if v.name != ranked[0]]
+    assert policy.rank(RouteKey(chain), without) == ranked[1:]
+
+
+@given(chains, st.integers(2, 8))
+def test_stable_spill_when_home_overloaded(chain: tuple[int, ...], n: int) -> None:
+    policy = PrefixAffinity(CFG)
+    vs = fleet(n, load=2)
+    ranked = policy.rank(RouteKey(chain), vs)
+    hot = [view(v.name, 10 * n if v.name == ranked[0] else 2) for v in vs]
+    spilled = policy.rank(RouteKey(chain), hot)
+    assert spilled[0] == ranked[1]
+    assert spilled[-1] == ranked[0]  # still ranked, last resort
+
+
+@given(st.lists(chains, min_size=1, max_size=30, unique=True), st.integers(3, 8))
+def test_other_keys_unaffected(keys: list[tuple[int, ...]], n: int) -> None:
+    policy = PrefixAffinity(CFG)
+    vs = fleet(n)
+    homes = {k: policy.rank(RouteKey(k), vs)[0] for k in keys}
+    gone = "e0"
+    without = [v for v in vs if v.name != gone]
+    hot = [view(v.name, 10 * n if v.name == gone else 0) for v in vs]
+    for k, home in homes.items():
+        if home != gone:
+            assert policy.rank(RouteKey(k), without)[0] == home
+            assert policy.rank(RouteKey(k), hot)[0] == home
+
+
+def test_same_prefix_same_home_distinct_spread() -> None:
+    policy = PrefixAffinity(CFG)
+    vs = fleet(4)
+    assert len({policy.rank(key(1, 2, 3, i), vs)[0] for i in range(20)}) == 1
+    homes = Counter(policy.rank(key(i, i + 1), vs)[0] for i in range(400))
+    assert set(homes) == {"e0", "e1", "e2", "e3"}
+    assert max(homes.values()) < 2 * 400 / 4
+
+
+def test_shared_first_block_still_spreads_without_index() -> None:
+    # Every request shares block 0 (as in real conversation traces); the key covers two blocks.
+    policy = PrefixAffinity(RoutingConfig(index_blocks=0))
+    vs = fleet(8)
+    homes = Counter(policy.rank(key(7, i, i + 1), vs)[0] for i in range(400))
+    assert len(homes) == 8
+
+
+def test_seed_changes_order() -> None:
+    vs = fleet(8)
+    a, b = PrefixAffinity(RoutingConfig(seed=0)), PrefixAffinity(RoutingConfig(seed=1))
+    assert any(a.rank(key(i, i), vs)[0] != b.rank(key(i, i), vs)[0] for i in range(50))
+
+
+def test_conversation_keeps_its_engine() -> None:
+    policy = PrefixAffinity(CFG)
+    vs = fleet(8)
+    moved = 0
+    for conv in range(50):
+        turn = [10**6 + conv]
+        home = None
+        for block in range(6):
+            turn.append(conv * 100 + block)
+            pick = policy.rank(key(*turn), vs)[0]
+            policy.observe(key(*turn), pick)
+            home = home or pick
+            moved += pick != home
+    assert moved == 0
+
+
+def test_index_follows_a_spilled_conversation() -> None:
+    # Turn 1 spills off its rendezvous home; turn 2 goes where turn 1's prefix is, not home.
+    policy = PrefixAffinity(CFG)
+    vs = fleet(4)
+    turn1 = key(5, 6, 7)
+    home = policy.rank(turn1, vs)[0]
+    busy = [view(v.name, 20 if v.name == home else 0) for v in vs]
+    second = policy.rank(turn1, busy)[0]
+    policy.observe(turn1, second)
+    assert policy.rank(key(5, 6, 7, 8, 9), vs)[0] == second
+
+
+def test_shared_system_prompt_spreads_once_everywhere() -> None:
+    policy = PrefixAffinity(CFG)
+    vs = fleet(4)
+    system = (11, 12, 13)
+    for v in vs:
+        policy.observe(key(*system), v.name)
+    homes = Counter(policy.rank(key(*system, i, i + 1), vs)[0] for i in range(400))
+    assert len(homes) == 4
+
+
+def test_shared_system_prompt_spreads_under_load() -> None:
+    policy = PrefixAffinity(CFG)
+    loads = dict.fromkeys((f"e{i}" for i in range(4)), 0)
+    for i in range(200):
+        vs = [view(n, load) for n, load in loads.items()]
+        pick = policy.rank(key(11, 12, 13, i), vs)[0]
+        policy.observe(key(11, 12, 13, i), pick)
+        loads[pick] += 1
+    assert max(loads.values()) <= math.ceil(1.25 * 200 / 4)
+    assert min(loads.values()) > 0
+
+
+def test_kv_usage_breaks_least_load_ties() -> None:
+    vs = [view("a", 1, kv=0.9), view("b", 1, kv=0.2), view("c", 3, kv=0.0)]
+    assert LeastLoad().rank(key(1), vs) == ("b", "a", "c")
+
+
+def test_round_robin_cycles() -> None:
+    rr = RoundRobin()
+    vs = fleet(3)
+    picks = [rr.rank(key(1), vs)[0] for _ in range(6)]
+    assert picks == ["e0", "e1", "e2", "e0", "e1", "e2"]
+    assert rr.rank(key(1), []) == ()
+
+
+# --- the block index -----------------------------------------------------------------------------
+
+
+def test_block_index_longest_match_and_bound() -> None:
+    index = BlockIndex(capacity=5)
+    index.add("a", [1, 2, 3])
+    index.add("b", [1, 2, 3, 4])
+    assert index.match_depths([1, 2, 3, 4, 5], ["a", "b", "c"]) == {"a": 3, "b": 4}
+    index.add("a", [9, 8, 7])
+    assert index.size("a") == 5  # bounded; the deepest, least recent blocks go first
+    assert index.match_depths([1, 2, 3], ["a"]) == {"a": 2}
+    index.add("a", [20, 21])
+    assert index.match_depths([1, 2, 3], ["a"]) == {}
+    index.forget("b")
+    assert index.match_depths([1, 2, 3, 4], ["b"]) == {}
+    disabled = BlockIndex(capacity=0)
+    disabled.add("a", [1])
+    assert disabled.size("a") == 0
+
+
+@settings(max_examples=50)
+@given(st.lists(st.tuples(chains, st.sampled_from(["a", "b", "c"])), max_size=60))
+def test_block_index_stays_bounded(obs: Sequence[tuple[tuple[int, ...], str]]) -> None:
+    index = BlockIndex(capacity=8)
+    for chain, engine in obs:
+        index.add(engine, chain)
+        assert index.size(engine) <= 8
+
+
+@pytest.mark.parametrize("n", [1, 2, 8])
+def test_single_request_idle_fleet(n: int) -> None:
+    ranked = PrefixAffinity(CFG).rank(key(3), fleet(n))
+    assert len(ranked) == n
+
+
+def test_nothing_fits_takes_least_loaded() -> None:
+    # Fractional loads (never from real gauges) can put every engine over the bound.
+    vs = [view("a", 0.9, kv=0.5), view("b", 0.9, kv=0.1)]
+    policy = PrefixAffinity(RoutingConfig(load_factor=1.0))
+    assert load_bound(vs, 1.0) == 2
+    vs = [view("a", 1.5, kv=0.5), view("b", 1.5, kv=0.1)]
+    assert load_bound(vs, 1.0) == 2
+    assert policy.rank(key(1, 2), vs) == ("b", "a")
+
+
+def test_common_depth() -> None:
+    assert common_depth({}, 4) == 0
+    assert common_depth({"a": 5}, 4) == 0  # one engine is never "most"
+    assert common_depth({"a": 5, "b": 3}, 4) == 3
+    assert common_depth({"a": 5, "b": 3, "c": 1}, 8) == 0
+    assert common_depth({"a": 5, "b": 3, "c": 2, "d": 2}, 8) == 2
+    assert common_depth({"a": 5, "b": 3}, 2) == 3
+
+
+def test_prefix_most_engines_hold_does_not_attract() -> None:
+    # Held by three of four engines: common, so the request's own next block decides.
+    policy = PrefixAffinity(CFG)
+    vs = fleet(4)
+    for name in ("e0", "e1", "e2"):
+        policy.observe(key(11, 12, 13), name)
+    homes = Counter(policy.rank(key(11, 12, 13, i), vs)[0] for i in range(400))
+    assert len(homes) == 4
+
+
+small_chains = st.lists(st.integers(0, 5), min_size=1, max_size=5).map(tuple)
+
+
+@given(
+    st.lists(st.tuples(small_chains, st.integers(0, 7)), max_size=30),
+    small_chains,
+    st.integers(2, 8),
+)
+def test_stable_spill_with_history(
+    history: list[tuple[tuple[int, ...], int]], chain: tuple[int, ...], n: int
+) -> None:
+    # Whatever the index has learnt, an overloaded home hands its keys to the second choice.
+    policy = PrefixAffinity(CFG)
+    for past, engine in history:
+        policy.observe(RouteKey(past), f"e{engine % n}")
+    vs = fleet(n, load=2)
+    ranked = policy.rank(RouteKey(chain), vs)
+    hot = [view(v.name, 10 * n if v.name == ranked[0] else 2) for v in vs]
+    assert policy.rank(RouteKey(chain), hot)[0] == ranked[1]

@@ -1,0 +1,71 @@
+"""A stand-in for vLLM's OpenAI server, for testing the sidecar's supervision without vLLM.
+
+Accepts the flags the sidecar passes and serves /health, /v1/completions and /metrics with the
+metric names vLLM uses. ``max_tokens`` >= 1000 makes a request take ``max_tokens / 1000`` seconds
+so drain behaviour can be observed. Env FAKE_VLLM_CRASH_MARKER: if that file exists at start-up,
+it is removed and the server exits with status 3 (a crash on first start).
+"""
+
+import argparse
+import asyncio
+import os
+import sys
+
+from aiohttp import web
+
+state = {"running": 0, "requests": 0}
+
+
+async def health(request):
+    return web.Response(text="")
+
+
+async def completions(request):
+    body = await request.json()
+    state["running"] += 1
+    state["requests"] += 1
+    try:
+        if body.get("max_tokens", 1) >= 1000:
+            await asyncio.sleep(body["max_tokens"] / 1000)
+    finally:
+        state["running"] -= 1
+    return web.json_response({"object": "text_completion", "choices": [{"text": "ok"}]})
+
+
+async def metrics(request):
+    name = request.app["name"]
+    n = state["requests"]
+    labels = f'engine="0",model_name="{name}"'
+    text = (
+        f"vllm:num_requests_running{{{labels}}} {state['running']}.0\n"
+        f"vllm:num_requests_waiting{{{labels}}} 0.0\n"
+        f"vllm:kv_cache_usage_perc{{{labels}}} 0.0\n"
+        f"vllm:spec_decode_num_drafts_total{{{labels}}} {10 * n}.0\n"
+        f"vllm:spec_decode_num_draft_tokens_total{{{labels}}} {30 * n}.0\n"
+        f"vllm:spec_decode_num_accepted_tokens_total{{{labels}}} {18 * n}.0\n"
+        f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{labels},position="0"}} {8 * n}.0\n'
+        f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{labels},position="1"}} {6 * n}.0\n'
+        f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{labels},position="2"}} {4 * n}.0\n'
+    )
+    return web.Response(text=text)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--served-model-name", default="fake")
+    args, _ = parser.parse_known_args()
+    marker = os.environ.get("FAKE_VLLM_CRASH_MARKER")
+    if marker and os.path.exists(marker):
+        os.remove(marker)
+        sys.exit(3)
+    app = web.Application()
+    app["name"] = args.served_model_name
+    app.router.add_get("/health", health)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/metrics", metrics)
+    web.run_app(app, host=args.host, port=args.port, print=None)
+
+
+main()

@@ -1,0 +1,236 @@
+"""The sidecar process end to end, supervising a stand-in vLLM server (fake_vllm/).
+
+Real sockets on 127.0.0.1; the real-vLLM version of these checks lives in tests/contract.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import redis
+
+FAKE_VLLM = Path(__file__).parent / "fake_vllm"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get(url: str, timeout: float = 5.0) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+    except OSError:
+        return 0, ""
+
+
+def post(url: str, body: dict[str, object], timeout: float = 30.0) -> int:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        resp.read()
+        return resp.status
+
+
+def wait_for(predicate, timeout: float = 30.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def metric(text: str, name: str) -> float | None:
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+@dataclass
+class Sidecar:
+    proc: subprocess.Popen[bytes]
+    url: str
+    engine_url: str
+
+    def ready(self) -> dict[str, object]:
+        return json.loads(get(self.url + "/ready")[1])
+
+
+@pytest.fixture
+def sidecar_factory(tmp_path: Path) -> Iterator:
+    started: list[subprocess.Popen[bytes]] = []
+
+    def start(extra_sidecar: str = "", crash_marker: Path | None = None) -> Sidecar:
+        port, vllm_port = free_port(), free_port()
+        env_line = f'PYTHONPATH = "{FAKE_VLLM}"'
+        if crash_marker is not None:
+            env_line += f', FAKE_VLLM_CRASH_MARKER = "{crash_marker}"'
+        profile = tmp_path / f"fake-{port}.toml"
+        profile.write_text(f"""
+[engine]
+model = "/models/fake"
+served_model_name = "fake-model"
+speculative = {{ method = "ngram", num_speculative_tokens = 3 }}
+env = {{ {env_line} }}
+[sidecar]
+port = {port}
+vllm_port = {vllm_port}
+python = "{sys.executable}"
+health_interval_s = 0.1
+warmup_requests = 2
+restart_initial_s = 0.2
+restart_max_s = 1.0
+spec_poll_s = 0.2
+drain_timeout_s = 10.0
+stop_timeout_s = 5.0
+{extra_sidecar}
+""")
+        proc = subprocess.Popen([sys.executable, "-m", "engine_sidecar.vllm", "--profile",
+                                 str(profile), "--log-level", "WARNING"],
+                                env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+        started.append(proc)
+        return Sidecar(proc, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{vllm_port}")
+
+    yield start
+    for proc in started:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def test_ready_after_health_and_warm_up_and_advertises_engine_url(sidecar_factory) -> None:
+    sc = sidecar_factory()
+    wait_for(lambda: get(sc.url + "/ready")[0] == 200, what="sidecar ready")
+    info = sc.ready()
+    assert info["engine_url"] == sc.engine_url
+    assert info["model"] == "fake-model" and info["role"] == "target"
+    assert get(sc.url + "/health")[0] == 200
+    status, text = get(sc.url + "/metrics")
+    assert status == 200
+    # vLLM's own series come through unchanged, followed by the derived ones.
+    assert 'vllm:num_requests_running{engine="0",model_name="fake-model"}' in text
+    assert metric(text, "kvproxy_sidecar_ready") == 1
+    assert metric(text, "kvproxy_sidecar_draining") == 0
+
+
+def test_spec_window_derives_acceptance(sidecar_factory) -> None:
+    sc = sidecar_factory()
+    wait_for(lambda: get(sc.url + "/ready")[0] == 200, what="sidecar ready")
+    for _ in range(3):
+        post(sc.engine_url + "/v1/completions", {"model": "fake-model", "max_tokens": 1})
+        time.sleep(0.3)
+    text = get(sc.url + "/metrics")[1]
+    # The stand-in reports 10 drafts, 30 draft tokens, 18 accepted (8/6/4 by position) per request.
+    assert metric(text, "kvproxy_sidecar_spec_acceptance_rate") == pytest.approx(0.6)
+    assert metric(text, "kvproxy_sidecar_spec_mean_acceptance_length") == pytest.approx(2.8)
+    assert 'kvproxy_sidecar_spec_acceptance_per_position{position="0"} 0.8' in text
+    assert metric(text, "kvproxy_sidecar_spec_best_num_speculative_tokens") == 3
+
+
+def test_engine_crash_is_restarted_with_backoff(sidecar_factory, tmp_path: Path) -> None:
+    marker = tmp_path / "crash-once"
+    marker.write_text("")
+    sc = sidecar_factory(crash_marker=marker)
+    wait_for(lambda: get(sc.url + "/ready")[0] == 200, what="ready after a crashed first start")
+    assert sc.ready()["restarts"] == 1
+    assert metric(get(sc.url + "/metrics")[1], "kvproxy_sidecar_engine_restarts_total") == 1
+
+
+def test_engine_killed_while_ready_comes_back(sidecar_factory) -> None:
+    sc = sidecar_factory()
+    wait_for(lambda: get(sc.url + "/ready")[0] == 200, what="sidecar ready")
+    pid = int(sc.ready()["engine_pid"])
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: sc.ready().get("engine_pid") not in (pid, None)
+             and get(sc.url + "/ready")[0] == 200, what="engine restarted")
+    assert sc.ready()["restarts"] == 1
+
+
+def test_sigterm_drains_in_flight_requests_then_stops_engine(sidecar_factory) -> None:
+    sc = sidecar_factory()
+    wait_for(lambda: get(sc.url + "/ready")[0] == 200, what="sidecar ready")
+    engine_pid = int(sc.ready()["engine_pid"])
+    result: list[int] = []
+    # max_tokens 3000: the stand-in holds this request for 3 s.
+    worker = threading.Thread(target=lambda: result.append(
+        post(sc.engine_url + "/v1/completions", {"model": "fake-model", "max_tokens": 3000})))
+    worker.start()
+    wait_for(lambda: metric(get(sc.url + "/metrics")[1], "vllm:num_requests_running") == 1,
+             what="request running")
+    sc.proc.send_signal(signal.SIGTERM)
+    wait_for(lambda: sc.ready().get("draining") is True, what="draining reported")
+    status, _ = get(sc.url + "/ready")
+    assert status == 503
+    assert metric(get(sc.url + "/metrics")[1], "kvproxy_sidecar_draining") == 1
+    worker.join(timeout=20)
+    assert result == [200], "the in-flight request finished during the drain"
+    assert sc.proc.wait(timeout=20) == 0
+    with pytest.raises(ProcessLookupError):
+        os.kill(engine_pid, 0)
+
+
+@pytest.fixture
+def redis_url() -> Iterator[str]:
+    server = shutil.which("redis-server")
+    if server is None:
+        pytest.skip("redis-server is not installed")
+    port = free_port()
+    proc = subprocess.Popen([server, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no"], stdout=subprocess.DEVNULL)
+    client = redis.Redis(port=port)
+    try:
+        wait_for(lambda: _pings(client), what="redis-server")
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        client.close()
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def _pings(client: redis.Redis) -> bool:
+    try:
+        return bool(client.ping())
+    except redis.RedisError:
+        return False
+
+
+def test_engine_registered_in_redis_with_ttl_and_removed_on_drain(sidecar_factory,
+                                                                   redis_url: str) -> None:
+    sc = sidecar_factory(f'redis_url = "{redis_url}"\nheartbeat_ttl_s = 3.0')
+    client = redis.Redis.from_url(redis_url)
+    try:
+        key = f"kvproxy:engine:target:{sc.engine_url}"
+        wait_for(lambda: client.exists(key) and json.loads(client.get(key))["ready"],
+                 what="registry entry reporting ready")
+        entry = json.loads(client.get(key))
+        assert entry["engine_url"] == sc.engine_url and entry["model"] == "fake-model"
+        assert 0 < client.pttl(key) <= 3000
+        sc.proc.send_signal(signal.SIGTERM)
+        assert sc.proc.wait(timeout=20) == 0
+        assert not client.exists(key)
+    finally:
+        client.close()
