@@ -19,7 +19,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from itertools import product
 
-from bench.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest
+from bench.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest, load_trace, take_slice
 
 CHARS_PER_TOKEN = 4
 _WORDS: tuple[str, ...] = tuple(
@@ -129,6 +129,17 @@ class SharedPrefixWorkload:
             inp = (sys_blocks + doc_blocks) * self.block_tokens + self.question_tokens
             out.append(TraceRequest(i, t, inp, self.output_tokens, tuple(ids)))
         return out
+
+
+SYNTHETIC = "synthetic"
+
+
+def workload(name: str, *, duration_s: float, start_s: float = 0.0) -> list[TraceRequest]:
+    """A trace slice by name, or ``"synthetic"``: the shared-prefix workload over ``duration_s``."""
+    if name == SYNTHETIC:
+        w = SharedPrefixWorkload()
+        return w.requests(round(w.rate_per_s * duration_s))
+    return take_slice(load_trace(name), start_s=start_s, duration_s=duration_s)
 
 
 def iter_prompts(mapper: PromptMapper, reqs: Sequence[TraceRequest]) -> Iterator[str]:

@@ -206,6 +206,7 @@ def routing_markdown(data: Mapping[str, object], png: str | None) -> str:
         "router process's CPU time over the run's wall-clock time (1.0 = one core busy).", "",
         "## Requests per engine", "", engine_shares(runs), "",
         "## Targets", "", routing_targets(runs, ideal), "",
+        "## How the load was chosen", "", str(data.get("calibration", "")), "",
         "## Routers that did not run", "", failures(runs), "",
         "## Request errors (first kinds)", "", error_samples(runs), "",
     ]
@@ -322,11 +323,32 @@ def overhead_markdown(data: Mapping[str, object], png: str | None) -> str:
 # -- driver ----------------------------------------------------------------------------------------
 
 
+def calibration_markdown(results: Path) -> str:
+    path = results / "calibration.json"
+    if not path.exists():
+        return ("No calibration results: run `python -m bench.calibrate` to see round-robin's "
+                "TTFT against the load scale.")
+    data = read_json(path)
+    points = data.get("points")
+    assert isinstance(points, list)
+    rows = [[fmt(_f(p["rate_scale"]), 2), fmt(_f(p["ttft_p50"]), 2), fmt(_f(p["ttft_p90"]), 2),
+             fmt(_f(p["ttft_p99"]), 2), fmt(_f(p["hit_rate"]), 3),
+             fmt(_f(p["busy_fraction"]), 2), fmt(_f(p["preemptions"]), 0)] for p in points]
+    header = ("rate scale", "RR TTFT p50 s", "RR TTFT p90 s", "RR TTFT p99 s", "hit rate",
+              "busy fraction", "preemptions")
+    return "\n".join([
+        f"Round-robin on the simulator's own scheduler and step-time model, without wall clock "
+        f"(`{data.get('command')}`, {data.get('started_at')}; same slice, caps and engines): the "
+        f"load is chosen where round-robin's TTFT turns upward.", "",
+        table(header, rows)])
+
+
 def write_routing(results: Path) -> str | None:
     path = results / "routing.json"
     if not path.exists():
         return None
     data = read_json(path)
+    data["calibration"] = calibration_markdown(results)
     png = _figure(lambda p: plots.routing_figure(
         data["runs"], _f(data["trace"]["ideal_hit_rate"]), footer_text(data), p),  # type: ignore[arg-type,index]
         results / "routing.png")

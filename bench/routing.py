@@ -34,10 +34,10 @@ from bench.fleet import Fleet, FleetSpec, GaugeSampler, deltas, fleet_hit_rate, 
 from bench.loadgen import Endpoint, make_session, replay, request_body, run_async, send_one
 from bench.peers import Router, all_routers, parse_router_list
 from bench.procs import Managed
-from bench.prompts import PromptMapper
+from bench.prompts import PromptMapper, workload
 from bench.report import RESULTS, report_args
 from bench.stats import bootstrap_ci, engine_counts, share_max_over_mean, summarize
-from bench.traces import Caps, apply_caps, describe, hit_rate, load_trace, take_slice
+from bench.traces import Caps, apply_caps, describe, hit_rate
 
 T = TypeVar("T")
 
@@ -49,7 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.routing", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="a few-minute run: shorter slice, "
                    "kvproxy's policies plus each peer's best-known policy")
-    p.add_argument("--trace", default="mooncake_conversation.jsonl")
+    p.add_argument("--trace", default="mooncake_conversation.jsonl",
+                   help="a file in ../shared/traces, a path, or 'synthetic' (tenants x system "
+                   "prompts x documents x questions)")
     p.add_argument("--start-s", type=float, default=0.0, help="slice start, trace seconds")
     p.add_argument("--duration-s", type=float, default=None, help="slice length, trace seconds")
     p.add_argument("--rate-scale", type=float, default=3.5,
@@ -89,8 +91,7 @@ def main(argv: list[str] | None = None) -> int:
 
     caps = Caps(max_input_tokens=args.max_input_tokens, max_output_tokens=args.max_output_tokens,
                 output_scale=args.output_scale)
-    reqs = apply_caps(take_slice(load_trace(args.trace), start_s=args.start_s,
-                                 duration_s=duration), caps)
+    reqs = apply_caps(workload(args.trace, start_s=args.start_s, duration_s=duration), caps)
     spec = FleetSpec(engines=args.engines, profile=args.profile, time_scale=time_scale,
                      num_gpu_blocks=args.num_gpu_blocks,
                      max_model_len=args.max_input_tokens + args.max_output_tokens + 64)

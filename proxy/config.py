@@ -78,6 +78,8 @@ class TelemetryConfig:
 class RoutingConfig:
     policy: str = "prefix_affinity"
     load_factor: float = 1.25
+    # An engine carrying fewer requests than this is never over the bound (idle pools don't spill).
+    min_load_bound: int = 2
     block_chars: int = 2048
     max_blocks: int = 64
     # Depth (in blocks) of the chain hash that orders engines; deeper past a prefix most hold.
@@ -91,7 +93,8 @@ class RoutingConfig:
     def __post_init__(self) -> None:
         _require(self.policy in POLICIES, "policy", f"must be one of {', '.join(POLICIES)}")
         _require(self.load_factor >= 1.0, "load_factor", "must be >= 1.0")
-        _positive(self, "block_chars", "max_blocks", "affinity_blocks", "min_match_blocks")
+        _positive(self, "min_load_bound", "block_chars", "max_blocks")
+        _positive(self, "affinity_blocks", "min_match_blocks")
         _require(self.index_blocks >= 0, "index_blocks", "must be >= 0")
         _require(self.seed >= 0, "seed", "must be >= 0")
 

@@ -21,7 +21,7 @@ from proxy.fleet import HEALTH_STATES
 from proxy.inbound import Endpoint, Inbound, accept, rewrite
 from proxy.keys import REQUEST_ID, SHELL
 from proxy.metrics import CONTENT_TYPE
-from proxy.pools import PoolPlan, resolve_model, upstream_model
+from proxy.pools import PoolPlan, model_names, resolve_model, upstream_model
 from proxy.prefix import prefix_chain
 from proxy.relay import CLIENT_CLOSED, Job, Relay
 from proxy.routing import RouteKey
@@ -175,8 +175,10 @@ def _observe(ctx: ShellContext, job: Job) -> None:
 async def models(request: web.Request) -> web.Response:
     ctx = request.app[SHELL]
     created = int(ctx.started_at)
-    names = [p.model for p in ctx.cfg.pools] + [a.name for a in ctx.cfg.aliases]
-    data = [{"id": n, "object": "model", "created": created, "owned_by": "kvproxy"} for n in names]
+    data = [
+        {"id": name, "object": "model", "created": created, "owned_by": "kvproxy", "pool": pool}
+        for name, pool in model_names(ctx.cfg)
+    ]
     return _json({"object": "list", "data": data})
 
 

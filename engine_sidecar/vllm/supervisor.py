@@ -103,7 +103,8 @@ class Supervisor:
             started = time.monotonic()
             try:
                 await self._run_once()
-            except StartupFailed as exc:
+            except (StartupFailed, OSError) as exc:
+                # OSError: the interpreter or vLLM could not be executed at all.
                 log.error("vLLM start-up failed: %s", exc)
             await self._stop_engine()
             if self._stopping.is_set() or self.state.draining:

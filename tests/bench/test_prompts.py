@@ -2,7 +2,14 @@
 
 import pytest
 
-from bench.prompts import CHARS_PER_TOKEN, PromptMapper, SharedPrefixWorkload, token_count
+from bench.prompts import (
+    CHARS_PER_TOKEN,
+    SYNTHETIC,
+    PromptMapper,
+    SharedPrefixWorkload,
+    token_count,
+    workload,
+)
 from bench.traces import TraceRequest, hit_rate
 
 
@@ -80,3 +87,9 @@ def test_shared_prefix_workload_shares_system_and_documents():
     assert hit_rate(reqs) > 0.9  # 4 distinct prefixes over 200 requests
     times = [r.arrival_s for r in reqs]
     assert times == sorted(times)
+
+
+def test_synthetic_workload_by_name_spans_the_duration():
+    reqs = workload(SYNTHETIC, duration_s=30.0)
+    assert len(reqs) == round(SharedPrefixWorkload().rate_per_s * 30.0)
+    assert reqs[-1].arrival_s < 60.0

@@ -12,7 +12,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from proxystack import MODEL, Stack, proxy_config, sim
+from proxystack import OTHER_MODEL, Stack, proxy_config, sim
 from redisproc import RedisFactory, RedisServer
 
 from engine_sidecar.sim.cluster import start_cluster
@@ -68,13 +68,15 @@ async def make_stack() -> AsyncIterator[StackFactory]:
         engines: int = 2,
         engine_kw: dict[str, Any] | None = None,
         cluster: Any = None,
+        drafts: int = 0,
     ) -> Stack:
         if cluster is None:
             configs = [sim(f"t{i}", seed=i, **(engine_kw or {})) for i in range(engines)]
+            configs += [sim(f"d{i}", OTHER_MODEL, seed=9 + i) for i in range(drafts)]
             cluster = await start_cluster(configs, host="127.0.0.1", port=0)
             cleanups.append(cluster.close)
         names = [e.name for e in cluster.engines]
-        cfg = proxy_config(cluster.urls, names, [MODEL] * len(names))
+        cfg = proxy_config(cluster.urls, names, [e.model for e in cluster.engines])
         server = ProxyServer(cfg, build_app(cfg, door=door))
         await server.start()
         cleanups.append(server.stop)

@@ -1,4 +1,4 @@
-"""A proxy with its front door (tenants, limits, cache, Redis) before simulated engines, on loopback.
+"""A proxy with its front door (tenants, limits, cache, Redis) before simulated engines.
 
 Also ``python tests/redis/proxystack.py CONFIG.json``: one proxy process (for the tests that need
 several replicas as separate processes); it prints its URL on the first line of stdout and serves

@@ -228,3 +228,23 @@ async def test_redis_down_or_frozen_is_a_miss(redis_factory: RedisFactory) -> No
         assert isinstance(cache.backend, RedisBackend)
     finally:
         await link.close()
+
+
+async def test_a_stream_without_usage_cannot_answer_a_client_that_wants_usage(
+    cache: ResponseCache,
+) -> None:
+    lookup = await cache.lookup(request(stream=True))
+    assert lookup.fill is not None
+    async with lookup.fill as fill:
+        fill.start(200, streamed=True)
+        chunk = {"id": "x", "choices": [{"index": 0, "delta": {"content": "hi"},
+                                         "finish_reason": "stop"}]}  # fmt: skip
+        fill.feed(b"data: " + orjson.dumps(chunk) + b"\n\ndata: [DONE]\n\n")
+    assert (await cache.lookup(request(stream=True))).status == "HIT"
+    usage = {"include_usage": True}
+    for refresher in (request(), request(stream=True, stream_options=usage)):
+        refresh = await cache.lookup(refresher)
+        assert refresh.status == "MISS" and refresh.fill is not None
+        await refresh.fill.finish(completed=False)
+    await fill_json(cache, request(), "with usage")
+    assert (await cache.lookup(request(stream=True, stream_options=usage))).status == "HIT"

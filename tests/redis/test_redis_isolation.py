@@ -8,6 +8,8 @@ from typing import Any
 import orjson
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from conftest import StackFactory
+from proxystack import MODEL, OTHER_MODEL, chat, door_config
 from redisproc import RedisServer
 
 from proxy.cache import CacheRequest, ResponseCache, make_cache
@@ -77,3 +79,28 @@ def test_no_cross_tenant_hit_in_redis(
             await link.close()
 
     asyncio.run(run())
+
+
+PROXY_REQUEST = st.tuples(
+    st.sampled_from(["acme", "beta", "gamma"]),
+    st.sampled_from([MODEL, OTHER_MODEL]),
+    st.sampled_from(["What is a KV cache?", "Tell me a story."]),
+    st.sampled_from([{}, {"max_tokens": 4}, {"seed": 1, "temperature": 0.7}]),
+    st.booleans(),
+)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
+@given(requests=st.lists(PROXY_REQUEST, min_size=2, max_size=10))
+async def test_no_cross_tenant_hit_through_the_proxy(
+    make_stack: StackFactory, requests: list[tuple[str, str, str, dict[str, Any], bool]]
+) -> None:
+    stack = await make_stack(door_config(), engines=1, drafts=1)
+    answered: set[tuple[str, str, str, str]] = set()
+    for tenant, model, question, extra, stream in requests:
+        body = {**chat(question, stream=stream), "model": model, **extra}
+        resp, raw = await stack.post(body, tenant=tenant)
+        assert resp.status == 200
+        ident = (tenant, model, question, repr(sorted(extra.items())))
+        assert resp.headers["X-Cache"] == ("HIT" if ident in answered else "MISS")
+        answered.add(ident)

@@ -1,4 +1,4 @@
-"""The response cache through the proxy: hit / miss / bypass, SSE replay, cut streams, single flight.
+"""The response cache through the proxy: hit/miss/bypass, SSE replay, cut streams, single flight.
 
 Run against both backends; the clients are the official openai SDK and plain aiohttp.
 """

@@ -109,8 +109,9 @@ def test_load_bound(chain: tuple[int, ...], vs: list[EngineView], factor: float)
     if not ranked or stale_only:
         return
     by_name = {v.name: v for v in vs}
-    bound = math.ceil(factor * (sum(v.load for v in cands) + 1) / len(cands))
-    assert bound == load_bound(cands, factor)
+    floor = policy.cfg.min_load_bound
+    bound = max(floor, math.ceil(factor * (sum(v.load for v in cands) + 1) / len(cands)))
+    assert bound == load_bound(cands, factor, floor)
     # With whole-number loads some engine always fits (Mirrokni et al.), so the pick does.
     assert by_name[ranked[0]].load + 1 <= bound
 
@@ -268,6 +269,18 @@ def test_block_index_stays_bounded(obs: Sequence[tuple[tuple[int, ...], str]]) -
 def test_single_request_idle_fleet(n: int) -> None:
     ranked = PrefixAffinity(CFG).rank(key(3), fleet(n))
     assert len(ranked) == n
+
+
+def test_idle_pool_does_not_spill() -> None:
+    # One request in flight over three engines: the plain mean bound is 1, which would move the
+    # next request with the same prefix away from its home; the floor keeps it there.
+    policy = PrefixAffinity(RoutingConfig())
+    home = policy.rank(key(1, 2), [view("a", 0), view("b", 0), view("c", 0)])[0]
+    vs = [view(n, 1 if n == home else 0) for n in ("a", "b", "c")]
+    assert load_bound(vs, 1.25) == 1
+    assert policy.rank(key(1, 2), vs)[0] == home
+    strict = PrefixAffinity(RoutingConfig(min_load_bound=1))
+    assert strict.rank(key(1, 2), vs)[0] != home
 
 
 def test_nothing_fits_takes_least_loaded() -> None:

@@ -80,7 +80,8 @@ class Sidecar:
 def sidecar_factory(tmp_path: Path) -> Iterator:
     started: list[subprocess.Popen[bytes]] = []
 
-    def start(extra_sidecar: str = "", crash_marker: Path | None = None) -> Sidecar:
+    def start(extra_sidecar: str = "", crash_marker: Path | None = None,
+              python: str = sys.executable) -> Sidecar:
         port, vllm_port = free_port(), free_port()
         env_line = f'PYTHONPATH = "{FAKE_VLLM}"'
         if crash_marker is not None:
@@ -95,7 +96,7 @@ env = {{ {env_line} }}
 [sidecar]
 port = {port}
 vllm_port = {vllm_port}
-python = "{sys.executable}"
+python = "{python}"
 health_interval_s = 0.1
 warmup_requests = 2
 restart_initial_s = 0.2
@@ -158,6 +159,15 @@ def test_engine_crash_is_restarted_with_backoff(sidecar_factory, tmp_path: Path)
     wait_for(lambda: get(sc.url + "/ready")[0] == 200, what="ready after a crashed first start")
     assert sc.ready()["restarts"] == 1
     assert metric(get(sc.url + "/metrics")[1], "kvproxy_sidecar_engine_restarts_total") == 1
+
+
+def test_missing_interpreter_keeps_retrying_and_never_reports_ready(sidecar_factory,
+                                                                    tmp_path: Path) -> None:
+    sc = sidecar_factory(python=str(tmp_path / "no-such-python"))
+    wait_for(lambda: get(sc.url + "/ready")[0] == 503 and sc.ready()["restarts"] >= 2,
+             what="restarts with backoff")
+    assert sc.ready()["engine_up"] is False
+    assert get(sc.url + "/health")[0] == 200
 
 
 def test_engine_killed_while_ready_comes_back(sidecar_factory) -> None:
