@@ -1,6 +1,6 @@
 """Choosing the routing benchmark's load: round-robin on the simulator's model, without wall clock.
 
-Usage: ``python -m bench.calibrate [--rate-scales 1,2,3,3.5,4] [routing options]``; writes
+Usage: ``python -m bench.calibrate [--rate-scales 1,2,3,3.25,3.5,4] [routing options]``; writes
 ``bench/results/calibration.json`` (shown in the routing report).
 
 Rules:
@@ -101,7 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.calibrate", parents=[routing_parser()],
                                 add_help=False, description=__doc__.splitlines()[0],
                                 conflict_handler="resolve")
-    p.add_argument("--rate-scales", default="1,2,3,3.5,4")
+    p.add_argument("--rate-scales", default="1,2,3,3.25,3.5,4")
     args = p.parse_args(argv)
     duration = args.duration_s or 600.0
     caps = Caps(max_input_tokens=args.max_input_tokens, max_output_tokens=args.max_output_tokens,

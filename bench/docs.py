@@ -41,9 +41,11 @@ See `bench/README.md` for every option.
 - **Traffic (routing).** A slice of the Mooncake conversation trace (FAST'25) replayed open-loop
   with its arrival times. Every `hash_id` becomes the same pseudo-random 512-token text block each
   time it appears, so the trace's prefix sharing becomes prompt prefix sharing; a unique tail
-  makes up each request's input length. The slice is compressed in time and the engines run
-  faster by the same factor, so the load on the fleet is the trace's; latencies are reported in
-  trace time. Lengths are capped for a two-core machine (stated with every result).
+  makes up each request's input length. The arrival rate is multiplied by a load factor chosen
+  (with `python -m bench.calibrate`) where round-robin's TTFT turns upward, i.e. near
+  saturation, where routing matters; the run is then played faster than real time with the
+  engines sped up by the same factor, and latencies are reported in engine time. Lengths are
+  capped for a two-core machine. Every figure states these settings next to it.
 - **Traffic (overhead).** Closed-loop streams at several concurrencies; the engines called
   directly and through each router, in short slices that alternate within one run so that
   drifts of the machine affect every path alike.
@@ -51,6 +53,21 @@ See `bench/README.md` for every option.
   interval (sampling noise of that run only; the machine's own noise comes on top, and on a
   shared two-core machine it can be large). The overhead benchmark gives, for each ratio, its
   range over the interleaved rounds.
+
+## Reading the figures
+
+- The engines are simulated; the routers, the proxy and the HTTP traffic are real. What the
+  routing benchmark compares is how each router's choices play out on the same engine model.
+- Everything shares two cores: engines on one, the router under test on the other, the load
+  generator wherever the kernel puts it. A router that needs more than one core (LiteLLM's Python
+  proxy with one worker, at these request rates) shows it in the `router CPU` column and in its
+  latencies; on a larger machine it would be given more.
+- In the routing benchmark a router's fixed wall-clock delay is multiplied by the time scale
+  (latencies are in engine time); in the overhead benchmark the engines run in real time, so
+  nothing is scaled there.
+- `vllm-router/consistent_hash` hashes a session key; the replay sends `X-Session-ID` set to the
+  request's first two block ids (its conversation), as a chat frontend would send a
+  conversation id. The other routers ignore that header.
 """
 
 
@@ -65,10 +82,21 @@ def _shift(text: str, link_prefix: str) -> str:
     return "\n".join(out)
 
 
+def _section(text: str, heading: str) -> str:
+    """The body of the section under ``heading`` (up to the next heading of that level)."""
+    _, found, rest = text.partition(heading + "\n")
+    if not found:
+        return ""
+    body, _, _ = rest.partition("\n## ")
+    return body.strip()
+
+
 def benchmarks_doc(routing: str | None, overhead: str | None, results: Path, docs: Path,
                    generated_at: str, plots_missing: str | None) -> str:
     prefix = os.path.relpath(results, docs.parent).replace(os.sep, "/") + "/"
-    parts = [INTRO, f"## Current figures\n\nGenerated {generated_at}."]
+    parts = [INTRO, f"## Current figures\n\nGenerated {generated_at}.", "### Targets at a glance"]
+    glance = [_section(text, "## Targets") for text in (routing, overhead) if text]
+    parts.append("\n".join(glance) if glance else "No results yet.")
     if plots_missing:
         parts.append(f"No PNGs: {plots_missing}.")
     parts.append(_shift(routing, prefix) if routing else

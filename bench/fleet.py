@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -76,7 +77,18 @@ class Fleet:
     proc: Managed | None = None
     urls: list[str] = field(default_factory=list)
 
-    def start(self, timeout_s: float = 60.0) -> Fleet:
+    def start(self, timeout_s: float = 60.0, attempts: int = 3) -> Fleet:
+        """Start the engine process; a lost race for a port is retried on another range."""
+        for attempt in range(attempts):
+            try:
+                return self._start_once(timeout_s)
+            except RuntimeError:
+                self.stop()
+                if attempt == attempts - 1:
+                    raise
+        return self
+
+    def _start_once(self, timeout_s: float) -> Fleet:
         self.port = free_port_range(self.spec.engines)
         self.urls = [f"http://127.0.0.1:{self.port + k}" for k in range(self.spec.engines)]
         self.proc = Managed("sim-engines", self.spec.argv(self.port),
@@ -89,6 +101,11 @@ class Fleet:
         if self.proc is not None:
             self.proc.stop()
 
+    def kv_config(self) -> dict[str, str]:
+        """The first engine's cache configuration as it reports it (all engines are alike)."""
+        status, text = http_get(self.urls[0] + "/metrics", timeout_s=5.0)
+        return cache_config(text) if status == 200 else {}
+
     def scrape(self) -> dict[str, dict[str, float]]:
         """Counters of every engine, keyed by engine URL."""
         out: dict[str, dict[str, float]] = {}
@@ -96,6 +113,15 @@ class Fleet:
             status, text = http_get(url + "/metrics", timeout_s=5.0)
             out[url] = parse_counters(text) if status == 200 else {}
         return out
+
+
+def cache_config(text: str) -> dict[str, str]:
+    """Labels of ``vllm:cache_config_info`` (block_size, num_gpu_blocks, ...); {} if absent."""
+    for line in text.splitlines():
+        if line.startswith("vllm:cache_config_info{"):
+            labels = line[line.index("{") + 1 : line.rindex("}")]
+            return dict(re.findall(r'(\w+)="([^"]*)"', labels))
+    return {}
 
 
 def parse_counters(text: str, names: Sequence[str] = COUNTERS) -> dict[str, float]:

@@ -128,10 +128,11 @@ async def send_one(
     index: int,
     run_start: float,
     timeout_s: float = 600.0,
+    headers: Mapping[str, str] | None = None,
 ) -> RequestRecord:
     t0 = time.perf_counter()
     rec = RequestRecord(index=index, target=endpoint.name, sent_at=t0 - run_start)
-    headers = {"Content-Type": "application/json", **dict(endpoint.headers)}
+    headers = {"Content-Type": "application/json", **dict(endpoint.headers), **(headers or {})}
     reader = _StreamReader(t0)
     try:
         async with asyncio.timeout(timeout_s):
@@ -181,6 +182,22 @@ def make_session(limit: int = 0) -> aiohttp.ClientSession:
     )
 
 
+SESSION_BLOCKS = 2
+
+
+def session_header(req: TraceRequest) -> dict[str, str]:
+    """``X-Session-ID`` naming the request's conversation: its first two block ids.
+
+    Block 0 is shared by every Mooncake request (a system prompt); block 1 is where conversations
+    part. A session-keyed router (vLLM router's ``consistent_hash``) needs such a key, as a chat
+    frontend would send; the other routers ignore the header.
+    """
+    if not req.hash_ids:
+        return {}
+    key = "-".join(str(h) for h in req.hash_ids[:SESSION_BLOCKS])
+    return {"X-Session-ID": f"conv-{key}"}
+
+
 @dataclass
 class ReplayResult:
     records: list[RequestRecord]
@@ -212,9 +229,8 @@ async def replay(
                 await asyncio.sleep(delay)
             else:
                 lag = max(lag, -delay)
-            coro = send_one(
-                session, endpoint, body, index=req.index, run_start=start, timeout_s=timeout_s
-            )
+            coro = send_one(session, endpoint, body, index=req.index, run_start=start,
+                            timeout_s=timeout_s, headers=session_header(req))
             tasks.append(asyncio.create_task(coro, name=f"req-{req.index}"))
             if progress is not None and i % 100 == 0:
                 progress(i, len(reqs))
@@ -231,17 +247,20 @@ async def closed_loop(
     duration_s: float,
     run_start: float,
     timeout_s: float = 120.0,
+    ramp_s: float = 0.0,
 ) -> tuple[list[RequestRecord], float]:
     """``concurrency`` streams, each sending its next request when the last one ends.
 
-    ``pick(n)`` gives the endpoint and body of the n-th request. Requests started before the
-    deadline run to completion; returns the records and the wall-clock span measured.
+    ``pick(n)`` gives the endpoint and body of the n-th request. Stream k starts after
+    ``k * ramp_s / concurrency`` so that the streams do not all arrive in one burst. Requests
+    started before the deadline run to completion; returns the records and the wall-clock span.
     """
     counter = iter(range(1 << 62))
     stop_at = time.perf_counter() + duration_s
     records: list[RequestRecord] = []
 
-    async def stream() -> None:
+    async def stream(k: int) -> None:
+        await asyncio.sleep(k * ramp_s / concurrency)
         while time.perf_counter() < stop_at:
             n = next(counter)
             endpoint, body = pick(n)
@@ -254,5 +273,5 @@ async def closed_loop(
     t0 = time.perf_counter()
     async with asyncio.TaskGroup() as group:
         for k in range(concurrency):
-            group.create_task(stream(), name=f"stream-{k}")
+            group.create_task(stream(k), name=f"stream-{k}")
     return records, time.perf_counter() - t0

@@ -8,7 +8,7 @@ Rules:
   of short slices alternate over the paths (direct first), so that the machine's drifts fall on
   every path alike. ``direct`` is the client itself round-robining over the engines.
 - Prompts are unique (no prefix-cache effect on any path); every request streams the same number
-  of tokens.
+  of tokens. In each slice the streams start spread over ``RAMP_S``, not in one burst.
 - Router CPU per request: ``/proc/<pid>/stat`` CPU time over the router's own slices divided by
   the requests they completed (the router's idle work between its slices, e.g. scraping, is
   charged to it too, so the figure is an upper bound).
@@ -33,12 +33,13 @@ import aiohttp
 from bench import machine, report
 from bench.fleet import Fleet, FleetSpec
 from bench.loadgen import Endpoint, closed_loop, make_session, request_body, run_async
-from bench.peers import Router, parse_router_list
+from bench.peers import Router, launch_ready, parse_router_list
 from bench.procs import Managed, free_port
 from bench.prompts import random_tokens
 from bench.report import RESULTS, report_args
 from bench.stats import RequestRecord, percentile, summarize
 
+RAMP_S = 1.0  # streams start spread over this, not in one burst
 DEFAULT_ROUTERS = ("kvproxy/prefix_affinity,kvproxy/round_robin,vllm-router/round_robin,"
                    "sglang-router/round_robin,litellm/least-busy")
 
@@ -48,8 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="fewer, shorter slices")
     p.add_argument("--concurrency", default="1,16,64")
-    p.add_argument("--slice-s", type=float, default=None, help="seconds per slice (4; quick 2)")
-    p.add_argument("--rounds", type=int, default=None, help="rounds per concurrency (4; quick 2)")
+    p.add_argument("--slice-s", type=float, default=None, help="seconds per slice (6; quick 3)")
+    p.add_argument("--rounds", type=int, default=None, help="rounds per concurrency (3; quick 2)")
     p.add_argument("--routers", default=DEFAULT_ROUTERS)
     p.add_argument("--engines", type=int, default=8)
     p.add_argument("--profile", default="llama70b-h100x4")
@@ -82,13 +83,17 @@ class Paths:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    slice_s = args.slice_s or (2.0 if args.quick else 4.0)
-    rounds = args.rounds or (2 if args.quick else 4)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        routers = parse_router_list(args.routers)
+    except ValueError as exc:
+        parser.error(str(exc))
+    slice_s = args.slice_s or (3.0 if args.quick else 6.0)
+    rounds = args.rounds or (2 if args.quick else 3)
     levels = [int(c) for c in args.concurrency.split(",")]
     spec = FleetSpec(engines=args.engines, profile=args.profile, time_scale=args.time_scale,
                      max_model_len=args.prompt_tokens + args.output_tokens + 64)
-    routers = parse_router_list(args.routers)
     result: dict[str, object] = {
         "benchmark": "overhead", "command": machine.command_line(),
         "started_at": machine.now_utc(), "machine": machine.environment(),
@@ -133,16 +138,12 @@ def start_routers(routers: list[Router], fleet: Fleet, model: str, work: Path,
             unavailable[router.name] = reason
             continue
         versions[router.router] = router.version()
-        proc: Managed | None = None
         try:
-            proc, endpoint, ready = router.launch(fleet.urls, model, work / router.router,
-                                                  args.router_cores or None)
-            proc.wait_http(ready, timeout_s=90, headers=dict(endpoint.headers))
+            proc, endpoint = launch_ready(router, fleet.urls, model, work / router.router,
+                                          args.router_cores or None)
             out.append((router, proc, endpoint))
-        except Exception as exc:
+        except Exception as exc:  # one peer's failure is reported, the others still run
             unavailable[router.name] = f"{type(exc).__name__}: {exc}"[:2000]
-            if proc is not None:
-                proc.stop()
     return out
 
 
@@ -206,7 +207,7 @@ async def _slice(session: aiohttp.ClientSession, paths: Paths,
 
     cpu0 = proc.cpu_seconds() if proc else 0.0
     recs, span = await closed_loop(session, pick, concurrency=conc, duration_s=slice_s,
-                                   run_start=start)
+                                   run_start=start, ramp_s=RAMP_S)
     cpu1 = proc.cpu_seconds() if proc else 0.0
     return recs, span, cpu1 - cpu0
 

@@ -84,6 +84,23 @@ class Router:
         return proc, endpoint, ready
 
 
+def launch_ready(router: Router, engine_urls: Sequence[str], model: str, work_dir: Path,
+                 cores: str | None, *, timeout_s: float = 90.0,
+                 attempts: int = 2) -> tuple[Managed, Endpoint]:
+    """Start ``router`` and wait until it answers; one retry on a fresh port if it dies."""
+    for attempt in range(attempts):
+        proc, endpoint, ready = router.launch(engine_urls, model, work_dir, cores)
+        try:
+            proc.wait_http(ready, timeout_s=timeout_s, headers=dict(endpoint.headers))
+        except RuntimeError:
+            proc.stop()
+            if attempt == attempts - 1:
+                raise
+            continue
+        return proc, endpoint
+    raise AssertionError("unreachable")
+
+
 def _own_version() -> str:
     try:
         return metadata.version("kvproxy")

@@ -81,7 +81,9 @@ def overhead_figure(ratios: Mapping[str, Mapping[int, Mapping[str, float]]], foo
             ax.plot(conc, [by_conc[c].get(key, math.nan) for c in conc], marker="o",
                     label=router)
         ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.axhline(1.05, color="grey", linewidth=0.6, linestyle=":")
         ax.set_xscale("log", base=2)
+        ax.set_yscale("log")  # one slow peer must not flatten the others
         ax.set_xlabel("concurrent streams")
         ax.set_title(f"{label} / direct")
     axes[0].legend(fontsize=7)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -32,13 +33,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def free_port_range(count: int, start: int = 20000, stop: int = 60000) -> int:
-    """First port P such that P..P+count-1 are all free on loopback (best effort)."""
-    port = start + (os.getpid() * 37) % (stop - start - count)
+def free_port_range(count: int, start: int = 20000, stop: int = 32000) -> int:
+    """A port P such that P..P+count-1 are all free on loopback (best effort).
+
+    Below Linux's ephemeral range (32768-60999), so that outgoing connections of this or any
+    other process cannot take one of them between this check and the engines' bind.
+    """
+    port = start + random.randrange(stop - start - count)
     for _ in range(200):
         if all(_is_free(port + k) for k in range(count)):
             return port
         port += count + 1
+        if port + count >= stop:
+            port = start
     raise RuntimeError("no free port range")
 
 

@@ -22,8 +22,8 @@ import asyncio
 import sys
 import time
 import traceback
-from collections.abc import Coroutine
-from dataclasses import asdict
+from collections.abc import Coroutine, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -31,13 +31,21 @@ import orjson
 
 from bench import machine, report
 from bench.fleet import Fleet, FleetSpec, GaugeSampler, deltas, fleet_hit_rate, requests_per_engine
-from bench.loadgen import Endpoint, make_session, replay, request_body, run_async, send_one
-from bench.peers import Router, all_routers, parse_router_list
+from bench.loadgen import (
+    Endpoint,
+    ReplayResult,
+    make_session,
+    replay,
+    request_body,
+    run_async,
+    send_one,
+)
+from bench.peers import Router, all_routers, launch_ready, parse_router_list
 from bench.procs import Managed
 from bench.prompts import PromptMapper, workload
 from bench.report import RESULTS, report_args
-from bench.stats import bootstrap_ci, engine_counts, share_max_over_mean, summarize
-from bench.traces import Caps, apply_caps, describe, hit_rate
+from bench.stats import RequestRecord, bootstrap_ci, engine_counts, share_max_over_mean, summarize
+from bench.traces import Caps, TraceRequest, apply_caps, describe, hit_rate
 
 T = TypeVar("T")
 
@@ -54,8 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "prompts x documents x questions)")
     p.add_argument("--start-s", type=float, default=0.0, help="slice start, trace seconds")
     p.add_argument("--duration-s", type=float, default=None, help="slice length, trace seconds")
-    p.add_argument("--rate-scale", type=float, default=3.5,
-                   help="multiply the trace's arrival rate (load) by this (3.5)")
+    p.add_argument("--rate-scale", type=float, default=3.25,
+                   help="multiply the trace's arrival rate (load) by this (3.25)")
     p.add_argument("--time-scale", type=float, default=3.0,
                    help="engines and arrivals run this many times faster than real time (3)")
     p.add_argument("--engines", type=int, default=8)
@@ -79,55 +87,87 @@ def quick_routers() -> list[Router]:
                              "litellm/least-busy")
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+@dataclass(frozen=True)
+class Plan:
+    """Everything a run needs, decided once from the command line."""
+
+    args: argparse.Namespace
+    reqs: list[TraceRequest]
+    spec: FleetSpec
+    routers: list[Router]
+    duration_s: float
+    caps: Caps
+
+    @property
+    def compression(self) -> float:
+        return float(self.args.rate_scale * self.args.time_scale)
+
+    @property
+    def time_scale(self) -> float:
+        return float(self.args.time_scale)
+
+
+def make_plan(args: argparse.Namespace) -> Plan:
     duration = args.duration_s or (QUICK_SLICE_S if args.quick else FULL_SLICE_S)
-    time_scale = args.time_scale
-    compression = args.rate_scale * time_scale
     if args.routers:
         routers = parse_router_list(args.routers)
     else:
         routers = quick_routers() if args.quick else all_routers()
-
     caps = Caps(max_input_tokens=args.max_input_tokens, max_output_tokens=args.max_output_tokens,
                 output_scale=args.output_scale)
     reqs = apply_caps(workload(args.trace, start_s=args.start_s, duration_s=duration), caps)
-    spec = FleetSpec(engines=args.engines, profile=args.profile, time_scale=time_scale,
+    spec = FleetSpec(engines=args.engines, profile=args.profile, time_scale=args.time_scale,
                      num_gpu_blocks=args.num_gpu_blocks,
                      max_model_len=args.max_input_tokens + args.max_output_tokens + 64)
-    raw_dir = args.out / "raw"
-    result: dict[str, object] = {
+    return Plan(args, reqs, spec, routers, duration, caps)
+
+
+def result_skeleton(plan: Plan) -> dict[str, object]:
+    args = plan.args
+    return {
         "benchmark": "routing",
         "command": machine.command_line(),
         "started_at": machine.now_utc(),
         "machine": machine.environment(),
         "versions": machine.own_versions(),
         "settings": {
-            "trace": args.trace, "slice_start_s": args.start_s, "slice_duration_s": duration,
-            "rate_scale": args.rate_scale, "time_scale": time_scale,
-            "compression": compression, "caps": asdict(caps),
-            "fleet": spec.settings(), "engine_cores": args.engine_cores,
-            "router_cores": args.router_cores, "loadgen_cores": "unpinned",
-            "request_timeout_s": args.request_timeout_s, "api": "chat", "quick": args.quick,
+            "trace": args.trace, "slice_start_s": args.start_s,
+            "slice_duration_s": plan.duration_s, "rate_scale": args.rate_scale,
+            "time_scale": plan.time_scale, "compression": plan.compression,
+            "caps": asdict(plan.caps), "fleet": plan.spec.settings(),
+            "engine_cores": args.engine_cores, "router_cores": args.router_cores,
+            "loadgen_cores": "unpinned", "request_timeout_s": args.request_timeout_s,
+            "api": "chat", "session_header": "X-Session-ID = first two block ids",
+            "quick": args.quick,
         },
-        "trace": {**describe(reqs), "ideal_hit_rate": hit_rate(reqs),
-                  "round_robin_infinite_hit_rate": hit_rate(reqs, args.engines)},
+        "trace": {**describe(plan.reqs), "ideal_hit_rate": hit_rate(plan.reqs),
+                  "round_robin_infinite_hit_rate": hit_rate(plan.reqs, args.engines)},
         "runs": [],
     }
-    print(f"slice: {len(reqs)} requests over {duration:.0f} trace s; ideal hit rate "
-          f"{result['trace']['ideal_hit_rate']:.3f}; {len(routers)} routers", flush=True)  # type: ignore[index]
-    runs: list[dict[str, object]] = result["runs"]  # type: ignore[assignment]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        plan = make_plan(parser.parse_args(argv))
+    except ValueError as exc:  # an unknown router name, a bad trace
+        parser.error(str(exc))
+    out: Path = plan.args.out
+    result = result_skeleton(plan)
+    runs: list[dict[str, object]] = []
+    result["runs"] = runs
+    print(f"slice: {len(plan.reqs)} requests over {plan.duration_s:.0f} trace s; ideal hit rate "
+          f"{hit_rate(plan.reqs):.3f}; {len(plan.routers)} routers", flush=True)
     mapper = PromptMapper()
-    for router in routers:
+    for router in plan.routers:
         print(f"== {router.name}", flush=True)
-        run = run_one(router, spec, reqs, mapper, args, compression, time_scale, raw_dir)
-        runs.append(run)
-        _print_run(run)
-        machine.write_json(args.out / "routing.json", result)  # partial results survive a crash
+        runs.append(run_one(router, plan, mapper))
+        _print_run(runs[-1])
+        machine.write_json(out / "routing.json", result)  # partial results survive a crash
     result["finished_at"] = machine.now_utc()
-    machine.write_json(args.out / "routing.json", result)
-    if not args.no_report:
-        report.main(report_args(args.out))
+    machine.write_json(out / "routing.json", result)
+    if not plan.args.no_report:
+        report.main(report_args(out))
     return 0
 
 
@@ -135,61 +175,84 @@ def _cores(text: str) -> str | None:
     return text or None
 
 
-def run_one(router: Router, spec: FleetSpec, reqs: list, mapper: PromptMapper,  # type: ignore[type-arg]
-            args: argparse.Namespace, compression: float, time_scale: float,
-            raw_dir: Path) -> dict[str, object]:
+@dataclass
+class Measured:
+    """What one run produced before it is summarised."""
+
+    result: ReplayResult
+    before: dict[str, dict[str, float]]
+    after: dict[str, dict[str, float]]
+    router_cpu_s: float
+    kv_config: dict[str, str]
+    load: dict[str, float]
+
+
+def run_one(router: Router, plan: Plan, mapper: PromptMapper) -> dict[str, object]:
     run: dict[str, object] = {"router": router.name, "version": router.version()}
     reason = router.unavailable()
     if reason:
         run.update(status="unavailable", error=reason)
         return run
-    work = raw_dir / router.name.replace("/", "-")
-    fleet = Fleet(spec, work, cores=_cores(args.engine_cores))
-    proc: Managed | None = None
     try:
-        fleet.start()
-        proc, endpoint, ready = router.launch(fleet.urls, spec.model, work,
-                                              _cores(args.router_cores))
-        proc.wait_http(ready, timeout_s=90, headers=dict(endpoint.headers))
-        run_async(_warm_up(endpoint))
-        before = fleet.scrape()
-        cpu0 = proc.cpu_seconds()
-        sampler = GaugeSampler(fleet.urls)
-        res = run_async(_sampled(sampler, replay(endpoint, reqs, mapper, compression=compression,
-                                                 timeout_s=args.request_timeout_s)))
-        cpu1 = proc.cpu_seconds()
-        after = fleet.scrape()
-        if not proc.alive():
-            raise RuntimeError(f"router exited during the run: {proc.log_tail()}")
-    except Exception as exc:
+        measured = measure(router, plan, mapper)
+    except Exception as exc:  # one router's failure is recorded, the others still run
         run.update(status="error", error=f"{type(exc).__name__}: {exc}"[:2000])
         traceback.print_exc()
         return run
+    raw = plan.args.out / "raw" / f"routing-{router.name.replace('/', '-')}.jsonl"
+    _write_raw(raw, measured.result.records)
+    run.update(status="ok", **summarise(measured, plan.time_scale))
+    return run
+
+
+def measure(router: Router, plan: Plan, mapper: PromptMapper) -> Measured:
+    """Fresh engines, the router in front, the replay; both stopped whatever happens."""
+    work = plan.args.out / "raw" / router.name.replace("/", "-")
+    fleet = Fleet(plan.spec, work, cores=_cores(plan.args.engine_cores))
+    proc: Managed | None = None
+    try:
+        fleet.start()
+        proc, endpoint = launch_ready(router, fleet.urls, plan.spec.model, work,
+                                      _cores(plan.args.router_cores))
+        run_async(_warm_up(endpoint))
+        before, cpu0, kv_config = fleet.scrape(), proc.cpu_seconds(), fleet.kv_config()
+        sampler = GaugeSampler(fleet.urls)
+        res = run_async(_sampled(sampler, replay(
+            endpoint, plan.reqs, mapper, compression=plan.compression,
+            timeout_s=plan.args.request_timeout_s)))
+        cpu_used = proc.cpu_seconds() - cpu0
+        after = fleet.scrape()
+        if not proc.alive():
+            raise RuntimeError(f"router exited during the run: {proc.log_tail()}")
+        return Measured(res, before, after, cpu_used, kv_config, sampler.summary())
     finally:
         if proc is not None:
             proc.stop()
         fleet.stop()
-    delta = deltas(before, after)
+
+
+def summarise(m: Measured, time_scale: float) -> dict[str, object]:
+    delta = deltas(m.before, m.after)
     per_engine = requests_per_engine(delta)
-    _write_raw(raw_dir / f"routing-{router.name.replace('/', '-')}.jsonl", res.records)
-    summary = summarize(res.records, duration_s=res.duration_s, time_scale=time_scale)
-    ttfts = [r.ttft * time_scale for r in res.records if r.ok and r.ttft is not None]
-    summary["ttft_p90_ci"] = list(bootstrap_ci(ttfts, 90))  # type: ignore[assignment]
-    run.update(
-        status="ok",
-        summary=summary,
-        hit_rate=fleet_hit_rate(delta),
-        engine_requests=per_engine,
-        share_max_over_mean=share_max_over_mean(per_engine),
-        header_engines=len(engine_counts(res.records)),
-        engine_load=sampler.summary(),
-        preemptions=sum(d.get("vllm:num_preemptions_total", 0.0) for d in delta.values()),
-        router_cpu_s=cpu1 - cpu0,
-        duration_s=res.duration_s,
-        max_lag_s=res.max_lag_s,
-        errors=_error_sample(res.records),
-    )
-    return run
+    records = m.result.records
+    summary: dict[str, object] = dict(
+        summarize(records, duration_s=m.result.duration_s, time_scale=time_scale))
+    ttfts = [r.ttft * time_scale for r in records if r.ok and r.ttft is not None]
+    summary["ttft_p90_ci"] = list(bootstrap_ci(ttfts, 90))
+    return {
+        "summary": summary,
+        "hit_rate": fleet_hit_rate(delta),
+        "engine_requests": per_engine,
+        "share_max_over_mean": share_max_over_mean(per_engine),
+        "header_engines": len(engine_counts(records)),
+        "engine_load": m.load,
+        "engine_kv_config": m.kv_config,
+        "preemptions": sum(d.get("vllm:num_preemptions_total", 0.0) for d in delta.values()),
+        "router_cpu_s": m.router_cpu_s,
+        "duration_s": m.result.duration_s,
+        "max_lag_s": m.result.max_lag_s,
+        "errors": _error_sample(records),
+    }
 
 
 async def _sampled(sampler: GaugeSampler, work: Coroutine[Any, Any, T]) -> T:
@@ -211,7 +274,7 @@ async def _warm_up(endpoint: Endpoint) -> None:
         raise RuntimeError(f"warm-up request failed: status {rec.status} {rec.error}")
 
 
-def _error_sample(records: list) -> list[str]:  # type: ignore[type-arg]
+def _error_sample(records: Sequence[RequestRecord]) -> list[str]:
     seen: dict[str, int] = {}
     for r in records:
         if r.error:
@@ -220,7 +283,7 @@ def _error_sample(records: list) -> list[str]:  # type: ignore[type-arg]
     return [f"{n}x {k}" for k, n in sorted(seen.items(), key=lambda kv: -kv[1])[:5]]
 
 
-def _write_raw(path: Path, records: list) -> None:  # type: ignore[type-arg]
+def _write_raw(path: Path, records: Sequence[RequestRecord]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "wb") as fh:
         for r in records:

@@ -22,13 +22,15 @@ import shlex
 import statistics
 import sys
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 
 SYSTEM = "You are a helpful assistant for a routing benchmark. " * 12
+T = TypeVar("T")
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -49,12 +51,14 @@ def _generated(cluster: Any) -> int:
 async def engine_main(args: argparse.Namespace) -> None:
     from engine_sidecar.sim.cluster import start_cluster  # noqa: PLC0415
     from engine_sidecar.sim.config import SimEngineConfig  # noqa: PLC0415
+    from engine_sidecar.sim.main import tune_gc  # noqa: PLC0415
 
     configs = [SimEngineConfig(model="bench", profile=args.profile, time_scale=args.time_scale,
                                max_num_seqs=max(256, args.streams),
                                num_gpu_blocks=args.num_gpu_blocks, seed=i)
                for i in range(args.engines)]
     cluster = await start_cluster(configs, host="127.0.0.1", port=0)
+    tune_gc()  # as ``kvproxy-sidecar sim`` does
     gc_pauses: list[float] = []
     gc.callbacks.append(_gc_timer(gc_pauses))
     samples: list[float] = []
@@ -275,13 +279,16 @@ def _pin(cpu: int) -> None:
         os.sched_setaffinity(0, {cpu})
 
 
-def main() -> int:
-    args = parse_args()
+def run(coro: Coroutine[Any, Any, T]) -> T:
     try:
         import uvloop  # noqa: PLC0415
-        run = uvloop.run
     except ImportError:
-        run = asyncio.run
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+def main() -> int:
+    args = parse_args()
     if args.role == "engine":
         _pin(args.engine_cpu)
         run(engine_main(args))

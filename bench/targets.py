@@ -62,7 +62,7 @@ def routing_targets(runs: Sequence[Mapping[str, object]], ideal: float) -> str:
     hit = _hit(runs, KVPROXY)
     lines = [
         f"- `{KVPROXY}` TTFT p90 ≤ 0.5 x `{ROUND_ROBIN}`'s: {ours:.3f} s vs {rr:.3f} s "
-        f"(ratio {ours / rr if rr else math.nan:.3f}) - "
+        f"(ratio {ours / rr if rr else math.nan:.3f}) — "
         f"{_verdict(_check(ours, 0.5 * rr, below=True))}",
         f"- `{KVPROXY}` hit rate ≥ 0.9 x ideal: {hit:.3f} vs {ideal:.3f} "
         f"(fraction {hit / ideal if ideal else math.nan:.3f}) — "

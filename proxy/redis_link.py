@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry, Counter
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
+from redis.maint_notifications import MaintNotificationsConfig
 
 from proxy.errors import ConfigError
 
@@ -98,6 +99,9 @@ class RedisLink:
             max_connections=cfg.max_connections,
             retry=Retry(NoBackoff(), 0),
             health_check_interval=0,
+            # Cluster maintenance push messages: one more failing round trip per connection on a
+            # plain Redis, and nothing the proxy would act on.
+            maint_notifications_config=MaintNotificationsConfig(enabled=False),
         )
         self.metrics = RedisMetrics(registry or CollectorRegistry())
         self._clock = clock

@@ -69,7 +69,10 @@ class SimCluster:
 async def _start_one(config: SimEngineConfig, host: str, port: int
                      ) -> tuple[SimEngine, web.AppRunner, int]:
     engine = SimEngine(config)
-    runner = web.AppRunner(build_app(engine), handler_cancellation=True, access_log=None)
+    # Handlers are cancelled when their client leaves (that is how a disconnect aborts); at
+    # shutdown only injected delays can still be running, so they get little time.
+    runner = web.AppRunner(build_app(engine), handler_cancellation=True, access_log=None,
+                           shutdown_timeout=2.0)
     await runner.setup()
     try:
         site = web.TCPSite(runner, host, port, reuse_address=True)

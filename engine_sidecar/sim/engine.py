@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import hashlib
 import random
 from array import array
@@ -43,13 +44,15 @@ class Sampling:
 class RequestStream:
     """The reader's end of one request: words arrive in batches, one future per wait."""
 
-    __slots__ = ("_engine", "_pending", "_waiter", "arrival", "finished", "first_at", "last_at",
-                 "public_id", "request")
+    __slots__ = ("_engine", "_pending", "_waiter", "arrival", "client_id", "finished", "first_at",
+                 "last_at", "public_id", "request")
 
-    def __init__(self, engine: SimEngine, request: SimRequest, public_id: str, arrival: float):
+    def __init__(self, engine: SimEngine, request: SimRequest, public_id: str, client_id: str,
+                 arrival: float) -> None:
         self._engine = engine
         self.request = request
         self.public_id = public_id
+        self.client_id = client_id
         self.arrival = arrival
         self.first_at: float | None = None
         self.last_at = arrival
@@ -60,6 +63,9 @@ class RequestStream:
     def push(self, words: list[int], finished: bool) -> None:
         self._pending.extend(words)
         self.finished = finished
+        self._wake()
+
+    def _wake(self) -> None:
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
@@ -93,6 +99,7 @@ class RequestStream:
         if not self.finished:
             self.finished = True
             self._engine.abort(self)
+            self._wake()
 
 
 class SimEngine:
@@ -100,7 +107,8 @@ class SimEngine:
         self.config = config
         self.name = name or config.name or "sim"
         self.model = config.model
-        self.faults: FaultConfig = config.faults
+        # A copy: configs are values and may be shared by engines; each engine's faults are its own.
+        self.faults: FaultConfig = copy.deepcopy(config.faults)
         self.profile = PROFILES[config.profile]
         self.rng = random.Random(config.seed)
         self.fault_rng = random.Random(config.seed + 2)
@@ -115,6 +123,7 @@ class SimEngine:
         self.latency = LatencyMetrics()
         self.draining = False
         self.aborted_ids: deque[str] = deque(maxlen=_ABORTED_KEPT)
+        self.aborted_client_ids: deque[str] = deque(maxlen=_ABORTED_KEPT)
         self.in_flight = 0
         self._streams: dict[SimRequest, RequestStream] = {}
         self._wake = asyncio.Event()
@@ -156,7 +165,10 @@ class SimEngine:
 
     # -- requests --------------------------------------------------------------------------------
 
-    def submit(self, public_id: str, prompt_ids: array[int], sampling: Sampling) -> RequestStream:
+    def submit(self, public_id: str, prompt_ids: array[int], sampling: Sampling,
+               client_id: str | None = None) -> RequestStream:
+        """Queue a request. ``public_id`` is the response id (``chatcmpl-...``), ``client_id`` the
+        caller's own id (``X-Request-Id``); both are remembered if the request is aborted."""
         seed = self._word_seed(prompt_ids, sampling)
         target, reason = self._target(seed, sampling)
         self._seq += 1
@@ -165,20 +177,25 @@ class SimEngine:
             target_len=target, finish_reason=reason, priority=sampling.priority, seq=self._seq,
             words=WordStream(seed),
         )
-        stream = RequestStream(self, req, public_id, self.sim_time())
+        stream = RequestStream(self, req, public_id, client_id or public_id, self.sim_time())
         self._streams[req] = stream
         self.scheduler.add(req)
         self._wake.set()
         return stream
 
     def fits(self, num_tokens: int) -> bool:
-        """Whether one sequence of ``num_tokens`` can ever be held by this engine's cache."""
-        return -(-num_tokens // self.config.block_size) <= self.pool.num_blocks
+        """Whether one sequence of ``num_tokens`` (plus draft lookahead) fits the cache."""
+        total = num_tokens + len(self.scheduler.acceptance)
+        return -(-total // self.config.block_size) <= self.pool.num_blocks
 
     def _word_seed(self, prompt_ids: array[int], sampling: Sampling) -> int:
-        if sampling.temperature > 0 and sampling.seed is None:
+        """Greedy (temperature 0) ignores ``seed``, as in vLLM; a seed fixes a sampled answer."""
+        if sampling.temperature == 0:
+            key = b"greedy"
+        elif sampling.seed is not None:
+            key = f"seed={sampling.seed}".encode()
+        else:
             return self.rng.getrandbits(64)
-        key = (sampling.seed or 0).to_bytes(8, "little", signed=True)
         digest = hashlib.blake2b(prompt_ids.tobytes(), digest_size=8, key=key).digest()
         return int.from_bytes(digest, "little")
 
@@ -196,6 +213,7 @@ class SimEngine:
         self.scheduler.abort(req)
         self._streams.pop(req, None)
         self.aborted_ids.append(stream.public_id)
+        self.aborted_client_ids.append(stream.client_id)
         self.latency.finished["abort"] += 1
 
     # -- the step loop ---------------------------------------------------------------------------
@@ -272,5 +290,6 @@ class SimEngine:
             "free_blocks": self.pool.num_free, "in_flight": self.in_flight,
             "preemptions": stats.preemptions, "prefix_cache_queries": stats.prefix_queries,
             "prefix_cache_hits": stats.prefix_hits, "draining": self.draining,
-            "aborted_ids": list(self.aborted_ids), "faults": self.faults.as_dict(),
+            "aborted_ids": list(self.aborted_ids),
+            "aborted_request_ids": list(self.aborted_client_ids), "faults": self.faults.as_dict(),
         }

@@ -107,3 +107,22 @@ PROFILES: dict[str, Profile] = {
         ),
     )
 }
+
+
+def profiles_table(block_size: int = 16) -> str:
+    """Markdown table of every profile's derived figures (``sim --list-profiles``)."""
+    rows = [
+        "| profile | model and GPU | weights (GB) | KV per token (KiB) | KV blocks of "
+        f"{block_size} | decode, 1 seq x 1k ctx (ms) | decode, 64 seqs x 1k ctx (ms) | "
+        "prefill 2048 tokens (ms) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for p in PROFILES.values():
+        one = p.step_time(1, 1024, 1024)
+        batch = p.step_time(64, 64 * 1024, 64 * 1024)
+        prefill = p.step_time(2048, 2048, 2048 * 1024)
+        rows.append(
+            f"| `{p.name}` | {p.description} | {p.weight_bytes / 1e9:.1f} | "
+            f"{p.kv_bytes_per_token / 1024:.0f} | {p.num_gpu_blocks(block_size):,} | "
+            f"{1000 * one:.1f} | {1000 * batch:.1f} | {1000 * prefill:.1f} |")
+    return "\n".join(rows)

@@ -15,6 +15,7 @@ from typing import Any
 
 import orjson
 
+from engine_sidecar.sim.protocol import ApiError
 from engine_sidecar.sim.tokenizer import VOCAB, token_logprob, top_logprobs
 
 DONE = b"data: [DONE]\n\n"
@@ -117,8 +118,8 @@ def usage_chunk(ident: Identity, prompt_tokens: int, completion_tokens: int) -> 
 
 
 def error_event(message: str, status: int = 500) -> bytes:
-    err_type = "InternalServerError" if status >= 500 else "BadRequestError"
-    return sse({"error": {"message": message, "type": err_type, "param": None, "code": status}})
+    """A mid-stream error, as vLLM sends one once the stream has started."""
+    return b"data: " + ApiError(status, message).body() + b"\n\n"
 
 
 def full_response(ident: Identity, words: list[int], finish_reason: str, prompt_tokens: int,

@@ -187,8 +187,9 @@ class Scheduler:
     def _wanted(self, req: SimRequest, budget: int) -> tuple[int, int]:
         todo = req.num_tokens - req.num_computed
         if todo == 1 and self.acceptance:
-            drafts = min(len(self.acceptance), req.remaining - 1, budget - 1)
-            return 1 + max(0, drafts), max(0, drafts)
+            # Like vLLM, the drafter proposes all k positions even when fewer tokens remain.
+            drafts = max(0, min(len(self.acceptance), budget - 1))
+            return 1 + drafts, drafts
         return min(todo, budget), 0
 
     def _grow(self, req: SimRequest, num_new: int) -> bool:

@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 ENGINE: web.AppKey[SimEngine] = web.AppKey("engine", SimEngine)
 _JSON = "application/json"
+VLLM_VERSION = "0.32.0+sim"  # the vLLM API this server imitates; "+sim" tells it apart
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -40,10 +41,12 @@ async def _errors(request: web.Request, handler: _Handler) -> web.StreamResponse
         return await handler(request)
     except ApiError as exc:
         return web.Response(body=exc.body(), status=exc.status, content_type=_JSON)
-    except ConnectionResetByFault:
-        # The transport is already aborted; aiohttp drops whatever is returned here.
+    except (ConnectionResetByFault, ConnectionResetError):
+        # The transport is already gone; aiohttp drops whatever is returned here.
         return web.Response(status=500)
-    except web.HTTPException:
+    except web.HTTPException as exc:
+        if exc.status in (404, 405):  # FastAPI's shape, as vLLM answers unknown routes
+            return _json({"detail": exc.reason}, status=exc.status)
         raise
     except Exception:
         log.exception("unexpected error serving %s %s", request.method, request.path)
@@ -63,6 +66,7 @@ def build_app(engine: SimEngine) -> web.Application:
     app.router.add_post("/v1/completions", _completions)
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
+    app.router.add_get("/version", _version)
     app.router.add_get("/metrics", _metrics)
     app.router.add_post("/tokenize", _tokenize)
     app.router.add_get("/admin/state", _state)
@@ -110,7 +114,7 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
                      model=engine.model, logprobs=parsed.logprobs)
     sampling = Sampling(max_tokens=parsed.max_tokens, temperature=parsed.temperature,
                         seed=parsed.seed, priority=parsed.priority, ignore_eos=parsed.ignore_eos)
-    stream = engine.submit(ident.response_id, parsed.prompt_ids, sampling)
+    stream = engine.submit(ident.response_id, parsed.prompt_ids, sampling, client_id=base_id)
     engine.in_flight += 1
     try:
         if parsed.stream:
@@ -134,6 +138,10 @@ async def _models(request: web.Request) -> web.StreamResponse:
 
 async def _health(request: web.Request) -> web.StreamResponse:
     return web.Response(status=200)
+
+
+async def _version(request: web.Request) -> web.StreamResponse:
+    return _json({"version": VLLM_VERSION})
 
 
 async def _metrics(request: web.Request) -> web.StreamResponse:

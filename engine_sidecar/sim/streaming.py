@@ -67,22 +67,30 @@ async def relay_stream(request: web.Request, engine: SimEngine, stream: RequestS
                        ident: Identity, include_usage: bool) -> web.StreamResponse:
     resp = web.StreamResponse(headers=SSE_HEADERS)
     await resp.prepare(request)
-    if ident.kind == "chat":
-        await resp.write(responses.role_chunk(ident))
-    gate = _FaultGate(engine)
     try:
-        await _relay_words(request, stream, ident, resp, gate)
+        if ident.kind == "chat":
+            await resp.write(responses.role_chunk(ident))
+        await _relay_words(request, stream, ident, resp, _FaultGate(engine))
+        await _end_stream(resp, stream, ident, include_usage)
     except ConnectionResetByFault:
-        return resp
-    except ConnectionResetError:
+        pass
+    except ConnectionResetError:  # the client went away: abort in the engine, answer nothing
         stream.abort()
-        return resp
-    if include_usage and stream.request.status is Status.FINISHED:
-        await resp.write(responses.usage_chunk(ident, stream.prompt_tokens,
-                                               stream.completion_tokens))
-    await resp.write(responses.DONE)
-    await resp.write_eof()
     return resp
+
+
+async def _end_stream(resp: web.StreamResponse, stream: RequestStream, ident: Identity,
+                      include_usage: bool) -> None:
+    if stream.request.status is not Status.FINISHED:
+        # The engine stopped under the request: say so, and never look like a complete stream.
+        await resp.write(responses.error_event("The engine stopped before the request finished.",
+                                               503))
+    else:
+        if include_usage:
+            await resp.write(responses.usage_chunk(ident, stream.prompt_tokens,
+                                                   stream.completion_tokens))
+        await resp.write(responses.DONE)
+    await resp.write_eof()
 
 
 async def _relay_words(request: web.Request, stream: RequestStream, ident: Identity,

@@ -91,8 +91,13 @@ class SidecarState:
 
 def _gauge(name: str, help_text: str, values: list[tuple[str, float]]) -> list[str]:
     lines = [f"# HELP {name} {help_text}", f"# TYPE {name} gauge"]
-    lines += [f"{name}{labels} {value:g}" for labels, value in values]
+    lines += [f"{name}{labels} {_number(value)}" for labels, value in values]
     return lines
+
+
+def _number(value: float) -> str:
+    # Full precision (repr), and whole numbers without a trailing ".0" for readability.
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
 
 
 def render_derived(state: SidecarState, spec: SpecStats | None) -> str:

@@ -80,10 +80,11 @@ class Supervisor:
 
     async def drain_and_stop(self) -> None:
         """Report draining, wait for the engine's requests to finish (bounded), then stop it."""
+        # An engine that never became ready has served nobody: nothing to wait for.
+        was_ready, self.state.ready = self.state.ready, False
         self.state.draining = True
-        self.state.ready = False
         deadline = time.monotonic() + self.profile.sidecar.drain_timeout_s
-        while self.state.engine_up and time.monotonic() < deadline:
+        while was_ready and self.state.engine_up and time.monotonic() < deadline:
             busy = await self._in_flight()
             if busy is not None and busy <= 0:
                 break

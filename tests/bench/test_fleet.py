@@ -2,7 +2,14 @@
 
 import pytest
 
-from bench.fleet import FleetSpec, deltas, fleet_hit_rate, parse_counters, requests_per_engine
+from bench.fleet import (
+    FleetSpec,
+    cache_config,
+    deltas,
+    fleet_hit_rate,
+    parse_counters,
+    requests_per_engine,
+)
 
 TEXT = """\
 # HELP vllm:prefix_cache_hits_total Prefix cache hits
@@ -42,3 +49,10 @@ def test_fleet_command_line_carries_the_settings():
     assert argv[argv.index("--num-gpu-blocks") + 1] == "500"
     assert argv[argv.index("--time-scale") + 1] == "10.0"
     assert "--max-model-len" not in argv
+
+
+def test_cache_config_labels_are_read():
+    text = ('vllm:cache_config_info{block_size="16",cache_dtype="auto",'
+            'enable_prefix_caching="True",num_gpu_blocks="27618"} 1.0\n')
+    assert cache_config(text)["num_gpu_blocks"] == "27618"
+    assert cache_config("") == {}

@@ -7,7 +7,16 @@ import orjson
 import pytest
 from aiohttp import web
 
-from bench.loadgen import Endpoint, _StreamReader, closed_loop, make_session, request_body, send_one
+from bench.loadgen import (
+    Endpoint,
+    _StreamReader,
+    closed_loop,
+    make_session,
+    request_body,
+    send_one,
+    session_header,
+)
+from bench.traces import TraceRequest
 
 
 def _chunk(text):
@@ -108,3 +117,10 @@ async def test_closed_loop_keeps_its_streams_busy(server):
                                        run_start=time.perf_counter())
     assert len(recs) >= 3 and all(r.ok for r in recs)
     assert span >= 0.3
+
+
+def test_session_header_names_the_conversation():
+    a = session_header(TraceRequest(0, 0.0, 2000, 1, (0, 5, 6)))
+    b = session_header(TraceRequest(1, 0.0, 3000, 1, (0, 5, 9, 10)))
+    assert a == b == {"X-Session-ID": "conv-0-5"}
+    assert session_header(TraceRequest(2, 0.0, 10, 1)) == {}

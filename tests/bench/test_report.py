@@ -27,7 +27,8 @@ def _run(name, p90, hit, status="ok"):
             "hit_rate": hit, "share_max_over_mean": 1.3, "preemptions": 4.0,
             "errors": ["1x 503: overloaded"], "router_cpu_s": 12.0, "duration_s": 60.0,
             "engine_requests": {"u0": 10.0, "u1": 12.0},
-            "engine_load": {"queued_fraction": 0.25, "mean_waiting": 1.5, "mean_kv_usage": 0.5}}
+            "engine_load": {"queued_fraction": 0.25, "mean_waiting": 1.5, "mean_kv_usage": 0.5},
+            "engine_kv_config": {"num_gpu_blocks": "100", "block_size": "16"}}
 
 
 ROUTING = {
@@ -103,6 +104,7 @@ def test_report_writes_markdown_pngs_and_the_docs_page(tmp_path):
     assert "| kvproxy/prefix_affinity | 1.0 | 0.75 | 1.50 | 1.35-1.65 | 3.00 |" in routing
     assert "| 0.25 | 1.5 | 0.50 | 0.20 |" in routing
     assert "- kvproxy/prefix_affinity: 10 12" in routing
+    assert "100 blocks x 16 tokens = 1600 tokens per engine" in routing
     assert "litellm/least-busy** (error): `boom: could not bind`" in routing
     assert "python -m bench.routing --quick" in routing and "Test CPU" in routing
     overhead = (results / "overhead.md").read_text()
@@ -113,6 +115,8 @@ def test_report_writes_markdown_pngs_and_the_docs_page(tmp_path):
     assert "sglang-router/round_robin" in overhead
     page = docs.read_text()
     assert "### Routing benchmark" in page and "### Overhead benchmark" in page
+    assert page.index("### Targets at a glance") < page.index("### Routing benchmark")
+    assert "(fraction 0.933) — **met**" in page
     if importlib.util.find_spec("matplotlib") is None:
         return
     assert (results / "routing.png").stat().st_size > 10000

@@ -90,11 +90,17 @@ async def metric(url: str, name: str, **labels: str) -> float:
     return value(await scrape(url), name, **labels)
 
 
-async def wait_until(check: Callable[[], Any], timeout_s: float = 30.0, what: str = "") -> None:
-    """Poll the async ``check`` until it returns truthy; fail with ``what`` after the timeout."""
+async def poll(check: Callable[[], Any], timeout_s: float) -> bool:
+    """Poll the async ``check`` until it returns truthy (True) or the timeout passes (False)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if await check():
-            return
+            return True
         await asyncio.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+    return False
+
+
+async def wait_until(check: Callable[[], Any], timeout_s: float = 30.0, what: str = "") -> None:
+    """Poll the async ``check`` until it returns truthy; fail with ``what`` after the timeout."""
+    if not await poll(check, timeout_s):
+        raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")

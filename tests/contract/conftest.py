@@ -40,6 +40,14 @@ ROOT = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = float(os.environ.get("KVPROXY_VLLM_STARTUP_TIMEOUT", "900"))
 
 
+# The running real-vLLM backend, and the id of the last test that uses it (in run order): the
+# engines are stopped right after that test, not at the end of the whole session, so they do not
+# hold memory while other tiers run.
+_LIVE: list[Backend] = []
+_LAST_VLLM_TEST: list[str] = []
+
+
+@pytest.hookimpl(trylast=True)  # after pytest grouped the items by fixture parameter
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     here = Path(__file__).parent
     ours = [item for item in items if here in Path(item.path).parents]
@@ -63,11 +71,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if _backend_of(item) == "vllm":
             # The first real-vLLM test pays for the engines' start-up in its setup.
             item.add_marker(pytest.mark.timeout(STARTUP_TIMEOUT_S + 300))
-    # Tests that stop a shared engine (a module's RUNS_LAST names them) go behind all others.
+    # Tests that stop a shared engine (a module's RUNS_LAST names them) go behind every other
+    # test of the same backend.
     last = [item for item in ours
             if getattr(item, "originalname", item.name) in getattr(item.module, "RUNS_LAST", ())]
-    if last:
-        items[:] = [item for item in items if item not in last] + last
+    for item in last:
+        items.remove(item)
+        same = [i for i, other in enumerate(items) if _backend_of(other) == _backend_of(item)]
+        items.insert(same[-1] + 1 if same else len(items), item)
+    _LAST_VLLM_TEST[:] = [item.nodeid for item in items if _backend_of(item) == "vllm"][-1:]
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    if _LIVE and item.nodeid in _LAST_VLLM_TEST:
+        stop_backend(_LIVE.pop())
 
 
 def _backend_of(item: pytest.Item) -> str | None:
@@ -180,19 +198,26 @@ async def _wait_ready(backend: Backend, log_dir: Path) -> None:
 
 
 def stop_sidecar(proc: subprocess.Popen[bytes], engine: Engine, timeout_s: float = 90) -> None:
-    """SIGTERM the sidecar (it drains and stops vLLM); anything left is killed by process group."""
-    info = _ready(engine) or {}
-    engine_pid = info.get("engine_pid")
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    if isinstance(engine_pid, int):
+    """SIGTERM the sidecar (it drains and stops vLLM); if it fails to, its vLLM process group and
+    the sidecar are killed. Stopping a stopped sidecar does nothing."""
+    if proc.poll() is not None:
+        return
+    engine_pid = (_ready(engine) or {}).get("engine_pid")
+    proc.send_signal(signal.SIGTERM)
+    try:
+        clean = proc.wait(timeout=timeout_s) == 0
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        clean = False
+    if not clean and isinstance(engine_pid, int):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(engine_pid, signal.SIGKILL)
+
+
+def stop_backend(backend: Backend) -> None:
+    for proc, engine in zip(backend.procs, (backend.a, backend.b), strict=True):
+        stop_sidecar(proc, engine)
 
 
 @contextlib.asynccontextmanager
@@ -209,10 +234,11 @@ async def vllm_backend(log_dir: Path) -> AsyncIterator[Backend]:
     try:
         await _wait_ready(backend, log_dir)
         sys.stderr.write(f"\nreal vLLM backend up: {backend.timings} (logs in {log_dir})\n")
+        _LIVE[:] = [backend]
         yield backend
     finally:
-        for proc, engine in zip(backend.procs, (a, b), strict=True):
-            stop_sidecar(proc, engine)
+        _LIVE.clear()
+        stop_backend(backend)
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session", params=[

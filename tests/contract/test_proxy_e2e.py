@@ -18,10 +18,12 @@ import openai
 import pytest
 import pytest_asyncio
 
-from contract.client import Backend, Engine, scrape, value, wait_until
+from contract.client import Backend, Engine, metric, scrape, value, wait_until
 from contract.conftest import free_port
 
 HITS = "vllm:prefix_cache_hits_total"
+RUNNING = "vllm:num_requests_running"
+GENERATED = "vllm:generation_tokens_total"
 
 
 @dataclass
@@ -130,3 +132,25 @@ async def test_proxy_shows_engine_telemetry(backend: Backend, proxy: Proxy) -> N
         assert resp.status == 200
         text = await resp.text()
     assert '"a"' in text and '"b"' in text
+
+
+async def test_client_disconnect_through_the_proxy_aborts_in_the_engine(
+        backend: Backend, proxy: Proxy) -> None:
+    body = {"model": backend.model, "prompt": "abort through the proxy", "max_tokens": 2000,
+            "ignore_eos": True, "temperature": 0, "stream": True}
+    async with aiohttp.ClientSession() as s:
+        resp = await s.post(proxy.url + "/v1/completions", json=body)
+        assert resp.status == 200
+        engine = proxy.engines[resp.headers["X-Engine"]]
+        for _ in range(5):
+            await resp.content.readline()
+        assert await metric(engine.metrics_url, RUNNING) >= 1
+        resp.close()
+
+    async def idle() -> bool:
+        return await metric(engine.metrics_url, RUNNING) == 0
+
+    await wait_until(idle, timeout_s=20, what="the engine to drop the request")
+    settled = await metric(engine.metrics_url, GENERATED)
+    await asyncio.sleep(1.0)
+    assert await metric(engine.metrics_url, GENERATED) == settled

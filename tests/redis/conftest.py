@@ -13,7 +13,7 @@ from typing import Any
 import aiohttp
 import pytest
 from proxystack import OTHER_MODEL, Stack, proxy_config, sim
-from redisproc import RedisFactory, RedisServer
+from redisproc import SLOW_OK, RedisFactory, RedisServer
 
 from engine_sidecar.sim.cluster import start_cluster
 from proxy.app import build_app
@@ -48,7 +48,7 @@ def redis_factory() -> Iterator[RedisFactory]:
 
 @pytest.fixture
 async def link(redis_server: RedisServer) -> AsyncIterator[RedisLink]:
-    lk = RedisLink(RedisConfig(url=redis_server.url))
+    lk = RedisLink(RedisConfig(url=redis_server.url, **SLOW_OK))
     try:
         yield lk
     finally:

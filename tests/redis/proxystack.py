@@ -18,6 +18,7 @@ from typing import Any
 import aiohttp
 import openai
 from prometheus_client.parser import text_string_to_metric_families
+from redisproc import SLOW_OK
 
 from engine_sidecar.sim.cluster import SimCluster
 from engine_sidecar.sim.config import SimEngineConfig
@@ -79,7 +80,7 @@ def door_config(
     return DoorConfig(
         auth=AuthConfig(required=required, tenants=tenants),
         cache=CacheConfig(backend=backend, secret=SECRET, **(cache or {})),
-        redis=RedisConfig(url=redis_url, **(redis or {})),
+        redis=RedisConfig(url=redis_url, **{**SLOW_OK, **(redis or {})}),
         limits=LimitsConfig(**(limits or {})),
     )
 

@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 import pytest
 import redis
 
+# Generous Redis timeouts for tests that need Redis to answer: the test machine may be busy.
+SLOW_OK = {"op_timeout_s": 2.0, "connect_timeout_s": 2.0}
+
 
 @dataclass
 class RedisServer:

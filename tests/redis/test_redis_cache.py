@@ -8,7 +8,7 @@ from typing import Any
 import orjson
 import pytest
 from prometheus_client import CollectorRegistry
-from redisproc import RedisFactory, RedisServer
+from redisproc import SLOW_OK, RedisFactory, RedisServer
 
 from proxy.cache import CacheRequest, MemoryBackend, RedisBackend, ResponseCache, make_cache
 from proxy.cache_entry import replay_sse
@@ -48,7 +48,7 @@ async def cache(request: pytest.FixtureRequest, redis_server: RedisServer) -> An
     if request.param == "memory":
         yield make_cache(CacheConfig(), None, registry=registry)
         return
-    link = RedisLink(RedisConfig(url=redis_server.url), registry=registry)
+    link = RedisLink(RedisConfig(url=redis_server.url, **SLOW_OK), registry=registry)
     cfg = CacheConfig(backend="redis", secret=SECRET)
     try:
         yield make_cache(cfg, link, registry=registry)
@@ -176,7 +176,7 @@ def test_memory_backend_bounds() -> None:
 
 
 async def test_redis_garbage_is_a_miss(redis_server: RedisServer) -> None:
-    link = RedisLink(RedisConfig(url=redis_server.url))
+    link = RedisLink(RedisConfig(url=redis_server.url, **SLOW_OK))
     cache = make_cache(CacheConfig(backend="redis", secret=SECRET), link)
     try:
         key = cache.key(request())
@@ -195,7 +195,7 @@ async def test_redis_garbage_is_a_miss(redis_server: RedisServer) -> None:
 
 
 async def test_redis_ttl(redis_server: RedisServer) -> None:
-    link = RedisLink(RedisConfig(url=redis_server.url))
+    link = RedisLink(RedisConfig(url=redis_server.url, **SLOW_OK))
     cache = make_cache(CacheConfig(backend="redis", secret=SECRET, ttl_s=7), link)
     try:
         await fill_json(cache, request(), "x")
@@ -207,7 +207,7 @@ async def test_redis_ttl(redis_server: RedisServer) -> None:
 
 async def test_redis_down_or_frozen_is_a_miss(redis_factory: RedisFactory) -> None:
     server = redis_factory.start()
-    link = RedisLink(RedisConfig(url=server.url, op_timeout_s=0.2, retry_after_failure_s=0.5))
+    link = RedisLink(RedisConfig(url=server.url, op_timeout_s=0.5, retry_after_failure_s=0.5))
     cache = make_cache(CacheConfig(backend="redis", secret=SECRET), link)
     try:
         await fill_json(cache, request(), "cached")

@@ -6,7 +6,7 @@ from typing import Any
 
 import orjson
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proxy.cache_entry import (
@@ -57,6 +57,7 @@ def content_of_stream(data: bytes) -> str:
     return text
 
 
+@settings(deadline=None)
 @given(st.lists(st.text(max_size=8), max_size=12), st.integers(1, 50))
 def test_assembled_answer_equals_the_stream(pieces: list[str], split: int) -> None:
     result = assemble(chat_stream(pieces), split=split)
@@ -119,6 +120,7 @@ def test_complete_json() -> None:
     assert complete_json(b"garbage") is None
 
 
+@settings(deadline=None)
 @given(st.text(max_size=40), st.booleans(), st.booleans())
 def test_replay_round_trips(content: str, chat: bool, include_usage: bool) -> None:
     if chat:

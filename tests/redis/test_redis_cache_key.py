@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proxy.cache_key import CacheConfig, cache_key, canonical_body, decide
@@ -79,6 +79,7 @@ def test_canonical_body_sorts_and_normalises() -> None:
     assert canonical_body({"b": 1.0, "a": [2.0, 2.5], "stream": True}) == b'{"a":[2,2.5],"b":1}'
 
 
+@settings(deadline=None)
 @given(
     st.dictionaries(
         st.text(min_size=1, max_size=5),

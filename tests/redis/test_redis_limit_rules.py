@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proxy.errors import ConfigError
@@ -19,6 +19,7 @@ class Clock:
         return self.now
 
 
+@settings(deadline=None)
 @given(st.floats(-1000, 1000), st.floats(0, 100), st.floats(0, 1000), st.integers(1, 10_000))
 def test_bucket_refills_linearly_up_to_capacity(
     level: float, updated: float, elapsed: float, per_min: int
@@ -30,6 +31,7 @@ def test_bucket_refills_linearly_up_to_capacity(
     assert bucket_level(None, updated, now, per_min) == per_min
 
 
+@settings(deadline=None)
 @given(st.floats(-1000, 1000), st.floats(0.5, 100), st.integers(1, 10_000))
 def test_wait_until_is_the_refill_inverse(level: float, need: float, per_min: int) -> None:
     wait = wait_until(level, need, per_min)

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 from prometheus_client import CollectorRegistry
-from redisproc import RedisFactory, RedisServer
+from redisproc import SLOW_OK, RedisFactory, RedisServer
 
 from proxy.errors import RateLimited
 from proxy.limit_rules import Limits, LocalLimits
@@ -32,7 +32,7 @@ async def admit_all(gates: list[RequestGate], tenant: str, n: int) -> tuple[int,
 
 
 async def test_requests_per_minute_hold_across_replicas(redis_server: RedisServer) -> None:
-    links = [RedisLink(RedisConfig(url=redis_server.url)) for _ in range(2)]
+    links = [RedisLink(RedisConfig(url=redis_server.url, **SLOW_OK)) for _ in range(2)]
     gates = [RequestGate(gate_cfg(requests_per_min=10), lk) for lk in links]
     try:
         admitted, refused = await admit_all(gates, "acme", 30)
@@ -48,7 +48,7 @@ async def test_requests_per_minute_hold_across_replicas(redis_server: RedisServe
 
 
 async def test_concurrent_streams_across_replicas(redis_server: RedisServer) -> None:
-    links = [RedisLink(RedisConfig(url=redis_server.url)) for _ in range(2)]
+    links = [RedisLink(RedisConfig(url=redis_server.url, **SLOW_OK)) for _ in range(2)]
     gates = [RequestGate(gate_cfg(concurrent_streams=3), lk) for lk in links]
     try:
         leases = [await gates[i % 2].admit("acme") for i in range(3)]
@@ -66,7 +66,7 @@ async def test_concurrent_streams_across_replicas(redis_server: RedisServer) -> 
 
 
 async def test_tokens_per_minute_debt(redis_server: RedisServer) -> None:
-    link = RedisLink(RedisConfig(url=redis_server.url))
+    link = RedisLink(RedisConfig(url=redis_server.url, **SLOW_OK))
     registry = CollectorRegistry()
     gate = RequestGate(gate_cfg(tokens_per_min=1000), link, registry=registry)
     try:
@@ -86,7 +86,7 @@ async def test_tokens_per_minute_debt(redis_server: RedisServer) -> None:
 
 
 async def test_lua_and_local_arithmetic_agree(redis_server: RedisServer) -> None:
-    link = RedisLink(RedisConfig(url=redis_server.url))
+    link = RedisLink(RedisConfig(url=redis_server.url, **SLOW_OK))
     store = RedisLimits(link)
     local = LocalLimits(lambda: 0.0)  # no time passes locally; Redis' clock moves by microseconds
     limits = Limits(requests_per_min=5, tokens_per_min=100, concurrent_streams=4)
@@ -105,7 +105,7 @@ async def test_lua_and_local_arithmetic_agree(redis_server: RedisServer) -> None
 
 
 async def test_leases_of_a_dead_replica_expire(redis_server: RedisServer) -> None:
-    link = RedisLink(RedisConfig(url=redis_server.url))
+    link = RedisLink(RedisConfig(url=redis_server.url, **SLOW_OK))
     cfg = LimitsConfig(enabled=True, concurrent_streams=1, lease_ttl_s=3)
     dead, alive = RequestGate(cfg, link), RequestGate(cfg, link)
     try:
@@ -130,7 +130,7 @@ async def test_leases_of_a_dead_replica_expire(redis_server: RedisServer) -> Non
 async def test_redis_down_falls_back_to_local_limits(redis_factory: RedisFactory) -> None:
     server = redis_factory.start()
     registry = CollectorRegistry()
-    link = RedisLink(RedisConfig(url=server.url, op_timeout_s=0.2))
+    link = RedisLink(RedisConfig(url=server.url, **SLOW_OK))
     gate = RequestGate(gate_cfg(requests_per_min=3), link, registry=registry)
     try:
         lease = await gate.admit("acme")

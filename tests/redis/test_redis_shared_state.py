@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from redisproc import RedisServer
+from redisproc import SLOW_OK, RedisServer
 
 from proxy.breaker import Breaker, BreakerState, Outcome
 from proxy.config import BreakerConfig
@@ -51,7 +51,7 @@ def test_trip_opens_from_any_state() -> None:
 async def test_breaker_opening_reaches_other_replicas(redis_server: RedisServer) -> None:
     clock = Clock()
     replicas = []
-    links = [RedisLink(RedisConfig(url=redis_server.url)) for _ in range(3)]
+    links = [RedisLink(RedisConfig(url=redis_server.url, **SLOW_OK)) for _ in range(3)]
     for lk in links:
         engines = [FakeEngine("e0", Breaker(CFG)), FakeEngine("e1", Breaker(CFG))]
         shared = SharedBreakers(lk, lambda e=engines: e, open_s=CFG.open_s, clock=clock)
@@ -76,7 +76,7 @@ async def test_breaker_opening_reaches_other_replicas(redis_server: RedisServer)
 
 
 async def test_breaker_polling_loop_within_a_second(redis_server: RedisServer) -> None:
-    links = [RedisLink(RedisConfig(url=redis_server.url)) for _ in range(2)]
+    links = [RedisLink(RedisConfig(url=redis_server.url, **SLOW_OK)) for _ in range(2)]
     loop = asyncio.get_running_loop()
     a = [FakeEngine("e0", Breaker(CFG))]
     b = [FakeEngine("e0", Breaker(CFG))]
@@ -99,7 +99,7 @@ async def test_breaker_polling_loop_within_a_second(redis_server: RedisServer) -
 
 
 async def test_registry_heartbeat_and_expiry(redis_server: RedisServer) -> None:
-    link = RedisLink(RedisConfig(url=redis_server.url))
+    link = RedisLink(RedisConfig(url=redis_server.url, **SLOW_OK))
     seen: list[list[str]] = []
     watcher = RegistryWatcher(link, lambda records: seen.append([r.name for r in records]))
     record = EngineRecord("t0", "target", "llama", "http://127.0.0.1:9000")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 import pytest
-from redisproc import RedisFactory, RedisServer
+from redisproc import SLOW_OK, RedisFactory, RedisServer
 
 from proxy.errors import ConfigError, NoCapacity, Unauthorized
 from proxy.redis_link import RedisConfig, RedisLink
@@ -75,7 +75,7 @@ def test_keys_never_in_repr_or_errors() -> None:
 
 async def test_redis_keys(redis_server: RedisServer, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG)
-    link = RedisLink(RedisConfig(url=redis_server.url))
+    link = RedisLink(RedisConfig(url=redis_server.url, **SLOW_OK))
     directory = TenantDirectory(auth(redis_keys=True, redis_cache_s=0), link)
     try:
         await register_key(link, "sk-from-redis-1", "gamma")
@@ -95,7 +95,7 @@ async def test_redis_keys(redis_server: RedisServer, caplog: pytest.LogCaptureFi
 
 async def test_redis_outage_keeps_known_keys(redis_factory: RedisFactory) -> None:
     server = redis_factory.start()
-    link = RedisLink(RedisConfig(url=server.url, op_timeout_s=0.2))
+    link = RedisLink(RedisConfig(url=server.url, **SLOW_OK))
     directory = TenantDirectory(auth(redis_keys=True, redis_cache_s=0.0), link)
     try:
         await register_key(link, "sk-known-key-1", "gamma")

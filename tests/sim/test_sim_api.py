@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 from engine_sidecar.sim.config import SimEngineConfig
+
 from .conftest import FAST, Start, chat_body, metric, parse_sse
 
 
@@ -88,7 +90,6 @@ async def test_errors_have_vllm_shape(start: Start, http: aiohttp.ClientSession)
         (chat_body("hi", max_tokens=60), 400, "max_tokens"),
         ({"model": "nope", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
         ({"messages": "not a list"}, 400, "messages"),
-        (chat_body("hi", priority=3), 400, "priority"),
         (chat_body("hi", stream_options={"include_usage": True}), 400, "stream_options"),
     ]
     for body, status, param in cases:
@@ -99,6 +100,8 @@ async def test_errors_have_vllm_shape(start: Start, http: aiohttp.ClientSession)
         assert err["param"] == param
         assert err["type"] == ("NotFoundError" if status == 404 else "BadRequestError")
         assert err["message"]
+    async with http.post(url, json=chat_body("hi", max_tokens=1, priority=3)) as resp:
+        assert resp.status == 200  # accepted and ignored without priority scheduling, as vLLM
     async with http.post(url, data=b"{not json") as resp:
         assert resp.status == 400
         assert (await resp.json())["error"]["type"] == "BadRequestError"
@@ -114,6 +117,11 @@ async def test_models_health_and_tokenize_chat(start: Start, http: aiohttp.Clien
     assert models["data"][0]["max_model_len"] == 4096
     async with http.get(url + "/health") as resp:
         assert resp.status == 200
+    async with http.get(url + "/version") as resp:
+        assert (await resp.json())["version"].startswith("0.32")
+    async with http.get(url + "/no/such/route") as resp:
+        assert resp.status == 404
+        assert await resp.json() == {"detail": "Not Found"}
     body = {"messages": [{"role": "user", "content": "hello"}]}
     async with http.post(url + "/tokenize", json=body) as resp:
         data = await resp.json()
@@ -133,6 +141,7 @@ async def test_deterministic_output(start: Start, http: aiohttp.ClientSession) -
 
     a, b = cluster.urls
     assert await text(a, temperature=0) == await text(b, temperature=0)
+    assert await text(a, temperature=0) == await text(b, temperature=0, seed=3)
     assert await text(a, temperature=0.8, seed=7) == await text(b, temperature=0.8, seed=7)
     assert await text(a, temperature=0.8, seed=7) != await text(a, temperature=0.8, seed=8)
     sampled = {await text(a, temperature=1.0) for _ in range(4)}
@@ -158,3 +167,23 @@ async def test_logprobs_chat_and_completion(start: Start, http: aiohttp.ClientSe
         chunks = parse_sse(await resp.read())[:-1]
     tokens = [t for c in chunks for t in c["choices"][0]["logprobs"]["tokens"]]
     assert len(tokens) == 4
+
+
+async def test_metrics_parse_as_prometheus_text(start: Start, http: aiohttp.ClientSession) -> None:
+    cluster = await start(num_speculative_tokens=2)
+    url = cluster.urls[0]
+    async with http.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 5}) as r:
+        await r.read()
+    async with http.get(url + "/metrics") as resp:
+        assert resp.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+        text = await resp.text()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert families["vllm:prompt_tokens"].type == "counter"
+    assert families["vllm:time_to_first_token_seconds"].type == "histogram"
+    assert families["vllm:kv_cache_usage_perc"].type == "gauge"
+    per_pos = families["vllm:spec_decode_num_accepted_tokens_per_pos"].samples
+    assert {s.labels["position"] for s in per_pos} == {"0", "1"}
+    for family in families.values():
+        for sample in family.samples:
+            assert sample.labels["engine"] == "0"
+            assert sample.labels["model_name"] == "sim-model"

@@ -11,7 +11,7 @@ import sys
 import aiohttp
 import pytest
 
-from engine_sidecar.sim.main import add_arguments, configs_from_args
+from engine_sidecar.sim.main import add_arguments, configs_from_args, run
 
 from .conftest import chat_body, metric, parse_sse
 
@@ -28,7 +28,8 @@ def test_flags_map_onto_engine_configs() -> None:
                   "--scheduling-policy", "priority", "--num-speculative-tokens", "2",
                   "--spec-acceptance", "0.9,0.5", "--legacy-kv-metric", "--seed", "10",
                   "--fault-error-rate", "0.25", "--fault-metrics-missing", "vllm:x",
-                  "--time-scale", "4")
+                  "--time-scale", "4", "--name", "t",
+                  "--fault-metric-override", "vllm:kv_cache_usage_perc=0.9")
     configs = configs_from_args(args)
     assert [c.seed for c in configs] == [10, 11, 12]
     first = configs[0]
@@ -38,6 +39,9 @@ def test_flags_map_onto_engine_configs() -> None:
     assert first.acceptance_per_pos == (0.9, 0.5)
     assert first.faults.error_rate == 0.25 and first.faults.metrics_missing == ("vllm:x",)
     assert configs[0].faults is not configs[1].faults
+    assert first.faults.metric_overrides == {"vllm:kv_cache_usage_perc": 0.9}
+    assert [c.name for c in configs] == ["t-0", "t-1", "t-2"]
+    assert configs_from_args(_parse("--name", "solo"))[0].name == "solo"
     with pytest.raises(ValueError, match="block_size"):
         configs_from_args(_parse("--block-size", "0"))
 
@@ -75,3 +79,10 @@ async def test_sigterm_drains_then_exits(http: aiohttp.ClientSession) -> None:
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+def test_list_profiles_prints_the_derived_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(_parse("--list-profiles")) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("| profile |")
+    assert "`llama8b-l4`" in out and "`llama70b-h100`" in out

@@ -4,18 +4,22 @@ speculative decoding, aborts and draining."""
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import Callable
 
 import aiohttp
+import pytest
 
+from engine_sidecar.sim.cluster import start_cluster
+from engine_sidecar.sim.config import SimEngineConfig
 from engine_sidecar.sim.engine import SimEngine
 
 from .conftest import Start, chat_body, metric, parse_sse
 
 
-async def wait_for(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
+async def wait_for(predicate: Callable[[], bool], within_s: float = 10.0) -> None:
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
+    deadline = loop.time() + within_s
     while not predicate():
         assert loop.time() < deadline, "condition not reached in time"
         await asyncio.sleep(0.005)
@@ -53,14 +57,12 @@ async def test_kv_usage_rises_with_concurrent_long_requests_then_falls(
     url, engine = cluster.urls[0], cluster.engines[0]
     responses = []
     for i in range(4):
-        body = {"prompt": f"request {i} " + "x" * 4000, "max_tokens": 120, "ignore_eos": True,
+        body = {"prompt": f"request {i} " + "x" * 4000, "max_tokens": 200, "ignore_eos": True,
                 "stream": True}
         resp = await http.post(url + "/v1/completions", json=body)
         await resp.content.readuntil(b"\n\n")  # first token: the prompt is in the cache
         responses.append(resp)
-    usage_busy = await metric(http, url, "vllm:kv_cache_usage_perc")
-    assert usage_busy > 0.6
-    assert engine.kv_usage == usage_busy or engine.kv_usage > 0.6
+    assert await metric(http, url, "vllm:kv_cache_usage_perc") > 0.55  # 4 x 63 of 400 blocks
     for resp in responses:
         assert parse_sse(await resp.read())[-1] == "[DONE]"
         resp.release()
@@ -72,19 +74,21 @@ async def test_requests_queue_beyond_max_num_seqs(start: Start,
                                                   http: aiohttp.ClientSession) -> None:
     cluster = await start(max_num_seqs=2, time_scale=10)
     url, engine = cluster.urls[0], cluster.engines[0]
-    tasks = [asyncio.create_task(complete(http, url, f"q{i}", 40)) for i in range(5)]
+    tasks = [asyncio.create_task(complete(http, url, f"q{i}", 5000)) for i in range(5)]
     await wait_for(lambda: engine.num_running == 2 and engine.num_waiting == 3)
     assert await metric(http, url, "vllm:num_requests_running") == 2
     assert await metric(http, url, "vllm:num_requests_waiting") == 3
-    await asyncio.gather(*tasks)
-    assert engine.num_running == engine.num_waiting == 0
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await wait_for(lambda: engine.num_running == engine.num_waiting == 0)
 
 
 async def test_priority_scheduling_runs_lower_values_first(start: Start,
                                                            http: aiohttp.ClientSession) -> None:
     cluster = await start(max_num_seqs=1, scheduling_policy="priority", time_scale=10)
     url, engine = cluster.urls[0], cluster.engines[0]
-    blocker = asyncio.create_task(complete(http, url, "blocker", 40))
+    blocker = asyncio.create_task(complete(http, url, "blocker", 5000))
     await wait_for(lambda: engine.num_running == 1)
     order: list[int] = []
 
@@ -92,11 +96,14 @@ async def test_priority_scheduling_runs_lower_values_first(start: Start,
         await complete(http, url, f"p{priority}", 2, priority=priority)
         order.append(priority)
 
-    tasks = []
+    tasks: list[asyncio.Task[None]] = []
     for priority in (5, -1, 3, 0):
         tasks.append(asyncio.create_task(one(priority)))
-        await wait_for(lambda n=len(tasks): engine.num_waiting == n)
-    await asyncio.gather(blocker, *tasks)
+        queued = len(tasks)
+        await wait_for(lambda: engine.num_waiting == queued)  # noqa: B023 (awaited at once)
+    blocker.cancel()  # frees the only slot: the queue now drains in priority order
+    await asyncio.gather(blocker, return_exceptions=True)
+    await asyncio.gather(*tasks)
     assert order == [-1, 0, 3, 5]
 
 
@@ -146,6 +153,7 @@ async def test_client_disconnect_aborts_and_frees_blocks(start: Start,
     async with http.get(url + "/admin/state") as state_resp:
         state = await state_resp.json()
     assert "chatcmpl-gone-1" in state["aborted_ids"]
+    assert "gone-1" in state["aborted_request_ids"]
     assert await metric(http, url, "vllm:request_success_total", 'finished_reason="abort"') == 1
 
 
@@ -185,3 +193,39 @@ async def test_draining_refuses_new_requests(start: Start, http: aiohttp.ClientS
     assert await cluster.drain(timeout_s=10)
     result = await running
     assert result["usage"]["completion_tokens"] == 30  # type: ignore[index]
+
+
+async def test_engine_shutdown_ends_open_streams_with_an_error(
+        start: Start, http: aiohttp.ClientSession) -> None:
+    cluster = await start(time_scale=1)
+    body = chat_body("never finishes", max_tokens=5000, stream=True)
+    async with http.post(cluster.urls[0] + "/v1/chat/completions", json=body) as resp:
+        await resp.content.readuntil(b"\n\n")
+        closing = asyncio.create_task(cluster.close())
+        events = parse_sse(await resp.read())
+    await closing
+    assert "[DONE]" not in events
+    assert events[-1]["error"]["code"] == 503
+
+
+async def test_fixed_port_gives_consecutive_ports(http: aiohttp.ClientSession) -> None:
+    for _ in range(5):  # another process may hold the port after ours; try a few bases
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            base = probe.getsockname()[1]
+        if base > 65000:
+            continue
+        try:
+            cluster = await start_cluster([SimEngineConfig(), SimEngineConfig(name="named")],
+                                          host="127.0.0.1", port=base)
+        except OSError:
+            continue
+        try:
+            assert cluster.ports == [base, base + 1]
+            assert [e.name for e in cluster.engines] == [f"sim-{base}", "named"]
+            async with http.get(cluster.urls[1] + "/health") as resp:
+                assert resp.headers["X-Engine-Id"] == "named"
+        finally:
+            await cluster.close()
+        return
+    pytest.skip("no two consecutive free ports found")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import aiohttp
 import pytest
@@ -79,7 +80,7 @@ async def test_stall_mid_stream(start: Start, http: aiohttp.ClientSession) -> No
             arrivals.append((loop.time(), line))
             if line.startswith(b"data: [DONE]"):
                 break
-    gaps = [b[0] - a[0] for a, b in zip(arrivals, arrivals[1:], strict=False)]
+    gaps = [b[0] - a[0] for a, b in itertools.pairwise(arrivals)]
     assert max(gaps) >= 0.35
     content = [line for _, line in arrivals if b'"content":" ' in line]
     assert b"".join(content).count(b'"content":" ') >= 1
@@ -136,3 +137,17 @@ async def test_admin_faults_validation_and_clear(start: Start,
     assert engine.faults == FaultConfig()
     async with http.post(url + "/v1/chat/completions", json=chat_body("hi", max_tokens=1)) as r:
         assert r.status == 200
+
+
+async def test_close_does_not_wait_for_a_stalled_response(start: Start,
+                                                          http: aiohttp.ClientSession) -> None:
+    cluster = await start()
+    url = cluster.urls[0]
+    await set_faults(http, url, stall_after_tokens=1, stall_s=60)
+    body = chat_body("hi", max_tokens=50, ignore_eos=True, stream=True)
+    loop = asyncio.get_running_loop()
+    async with http.post(url + "/v1/chat/completions", json=body) as resp:
+        await resp.content.readuntil(b"\n\n")
+        began = loop.time()
+        await cluster.close()
+        assert loop.time() - began < 20

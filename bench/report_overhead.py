@@ -1,0 +1,116 @@
+"""The overhead benchmark's Markdown report (from ``bench/results/overhead.json``).
+
+Rules: every number comes from the results; ratios are against ``direct`` at the same
+concurrency; verdicts come from ``bench.targets``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+from bench.markdown import fmt, ms, num, stamp, table
+from bench.stats import ratio
+from bench.targets import overhead_targets
+
+OVERHEAD_HEADER = ("streams", "path", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "out tok/s",
+                   "TTFT p50 x", "TTFT p99 x", "ITL p50 x", "tok/s x", "TTFT p50 x per round",
+                   "router CPU ms/req", "requests")
+
+
+def overhead_ratios(data: Mapping[str, object]) -> dict[str, dict[int, dict[str, float]]]:
+    levels = data["levels"]
+    assert isinstance(levels, dict)
+    out: dict[str, dict[int, dict[str, float]]] = {}
+    for conc_text, paths in levels.items():
+        direct = paths.get("direct", {}).get("summary", {})
+        for name, entry in paths.items():
+            if name == "direct":
+                continue
+            s = entry.get("summary", {})
+            out.setdefault(name, {})[int(conc_text)] = {
+                k: ratio(num(s.get(k)), num(direct.get(k)))
+                for k in ("ttft_p50", "ttft_p99", "itl_p50", "throughput_tok_s")
+            }
+    return out
+
+
+def overhead_rows(data: Mapping[str, object]) -> list[list[object]]:
+    levels = data["levels"]
+    assert isinstance(levels, dict)
+    ratios = overhead_ratios(data)
+    rows: list[list[object]] = []
+    for conc_text in sorted(levels, key=int):
+        for name, entry in levels[conc_text].items():
+            s = entry.get("summary", {})
+            r = ratios.get(name, {}).get(int(conc_text), {})
+            spread = entry.get("round_ttft_p50_ratios")
+            spread_text = ("-" if not spread else
+                           f"{min(spread):.3f}-{max(spread):.3f}")
+            rows.append([
+                conc_text, name, fmt(ms(s.get("ttft_p50")), 1), fmt(ms(s.get("ttft_p99")), 1),
+                fmt(ms(s.get("itl_p50")), 1), fmt(s.get("throughput_tok_s"), 0),
+                r.get("ttft_p50", math.nan), r.get("ttft_p99", math.nan),
+                r.get("itl_p50", math.nan), r.get("throughput_tok_s", math.nan), spread_text,
+                fmt(num(entry.get("cpu_ms_per_request")), 2), f"{num(s.get('completed')):.0f}",
+            ])
+    return rows
+
+
+def relay_text(data: Mapping[str, object]) -> str:
+    relay = data.get("relay")
+    if not isinstance(relay, dict) or not relay:
+        return "Not measured in this run."
+    lines = []
+    for mode, r in relay.items():
+        if not isinstance(r, dict):
+            continue
+        if r.get("error"):
+            lines.append(f"- {mode}: failed: `{r['error']}`")
+            continue
+        lines.append(
+            f"- {mode} ({r.get('streams')} streams, {fmt(r.get('interval_ms'), 1)} ms between a "
+            f"stream's events): {fmt(r.get('events_per_s'), 0)} SSE events/s relayed with the "
+            f"proxy at {fmt(r.get('proxy_cpu_util'), 2)} of its core, i.e. "
+            f"**{fmt(r.get('events_per_cpu_s'), 0)} events per proxy CPU-second**")
+    lines.append("")
+    lines.append("One kvproxy process pinned to one core; the SSE source (`bench.firehose`) and "
+                 "the client share the other core, so where the proxy's core is not saturated the "
+                 "per-CPU-second figure is its one-core capacity, the events/s figure what this "
+                 "machine reached.")
+    return "\n".join(lines)
+
+
+def overhead_settings(data: Mapping[str, object]) -> str:
+    s = data["settings"]
+    assert isinstance(s, dict)
+    fleet = s["fleet"]
+    return "\n".join([
+        f"- engines: {fleet['engines']} simulated, profile `{fleet['profile']}`, time scale "
+        f"{fleet['time_scale']} (latencies are wall-clock)",
+        f"- requests: chat, {s['prompt_tokens']}-token unique prompts, {s['output_tokens']} "
+        f"output tokens, streamed; closed loop at each concurrency",
+        f"- interleaving: {s['rounds']} rounds; in each, every path (direct first) gets a "
+        f"{s['slice_s']} s slice; direct = the client round-robins over the engines itself",
+        f"- pinning: engines core(s) {s['engine_cores'] or 'any'}, routers core(s) "
+        f"{s['router_cores'] or 'any'}, load generator {s['loadgen_cores']}",
+    ])
+
+
+def overhead_markdown(data: Mapping[str, object], png: str | None) -> str:
+    unavailable = data.get("unavailable") or {}
+    assert isinstance(unavailable, dict)
+    parts = [
+        "# Overhead benchmark", "", stamp(data), "", "## Settings", "", overhead_settings(data),
+        "", "## Results", "", table(OVERHEAD_HEADER, overhead_rows(data)), "",
+        "`x` columns are ratios to `direct` at the same concurrency over all rounds; "
+        "`TTFT p50 x per round` is the range of that ratio over the rounds (its noise).", "",
+        "## kvproxy relay rate", "", relay_text(data), "",
+        "## Targets", "", overhead_targets(overhead_ratios(data)), "",
+        "## Routers that did not run", "",
+        "\n".join(f"- **{k}**: `{str(v)[:600]}`" for k, v in unavailable.items())
+        or "Every router listed ran.", "",
+    ]
+    if png:
+        parts += [f"![overhead]({png})", ""]
+    return "\n".join(parts)
