@@ -1,7 +1,8 @@
 """Command line of the engine sidecar: ``kvproxy-sidecar sim|vllm``.
 
 Each backend owns its own arguments (``add_arguments``) and its entry point (``run``); this module
-only dispatches, so the two backends never import each other.
+only dispatches. It imports only the backend that was asked for, so a backend whose imports fail
+(say, on a host built for the other one) never stops the other from starting.
 """
 
 from __future__ import annotations
@@ -28,17 +29,21 @@ def _load(module: str) -> _Backend:
     return cast(_Backend, importlib.import_module(module))
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(backend: str | None = None) -> argparse.ArgumentParser:
+    """The parser; only ``backend``'s own arguments are loaded (none when it is not known)."""
     parser = argparse.ArgumentParser(prog="kvproxy-sidecar", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="backend", required=True)
     for name, (module, help_text) in _BACKENDS.items():
         backend_parser = sub.add_parser(name, help=help_text)
-        _load(module).add_arguments(backend_parser)
+        if name == backend:
+            _load(module).add_arguments(backend_parser)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    backend = next((a for a in args_list if not a.startswith("-")), None)
+    args = build_parser(backend).parse_args(args_list)
     module, _ = _BACKENDS[args.backend]
     return _load(module).run(args)
 

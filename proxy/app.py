@@ -24,8 +24,10 @@ from proxy import handlers
 from proxy.admission import Admission
 from proxy.config import Config
 from proxy.context import Drain, ShellContext
+from proxy.door_config import DoorConfig
 from proxy.errors import KvproxyError
 from proxy.fleet import Engine, Fleet
+from proxy.frontdoor import DOOR, FrontDoor
 from proxy.keys import REQUEST_ID, SCRAPER_TASK, SHELL
 from proxy.metrics import ProxyMetrics
 from proxy.routing import make_policy
@@ -42,14 +44,19 @@ def build_app(
     *,
     engines_override: Sequence[Engine] | None = None,
     clock: Callable[[], float] = time.monotonic,
+    door: DoorConfig | None = None,
 ) -> web.Application:
-    """The proxy application for ``cfg`` (``engines_override``: a prepared fleet, for tests)."""
+    """The proxy application for ``cfg`` (``engines_override``: a prepared fleet, for tests;
+    ``door``: tenant, limit, cache and Redis settings to use instead of those in ``cfg``)."""
     app = web.Application(
         middlewares=[error_middleware], client_max_size=cfg.server.max_body_bytes + 1
     )
     app[SHELL] = _context(cfg, engines_override, clock)
+    door_cfg = door if door is not None else DoorConfig.of(cfg)
+    app[DOOR] = FrontDoor(door_cfg, registry=app[SHELL].metrics.registry)
     app.cleanup_ctx.append(_upstream_sessions)
     app.cleanup_ctx.append(_scraper)
+    app.cleanup_ctx.append(_front_door)
     _routes(app)
     return app
 
@@ -104,6 +111,16 @@ async def _scraper(app: web.Application) -> AsyncIterator[None]:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+
+
+async def _front_door(app: web.Application) -> AsyncIterator[None]:
+    ctx = app[SHELL]
+    door = app[DOOR]
+    door.start(lambda: ctx.fleet, open_s=ctx.cfg.breaker.open_s, clock=ctx.clock)
+    try:
+        yield
+    finally:
+        await door.close()
 
 
 @web.middleware

@@ -20,7 +20,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -28,27 +28,13 @@ from prometheus_client import CollectorRegistry
 
 from proxy.cache import CacheRequest, Fill, ResponseCache, make_cache
 from proxy.cache_entry import CachedResponse, Recording, replay_sse, usage_tokens
-from proxy.cache_key import CacheConfig
-from proxy.ratelimit import LimitsConfig, RequestGate
-from proxy.redis_link import RedisConfig, RedisLink
+from proxy.door_config import DoorConfig
+from proxy.ratelimit import RequestGate
+from proxy.redis_link import RedisLink
 from proxy.shared_state import HasBreaker, SharedBreakers
-from proxy.tenants import AuthConfig, TenantDirectory
+from proxy.tenants import TenantDirectory
 
 CHARS_PER_TOKEN = 4
-SECTIONS = ("auth", "cache", "redis", "limits")
-
-
-@dataclass(frozen=True)
-class DoorConfig:
-    auth: AuthConfig = field(default_factory=AuthConfig)
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    redis: RedisConfig = field(default_factory=RedisConfig)
-    limits: LimitsConfig = field(default_factory=LimitsConfig)
-
-    @classmethod
-    def of(cls, cfg: object) -> DoorConfig:
-        """The sections of a proxy ``Config`` that this object needs (defaults where absent)."""
-        return cls(**{name: getattr(cfg, name) for name in SECTIONS if hasattr(cfg, name)})
 
 
 @dataclass

@@ -15,9 +15,11 @@ import orjson
 from aiohttp import web
 
 from proxy.admission import REASON_NO_ENGINE, Admit, Priority, engine_priority, parse_priority
+from proxy.cache_entry import CachedResponse
 from proxy.context import ShellContext
 from proxy.errors import KvproxyError, NoCapacity, PayloadTooLarge
 from proxy.fleet import HEALTH_STATES
+from proxy.frontdoor import DOOR, replay, wants_usage
 from proxy.inbound import Endpoint, Inbound, accept, rewrite
 from proxy.keys import REQUEST_ID, SHELL
 from proxy.metrics import CONTENT_TYPE
@@ -26,8 +28,6 @@ from proxy.prefix import prefix_chain
 from proxy.relay import CLIENT_CLOSED, Job, Relay
 from proxy.routing import RouteKey
 from proxy.upstream import request_headers
-
-DEFAULT_TENANT = "default"
 
 
 def request_id(request: web.Request) -> str:
@@ -68,20 +68,47 @@ async def _proxy(request: web.Request, endpoint: Endpoint) -> web.StreamResponse
 async def _serve(
     request: web.Request, ctx: ShellContext, endpoint: Endpoint, job: Job
 ) -> web.StreamResponse:
+    door = request.app[DOOR]
+    tenant = await door.identify(request.headers)
     inbound = accept(await _read_body(request, ctx.cfg.server.max_body_bytes), endpoint)
     priority = parse_priority(request.headers.get("X-Priority"), inbound.body.get("priority"))
     job.cls = priority.value
     job.stream = inbound.stream
     plan = resolve_model(ctx.cfg, inbound.model)
     job.pool = plan.pool
-    job.pool = _admit(ctx, plan, priority)
-    model = upstream_model(ctx.cfg, job.pool)
-    ranked = _rank(ctx, job.pool, model, inbound, priority)
-    job.body = rewrite(
-        inbound.body, model=model, priority=_engine_priority(ctx, job.pool, priority)
-    )
-    job.headers = request_headers(request.headers, job.request_id)
-    return await Relay(ctx, request, job).run(ranked)
+    async with door.visit(
+        tenant,
+        endpoint=endpoint.value,
+        model=inbound.model,
+        body=inbound.body,
+        cache_control=request.headers.get("Cache-Control"),
+        prompt_chars=len(inbound.prompt_text),
+    ) as visit:
+        if visit.entry is not None:
+            return await _from_cache(request, job, inbound, visit.entry)
+        job.recorder = visit.recorder
+        job.extra_headers["X-Cache"] = visit.x_cache
+        job.pool = _admit(ctx, plan, priority)
+        if job.pool != plan.pool:
+            visit.discard()  # another pool's answer is not the answer for the model asked for
+        model = upstream_model(ctx.cfg, job.pool)
+        ranked = _rank(ctx, job.pool, model, inbound, priority, tenant=tenant)
+        job.body = rewrite(
+            inbound.body, model=model, priority=_engine_priority(ctx, job.pool, priority)
+        )
+        job.headers = request_headers(request.headers, job.request_id)
+        return await Relay(ctx, request, job).run(ranked)
+
+
+async def _from_cache(
+    request: web.Request, job: Job, inbound: Inbound, entry: CachedResponse
+) -> web.StreamResponse:
+    """Answer from the response cache (no engine involved; ``X-Engine: cache``)."""
+    job.engine, job.status = "cache", 200
+    job.first_byte_at = request.app[SHELL].clock()
+    usage = wants_usage(inbound.body)
+    headers = job.client_headers()
+    return await replay(request, entry, stream=inbound.stream, include_usage=usage, headers=headers)
 
 
 async def _read_body(request: web.Request, limit: int) -> bytes:
@@ -129,17 +156,17 @@ def _admitted(ctx: ShellContext, pool: str, decision: Admit) -> str:
 
 
 def _rank(
-    ctx: ShellContext, pool: str, model: str, inbound: Inbound, priority: Priority
+    ctx: ShellContext, pool: str, model: str, inbound: Inbound, priority: Priority, *, tenant: str
 ) -> tuple[str, ...]:
     routing = ctx.cfg.routing
     chain = prefix_chain(
         inbound.prompt_text,
         model=model,
-        tenant=DEFAULT_TENANT,
+        tenant=tenant,
         block_chars=routing.block_chars,
         max_blocks=routing.max_blocks,
     )
-    key = RouteKey(chain=chain, tenant=DEFAULT_TENANT, model=model)
+    key = RouteKey(chain=chain, tenant=tenant, model=model)
     policy = ctx.policies[pool]
     views = ctx.admission.eligible(priority, ctx.fleet.views(pool, ctx.clock()))
     ranked = policy.rank(key, views)

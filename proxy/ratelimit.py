@@ -23,73 +23,16 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter
 
-from proxy.errors import ConfigError, RateLimited
+from proxy.door_config import LimitsConfig
+from proxy.errors import RateLimited
 from proxy.limit_rules import Limits, LocalLimits, Verdict, retry_after_header
 from proxy.redis_link import RedisLink, RedisUnavailable
-from proxy.tenants import TENANT_NAME
 
 log = logging.getLogger("kvproxy.ratelimit")
-
-
-@dataclass(frozen=True)
-class TenantLimitConfig:
-    name: str
-    requests_per_min: int | None = None
-    tokens_per_min: int | None = None
-    concurrent_streams: int | None = None
-
-    def __post_init__(self) -> None:
-        if not TENANT_NAME.match(self.name):
-            raise ConfigError("name", "must be a valid tenant name")
-        _non_negative(self, ("requests_per_min", "tokens_per_min", "concurrent_streams"))
-
-
-@dataclass(frozen=True)
-class LimitsConfig:
-    """``[limits]`` (defaults for every tenant) and ``[[limits.tenants]]`` (overrides)."""
-
-    enabled: bool = False
-    requests_per_min: int = 0
-    tokens_per_min: int = 0
-    concurrent_streams: int = 0
-    lease_ttl_s: float = 30.0
-    tenants: tuple[TenantLimitConfig, ...] = ()
-
-    def __post_init__(self) -> None:
-        _non_negative(self, ("requests_per_min", "tokens_per_min", "concurrent_streams"))
-        if self.lease_ttl_s < 3:
-            raise ConfigError("lease_ttl_s", "must be >= 3 (leases are renewed every third of it)")
-        names = [t.name for t in self.tenants]
-        for i, name in enumerate(names):
-            if name in names[:i]:
-                raise ConfigError(f"tenants[{i}].name", f"duplicate tenant {name!r}")
-
-    def for_tenant(self, tenant: str) -> Limits:
-        override = next((t for t in self.tenants if t.name == tenant), None)
-
-        def pick(name: str) -> int:
-            value = getattr(override, name, None) if override else None
-            return int(getattr(self, name) if value is None else value)
-
-        return Limits(pick("requests_per_min"), pick("tokens_per_min"), pick("concurrent_streams"))
-
-    @classmethod
-    def from_mapping(cls, raw: Mapping[str, object], field_prefix: str) -> LimitsConfig:
-        from proxy.configload import build  # noqa: PLC0415
-
-        return build(cls, dict(raw), field_prefix)
-
-
-def _non_negative(obj: object, names: tuple[str, ...]) -> None:
-    for name in names:
-        value = getattr(obj, name)
-        if value is not None and value < 0:
-            raise ConfigError(name, "must be >= 0 (0 = unlimited)")
 
 
 # --- Redis store: the same arithmetic as limit_rules, atomically, on Redis' clock ----------------

@@ -16,8 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
 from typing import TypeAlias, TypeVar
 
 import redis.asyncio as aioredis
@@ -27,44 +26,11 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 from redis.maint_notifications import MaintNotificationsConfig
 
-from proxy.errors import ConfigError
+from proxy.door_config import RedisConfig
 
 T = TypeVar("T")
 RedisClient: TypeAlias = aioredis.Redis
 log = logging.getLogger("kvproxy.redis")
-
-
-@dataclass(frozen=True)
-class RedisConfig:
-    """``[redis]``: where shared state lives. Empty ``url``: nothing is shared."""
-
-    url: str = ""
-    op_timeout_s: float = 0.25
-    connect_timeout_s: float = 0.5
-    max_connections: int = 128
-    key_prefix: str = "kvproxy:"
-    retry_after_failure_s: float = 1.0
-
-    def __post_init__(self) -> None:
-        if self.url and not self.url.startswith(("redis://", "rediss://", "unix://")):
-            raise ConfigError("url", "must be a redis://, rediss:// or unix:// URL")
-        for name in ("op_timeout_s", "connect_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(name, "must be > 0")
-        if self.max_connections < 1:
-            raise ConfigError("max_connections", "must be >= 1")
-        if self.retry_after_failure_s < 0:
-            raise ConfigError("retry_after_failure_s", "must be >= 0")
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.url)
-
-    @classmethod
-    def from_mapping(cls, raw: Mapping[str, object], field_prefix: str) -> RedisConfig:
-        from proxy.configload import build  # noqa: PLC0415
-
-        return build(cls, dict(raw), field_prefix)
 
 
 class RedisUnavailable(Exception):

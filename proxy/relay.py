@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -26,6 +26,7 @@ from aiohttp import web
 
 from proxy.admission import REASON_NO_ENGINE
 from proxy.breaker import Outcome, classify_status
+from proxy.cache_entry import Recorder
 from proxy.context import ShellContext
 from proxy.errors import KvproxyError, NoCapacity, UpstreamError, UpstreamTimeout
 from proxy.fleet import Engine
@@ -51,10 +52,14 @@ class Job:
     engine: str = "none"
     status: int = 0
     first_byte_at: float | None = None
+    # Sees the engine's status and every byte relayed (response cache, token accounting).
+    recorder: Recorder | None = None
+    extra_headers: dict[str, str] = field(default_factory=dict)
     shed_reason: str | None = None
 
     def client_headers(self) -> dict[str, str]:
-        return {"X-Request-Id": self.request_id, "X-Engine": self.engine, "X-Served-By": self.pool}
+        ids = {"X-Request-Id": self.request_id, "X-Engine": self.engine, "X-Served-By": self.pool}
+        return ids | self.extra_headers
 
 
 class _Retry(Exception):
@@ -189,6 +194,9 @@ class Relay:
             engine.completed += 1
         self._job.first_byte_at = self._ctx.clock()
         self._job.status = resp.status
+        if self._job.recorder is not None:
+            self._job.recorder.start(resp.status, streamed=False)
+            self._job.recorder.feed(body)
         headers = response_headers(resp.headers) | self._job.client_headers()
         return web.Response(status=resp.status, body=body, headers=headers)
 
@@ -205,7 +213,10 @@ class Relay:
         await out.prepare(self._request)
         self._job.status = resp.status
         self._job.first_byte_at = self._ctx.clock()
-        pump = _Pump(out, self._up.idle_timeout_s)
+        recorder = self._job.recorder
+        if recorder is not None:
+            recorder.start(resp.status, streamed=True)
+        pump = _Pump(out, self._up.idle_timeout_s, None if recorder is None else recorder.feed)
         failure = await pump.run(chunks) if await pump.write(first) else None
         self._settle_stream(engine, pump, failure)
         return out
@@ -228,8 +239,14 @@ class _Pump:
     an engine failure is reported to the client, a client failure ends the relay silently.
     """
 
-    def __init__(self, out: web.StreamResponse, idle_timeout_s: float) -> None:
+    def __init__(
+        self,
+        out: web.StreamResponse,
+        idle_timeout_s: float,
+        tap: Callable[[bytes], None] | None = None,
+    ) -> None:
         self._out = out
+        self._tap = tap
         self._idle = idle_timeout_s
         self._at_event_boundary = True
         self.client_gone = False
@@ -241,6 +258,8 @@ class _Pump:
         except ConnectionResetError:
             self.client_gone = True
             return False
+        if self._tap is not None:
+            self._tap(chunk)
         self._at_event_boundary = chunk.endswith(b"\n\n")
         return True
 

@@ -7,9 +7,9 @@ Rules:
   opening it has not seen yet, by reporting failures to it through its ordinary ``record`` API. An
   opening applied from Redis is never published again, so replicas do not echo each other. Each
   replica still probes a half-open engine itself.
-- Registry: a sidecar writes its engine's record to ``<prefix>engine:<name>`` with a TTL and adds
-  the name to the set ``<prefix>engines``; it renews the record every third of the TTL. A record
-  whose key expired is an engine that stopped heartbeating; readers drop its name from the set.
+- Registry: a sidecar writes its engine's record to ``<prefix>engine:<pool>:<url>`` with a TTL and
+  renews it every third of the TTL (the vLLM sidecar's heartbeat writes the same key and fields).
+  An engine that stops heartbeating disappears with its key; readers find the live ones by SCAN.
 - Without Redis none of this runs; static config keeps working. Redis trouble skips a round, never
   changes a breaker, and never reaches a client.
 """
@@ -21,7 +21,7 @@ import contextlib
 import logging
 import uuid
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Protocol
 
 import orjson
@@ -140,44 +140,47 @@ class EngineRecord:
     model: str
     url: str
     metrics_url: str | None = None
+    ready: bool = True
+    draining: bool = False
 
     def encode(self) -> bytes:
-        return orjson.dumps(asdict(self))
+        # Field names shared with the vLLM sidecar's own heartbeat (role, engine_url).
+        doc: dict[str, object] = {"name": self.name, "role": self.pool, "model": self.model}
+        doc["engine_url"] = self.url
+        doc |= {"metrics_url": self.metrics_url, "ready": self.ready, "draining": self.draining}
+        return orjson.dumps(doc)
 
     @classmethod
     def decode(cls, raw: bytes) -> EngineRecord | None:
         try:
             doc = orjson.loads(raw)
-            record = cls(**doc)
-        except (orjson.JSONDecodeError, TypeError):
+        except orjson.JSONDecodeError:
             return None
-        fields = (record.name, record.pool, record.model, record.url)
-        return record if all(isinstance(f, str) and f for f in fields) else None
+        if not isinstance(doc, dict):
+            return None
+        pool, model, url = doc.get("role"), doc.get("model"), doc.get("engine_url")
+        if not all(isinstance(v, str) and v for v in (pool, model, url)):
+            return None
+        name = doc.get("name") or f"{pool}@{str(url).split('://', 1)[-1]}"
+        metrics_url = doc.get("metrics_url")
+        return cls(str(name), str(pool), str(model), str(url),
+                   metrics_url if isinstance(metrics_url, str) else None,
+                   doc.get("ready") is not False, doc.get("draining") is True)  # fmt: skip
+
+
+def record_key(link: RedisLink, pool: str, url: str) -> str:
+    """``<prefix>engine:<pool>:<url>``, the key the vLLM sidecar's heartbeat writes too."""
+    return link.key("engine", pool, url)
 
 
 async def register_engine(link: RedisLink, record: EngineRecord, ttl_s: float) -> None:
-    key, names, raw = link.key("engine", record.name), link.key("engines"), record.encode()
-    px = max(1, int(ttl_s * 1000))
-
-    async def write(r: RedisClient) -> None:
-        async with r.pipeline(transaction=True) as pipe:
-            pipe.set(key, raw, px=px)
-            pipe.sadd(names, record.name)
-            await pipe.execute()
-
-    await link.run("registry_write", write)
+    key, raw, px = record_key(link, record.pool, record.url), record.encode(), int(ttl_s * 1000)
+    await link.run("registry_write", lambda r: r.set(key, raw, px=max(1, px)))
 
 
-async def deregister_engine(link: RedisLink, name: str) -> None:
-    key, names = link.key("engine", name), link.key("engines")
-
-    async def delete(r: RedisClient) -> None:
-        async with r.pipeline(transaction=True) as pipe:
-            pipe.delete(key)
-            pipe.srem(names, name)
-            await pipe.execute()
-
-    await link.run("registry_delete", delete)
+async def deregister_engine(link: RedisLink, record: EngineRecord) -> None:
+    key = record_key(link, record.pool, record.url)
+    await link.run("registry_delete", lambda r: r.delete(key))
 
 
 async def heartbeat_engine(
@@ -190,31 +193,27 @@ async def heartbeat_engine(
                 await register_engine(link, record, ttl_s)
             except RedisUnavailable:
                 log.warning("engine registry heartbeat for %s failed; retrying", record.name)
-            try:
+            with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(ttl_s / 3):
                     await stop.wait()
-            except TimeoutError:
-                pass
     finally:
         # On failure the TTL removes the record soon enough.
         with contextlib.suppress(RedisUnavailable):
-            await asyncio.shield(deregister_engine(link, record.name))
+            await asyncio.shield(deregister_engine(link, record))
 
 
 async def list_engines(link: RedisLink) -> list[EngineRecord]:
-    """The engines registered now, sorted by name; expired names are dropped from the set."""
-    names_key = link.key("engines")
-    raw_names = await link.run("registry_names", lambda r: r.smembers(names_key))
-    names = sorted(n.decode() if isinstance(n, bytes) else str(n) for n in raw_names)
-    if not names:
-        return []
-    keys = [link.key("engine", n) for n in names]
-    values = await link.run("registry_read", lambda r: r.mget(keys))
-    gone = [n for n, v in zip(names, values, strict=True) if v is None]
-    if gone:
-        await link.run("registry_prune", lambda r: r.srem(names_key, *gone))
-    records = (EngineRecord.decode(v) for v in values if isinstance(v, bytes))
-    return [r for r in records if r is not None]
+    """The engines registered now (expired heartbeats are simply gone), sorted by name."""
+    pattern = link.key("engine", "*")
+
+    async def scan(r: RedisClient) -> list[bytes]:
+        keys = [k async for k in r.scan_iter(match=pattern, count=200)]
+        values = await r.mget(keys) if keys else []
+        return [v for v in values if isinstance(v, bytes)]
+
+    values = await link.run("registry_read", scan)
+    records = (EngineRecord.decode(v) for v in values)
+    return sorted((r for r in records if r is not None), key=lambda r: r.name)
 
 
 class RegistryWatcher:

@@ -15,30 +15,21 @@ Rules:
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import logging
-import re
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter
 
-from proxy.errors import ConfigError, NoCapacity, Unauthorized
+from proxy.door_config import TENANT_NAME, AuthConfig, key_digest
+from proxy.errors import NoCapacity, Unauthorized
 from proxy.redis_link import RedisLink, RedisUnavailable
 
 log = logging.getLogger("kvproxy.tenants")
-TENANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _NEGATIVE_CACHE_S = 5.0
 _REMEMBERED_MAX = 10_000
-
-
-def key_digest(key: str) -> str:
-    """SHA-256 hex digest of an API key: the only form in which keys are kept."""
-    return hashlib.sha256(key.encode()).hexdigest()
 
 
 def bearer_token(authorization: str | None) -> str | None:
@@ -47,56 +38,6 @@ def bearer_token(authorization: str | None) -> str | None:
     scheme, _, token = authorization.strip().partition(" ")
     token = token.strip()
     return token if scheme.lower() == "bearer" and token else None
-
-
-@dataclass(frozen=True)
-class TenantConfig:
-    name: str
-    keys: tuple[str, ...] = field(default=(), repr=False)
-    key_sha256: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        if not TENANT_NAME.match(self.name):
-            raise ConfigError("name", "must be 1-64 of A-Z a-z 0-9 _ . - (starting alphanumeric)")
-        for i, digest in enumerate(self.key_sha256):
-            if not _HEX64.match(digest):
-                raise ConfigError(f"key_sha256[{i}]", "must be 64 lowercase hex digits (SHA-256)")
-        for i, key in enumerate(self.keys):
-            if len(key) < 8:
-                raise ConfigError(f"keys[{i}]", "must be at least 8 characters")
-
-    def digests(self) -> tuple[str, ...]:
-        return self.key_sha256 + tuple(key_digest(k) for k in self.keys)
-
-
-@dataclass(frozen=True)
-class AuthConfig:
-    """``[auth]`` and ``[[auth.tenants]]``."""
-
-    required: bool = False
-    default_tenant: str = "default"
-    tenants: tuple[TenantConfig, ...] = ()
-    redis_keys: bool = False
-    redis_cache_s: float = 30.0
-
-    def __post_init__(self) -> None:
-        if not TENANT_NAME.match(self.default_tenant):
-            raise ConfigError("default_tenant", "must be a valid tenant name")
-        if self.redis_cache_s < 0:
-            raise ConfigError("redis_cache_s", "must be >= 0")
-        owner: dict[str, str] = {}
-        for i, tenant in enumerate(self.tenants):
-            for digest in tenant.digests():
-                if owner.setdefault(digest, tenant.name) != tenant.name:
-                    raise ConfigError(f"tenants[{i}]", "a key is listed for two tenants")
-        if self.required and not self.tenants and not self.redis_keys:
-            raise ConfigError("required", "needs [[auth.tenants]] or redis_keys = true")
-
-    @classmethod
-    def from_mapping(cls, raw: Mapping[str, object], field_prefix: str) -> AuthConfig:
-        from proxy.configload import build  # noqa: PLC0415
-
-        return build(cls, dict(raw), field_prefix)
 
 
 class TenantDirectory:

@@ -3,7 +3,8 @@
 Rules:
 - vLLM forks an engine-core process and workers; the server is started in its own session so the
   whole group is signalled together and nothing outlives a stop.
-- Stopping is SIGTERM to the group, then SIGKILL after a grace period; stopping twice is harmless.
+- Stopping is SIGTERM to the group, then SIGKILL after a grace period, and happens once per run:
+  also after the server exited by itself, since its children can outlive it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ log = logging.getLogger(__name__)
 class EngineProcess:
     def __init__(self, proc: asyncio.subprocess.Process) -> None:
         self._proc = proc
+        self._stopped = False
 
     @classmethod
     async def start(cls, cmd: Sequence[str], env: Mapping[str, str]) -> EngineProcess:
@@ -45,7 +47,11 @@ class EngineProcess:
             os.killpg(self._proc.pid, sig)
 
     async def stop(self, timeout_s: float) -> int:
-        """SIGTERM the group, SIGKILL it after ``timeout_s``; returns the exit status."""
+        """SIGTERM the group, SIGKILL it after ``timeout_s``; returns the exit status. Also after
+        the server itself died: its engine-core and worker processes may still run."""
+        if self._stopped:
+            return await self._proc.wait()
+        self._stopped = True
         if self._proc.returncode is None:
             self._signal_group(signal.SIGTERM)
             try:

@@ -93,7 +93,7 @@ class Supervisor:
 
     async def _stop_engine(self) -> None:
         proc, self.state.ready = self.state.process, False
-        if proc is not None and proc.returncode is None:
+        if proc is not None:
             self.state.last_exit = await proc.stop(self.profile.sidecar.stop_timeout_s)
             log.info("vLLM pid=%d stopped (status %s)", proc.pid, self.state.last_exit)
 

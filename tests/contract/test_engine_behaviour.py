@@ -14,13 +14,9 @@ import pytest
 
 from contract.client import Backend, Engine, metric, poll, post_json, scrape, value, wait_until
 
-# Where the simulator does not (yet) behave like vLLM 0.32; the [vllm] variants are the reference.
-SIM_DIVERGES = {
-    "test_priority_on_fcfs_engine_is_accepted":
-        "sim answers 400 to a non-zero priority without priority scheduling; vLLM 0.32 accepts it",
-    "test_spec_decode_counters_draft_model":
-        "sim drafts fewer than num_speculative_tokens near max_tokens; vLLM always drafts k",
-}
+# Where the simulator does not (yet) behave like vLLM 0.32 (test name -> gap); its [sim] variants
+# are expected to fail until the simulator matches. The [vllm] variants are the reference.
+SIM_DIVERGES: dict[str, str] = {}
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 GENERATED = "vllm:generation_tokens_total"

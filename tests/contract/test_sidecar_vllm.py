@@ -11,10 +11,11 @@ import aiohttp
 import pytest
 
 from contract.client import Backend, post_json, scrape, scrape_text, value, wait_until
+from contract.conftest import STARTUP_TIMEOUT_S
 
 BACKENDS = ("vllm",)
 # The drain test stops engine b's sidecar, so it is moved behind every other test (conftest.py).
-RUNS_LAST = ("test_sigterm_drains_then_stops_vllm",)
+RUNS_LAST = ("test_killed_vllm_is_restarted", "test_sigterm_drains_then_stops_vllm")
 
 
 async def _ready(url: str) -> tuple[int, dict[str, object]]:
@@ -72,6 +73,36 @@ async def test_derived_speculative_figures(backend: Backend) -> None:
     assert length == pytest.approx(1.0 + sum(per_pos))
     assert best == int(best) and best >= 0
     assert value(samples, "kvproxy_sidecar_spec_num_speculative_tokens") == k
+
+
+async def test_killed_vllm_is_restarted(backend: Backend) -> None:
+    engine = backend.a
+    assert engine.sidecar_url is not None
+    _, info = await _ready(engine.sidecar_url)
+    old_pid = info["engine_pid"]
+    assert isinstance(old_pid, int)
+    os.kill(old_pid, signal.SIGKILL)  # the API server only: its engine-core children remain
+
+    async def not_ready() -> bool:
+        return (await _ready(engine.sidecar_url))[0] == 503  # type: ignore[arg-type]
+
+    await wait_until(not_ready, timeout_s=30, what="sidecar to notice the crash")
+
+    async def ready_again() -> bool:
+        status, info = await _ready(engine.sidecar_url)  # type: ignore[arg-type]
+        return status == 200 and info["engine_pid"] != old_pid
+
+    await wait_until(ready_again, timeout_s=STARTUP_TIMEOUT_S, what="vLLM restarted and ready")
+    _, info = await _ready(engine.sidecar_url)
+    assert info["restarts"] == 1
+    # The sidecar took the crashed server's whole process group down before restarting.
+    with pytest.raises(ProcessLookupError):
+        os.killpg(old_pid, 0)
+    text = await scrape_text(engine.metrics_url)
+    assert "kvproxy_sidecar_engine_restarts_total 1" in text
+    status, _ = await post_json(engine.url + "/v1/completions",
+                                {"model": backend.model, "prompt": "back", "max_tokens": 2})
+    assert status == 200
 
 
 async def test_sigterm_drains_then_stops_vllm(backend: Backend) -> None:

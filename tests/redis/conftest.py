@@ -17,9 +17,9 @@ from redisproc import SLOW_OK, RedisFactory, RedisServer
 
 from engine_sidecar.sim.cluster import start_cluster
 from proxy.app import build_app
-from proxy.frontdoor import DoorConfig
+from proxy.door_config import DoorConfig, RedisConfig
 from proxy.lifecycle import ProxyServer
-from proxy.redis_link import RedisConfig, RedisLink
+from proxy.redis_link import RedisLink
 
 
 @pytest.fixture(scope="session")

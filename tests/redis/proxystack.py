@@ -33,11 +33,8 @@ from proxy.config import (
     TelemetryConfig,
     UpstreamConfig,
 )
-from proxy.frontdoor import DoorConfig
+from proxy.door_config import AuthConfig, DoorConfig, LimitsConfig, RedisConfig, TenantConfig
 from proxy.lifecycle import ProxyServer
-from proxy.ratelimit import LimitsConfig
-from proxy.redis_link import RedisConfig
-from proxy.tenants import AuthConfig, TenantConfig
 
 MODEL = "target-model"
 OTHER_MODEL = "draft-model"

@@ -13,7 +13,8 @@ from redisproc import SLOW_OK, RedisFactory, RedisServer
 from proxy.cache import CacheRequest, MemoryBackend, RedisBackend, ResponseCache, make_cache
 from proxy.cache_entry import replay_sse
 from proxy.cache_key import CacheConfig
-from proxy.redis_link import RedisConfig, RedisLink
+from proxy.door_config import RedisConfig
+from proxy.redis_link import RedisLink
 
 CHAT = "/v1/chat/completions"
 SECRET = "0123456789abcdef-secret"

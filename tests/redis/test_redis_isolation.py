@@ -14,7 +14,8 @@ from redisproc import SLOW_OK, RedisServer
 
 from proxy.cache import CacheRequest, ResponseCache, make_cache
 from proxy.cache_key import CacheConfig, canonical_body
-from proxy.redis_link import RedisConfig, RedisLink
+from proxy.door_config import RedisConfig
+from proxy.redis_link import RedisLink
 
 CHAT = "/v1/chat/completions"
 TENANTS = st.sampled_from(["acme", "beta", "gamma", "a", "ab", "b"])
@@ -65,7 +66,6 @@ def test_no_cross_tenant_hit_in_memory(requests: list[tuple[str, str, dict[str, 
 @settings(
     max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
-@settings(deadline=None)
 @given(requests=st.lists(REQUEST, min_size=1, max_size=12))
 def test_no_cross_tenant_hit_in_redis(
     redis_server: RedisServer, requests: list[tuple[str, str, dict[str, Any]]]

@@ -174,3 +174,28 @@ async def test_auth_and_keys_stay_out_of_logs(
     assert "sk-acme" not in caplog.text
     assert await stack.metric("kvproxy_auth_failures_total", reason="missing") == 1
     assert await stack.metric("kvproxy_auth_failures_total", reason="invalid") == 2
+
+
+async def test_completions_endpoint_replays_too(make_stack: StackFactory) -> None:
+    stack = await make_stack(door_config())
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}
+    headers = {"Authorization": "Bearer sk-acme-0000000001"}
+    url = stack.url + "/v1/completions"
+    texts = []
+    for stream in (True, True, False):
+        async with stack.http.post(url, json={**body, "stream": stream}, headers=headers) as resp:
+            raw = await resp.read()
+            texts.append((resp.headers["X-Cache"], raw))
+    assert [x for x, _ in texts] == ["MISS", "HIT", "MISS"]  # the JSON client needs usage
+    streamed = [
+        "".join(c["text"] for c in orjson.loads(ln[6:])["choices"])
+        for ln in texts[0][1].split(b"\n")
+        if ln.startswith(b"data: {")
+    ]
+    replayed = [
+        "".join(c["text"] for c in orjson.loads(ln[6:])["choices"])
+        for ln in texts[1][1].split(b"\n")
+        if ln.startswith(b"data: {")
+    ]
+    assert "".join(streamed) == "".join(replayed) != ""
+    assert orjson.loads(texts[2][1])["choices"][0]["text"] == "".join(streamed)

@@ -205,3 +205,19 @@ async def test_breaker_opened_by_one_replica_reaches_the_other(
             await asyncio.sleep(0.05)
     # The second proxy never sent a request to the failing engines itself.
     assert await second.metric("kvproxy_upstream_errors_total") == 0
+
+
+async def test_tokens_per_minute_through_the_proxy(make_stack: StackFactory) -> None:
+    stack = await make_stack(door_config(limits={"enabled": True, "tokens_per_min": 20}))
+    first, raw = await stack.post(chat("a prompt that costs tokens " * 5, temperature=0.5))
+    assert first.status == 200
+    usage = json.loads(raw)["usage"]["total_tokens"]
+    assert usage > 20  # the answer put the tenant in debt
+    second, body = await stack.post(chat("one more", temperature=0.5))
+    assert second.status == 429 and b'"code":"tokens_per_min"' in body
+    assert int(second.headers["Retry-After"]) >= (usage - 20) * 60 // 20
+    # Streamed without usage figures: charged by estimate, still charged.
+    other, _ = await stack.post(chat("x" * 400, temperature=0.5, stream=True), tenant="beta")
+    assert other.status == 200
+    again, _ = await stack.post(chat("y", temperature=0.5, stream=True), tenant="beta")
+    assert again.status == 429

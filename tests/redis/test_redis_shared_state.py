@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+import orjson
 from redisproc import SLOW_OK, RedisServer
 
 from proxy.breaker import Breaker, BreakerState, Outcome
 from proxy.config import BreakerConfig
-from proxy.redis_link import RedisConfig, RedisLink
+from proxy.door_config import RedisConfig
+from proxy.redis_link import RedisLink
 from proxy.shared_state import (
     EngineRecord,
     RegistryWatcher,
@@ -108,7 +110,8 @@ async def test_registry_heartbeat_and_expiry(redis_server: RedisServer) -> None:
         beat = asyncio.create_task(heartbeat_engine(link, record, ttl_s=3, stop=stop))
         await asyncio.sleep(0.05)
         assert await list_engines(link) == [record]
-        await register_engine(link, EngineRecord("t1", "target", "llama", "http://h:1"), ttl_s=0.05)
+        short = EngineRecord("t1", "target", "llama", "http://h:1")
+        await register_engine(link, short, ttl_s=0.05)
         await watcher.poll()
         await asyncio.sleep(0.1)  # t1 stops heartbeating and expires
         await watcher.poll()
@@ -117,9 +120,21 @@ async def test_registry_heartbeat_and_expiry(redis_server: RedisServer) -> None:
         await beat  # deregisters on the way out
         await watcher.poll()
         assert seen == [["t0", "t1"], ["t0"], []]
-        assert await link.client.smembers(link.key("engines")) == set()
         await link.client.set(link.key("engine", "junk"), b"not json")
-        await link.client.sadd(link.key("engines"), "junk")
         assert await list_engines(link) == []
+    finally:
+        await link.close()
+
+
+async def test_registry_reads_the_vllm_sidecar_heartbeat(redis_server: RedisServer) -> None:
+    link = RedisLink(RedisConfig(url=redis_server.url, **SLOW_OK))
+    try:
+        doc = {"profile": "target-70b", "role": "target", "model": "llama-70b",
+               "engine_url": "http://10.0.0.5:8000", "ready": True, "draining": False}  # fmt: skip
+        # The key and document the vLLM sidecar writes (engine_sidecar/vllm/registry.py).
+        await link.client.set("kvproxy:engine:target:http://10.0.0.5:8000", orjson.dumps(doc))
+        (record,) = await list_engines(link)
+        assert (record.pool, record.model, record.url) == ("target", "llama-70b", doc["engine_url"])
+        assert record.name == "target@10.0.0.5:8000" and record.ready and not record.draining
     finally:
         await link.close()

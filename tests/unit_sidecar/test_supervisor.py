@@ -66,6 +66,19 @@ def metric(text: str, name: str) -> float | None:
     return None
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A killed child of a dead parent is reaped by init; until then it is a zombie.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 @dataclass
 class Sidecar:
     proc: subprocess.Popen[bytes]
@@ -174,10 +187,13 @@ def test_engine_killed_while_ready_comes_back(sidecar_factory) -> None:
     sc = sidecar_factory()
     wait_for(lambda: get(sc.url + "/ready")[0] == 200, what="sidecar ready")
     pid = int(sc.ready()["engine_pid"])
-    os.kill(pid, signal.SIGKILL)
+    child = json.loads(get(sc.engine_url + "/child")[1])["pid"]
+    os.kill(pid, signal.SIGKILL)  # the server only: its child is left behind
     wait_for(lambda: sc.ready().get("engine_pid") not in (pid, None)
              and get(sc.url + "/ready")[0] == 200, what="engine restarted")
     assert sc.ready()["restarts"] == 1
+    # The crashed server's process group, child included, was killed before the restart.
+    wait_for(lambda: not _alive(child), timeout=5, what="orphaned child killed")
 
 
 def test_sigterm_drains_in_flight_requests_then_stops_engine(sidecar_factory) -> None:

@@ -3,12 +3,14 @@
 Accepts the flags the sidecar passes and serves /health, /v1/completions and /metrics with the
 metric names vLLM uses. ``max_tokens`` >= 1000 makes a request take ``max_tokens / 1000`` seconds
 so drain behaviour can be observed. Env FAKE_VLLM_CRASH_MARKER: if that file exists at start-up,
-it is removed and the server exits with status 3 (a crash on first start).
+it is removed and the server exits with status 3 (a crash on first start). Like vLLM's engine
+core, a child process runs beside the server; ``GET /child`` tells its pid.
 """
 
 import argparse
 import asyncio
 import os
+import subprocess
 import sys
 
 from aiohttp import web
@@ -50,6 +52,10 @@ async def metrics(request):
     return web.Response(text=text)
 
 
+async def child(request):
+    return web.json_response({"pid": request.app["child"].pid})
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
@@ -62,6 +68,8 @@ def main():
         sys.exit(3)
     app = web.Application()
     app["name"] = args.served_model_name
+    app["child"] = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    app.router.add_get("/child", child)
     app.router.add_get("/health", health)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/metrics", metrics)
