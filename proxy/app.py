@@ -32,6 +32,7 @@ from proxy.keys import REQUEST_ID, SCRAPER_TASK, SHELL
 from proxy.metrics import ProxyMetrics
 from proxy.routing import make_policy
 from proxy.scraper import Scraper
+from proxy.shared_state import RegistrySync
 from proxy.upstream import make_data_session, make_scrape_session
 
 log = logging.getLogger(__name__)
@@ -116,7 +117,13 @@ async def _scraper(app: web.Application) -> AsyncIterator[None]:
 async def _front_door(app: web.Application) -> AsyncIterator[None]:
     ctx = app[SHELL]
     door = app[DOOR]
-    door.start(lambda: ctx.fleet, open_s=ctx.cfg.breaker.open_s, clock=ctx.clock)
+    pools = {pool.name: pool.model for pool in ctx.cfg.pools}
+    door.start(
+        lambda: ctx.fleet,
+        open_s=ctx.cfg.breaker.open_s,
+        clock=ctx.clock,
+        on_registry=RegistrySync(ctx.fleet, pools),
+    )
     try:
         yield
     finally:

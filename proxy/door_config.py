@@ -88,6 +88,8 @@ class RedisConfig:
     max_connections: int = 128
     key_prefix: str = "kvproxy:"
     retry_after_failure_s: float = 1.0
+    # Also route to engines that sidecars register in Redis (next to the configured ones).
+    discover_engines: bool = False
 
     def __post_init__(self) -> None:
         if self.url and not self.url.startswith(("redis://", "rediss://", "unix://")):

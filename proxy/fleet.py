@@ -47,6 +47,8 @@ class Engine:
 
 class Fleet:
     def __init__(self, cfg: Config, engines: Sequence[Engine] | None = None) -> None:
+        self._cfg = cfg
+        self._removed: dict[str, Engine] = {}
         if engines is None:
             engines = [_engine(cfg, pool.name, e) for pool in cfg.pools for e in pool.engines]
         self._engines: dict[str, Engine] = {e.name: e for e in engines}
@@ -57,11 +59,29 @@ class Fleet:
     def __iter__(self) -> Iterator[Engine]:
         return iter(self._engines.values())
 
+    def add(self, pool: str, engine: EngineConfig) -> None:
+        """Route to one more engine from now on (one discovered at run time, e.g. in Redis)."""
+        if engine.name in self._engines:
+            raise ValueError(f"engine {engine.name!r} is already in the fleet")
+        added = _engine(self._cfg, pool, engine)
+        self._removed.pop(added.name, None)
+        self._engines[added.name] = added
+        self._pools.setdefault(pool, []).append(added)
+
+    def remove(self, name: str) -> None:
+        """Stop routing to an engine; requests already sent to it finish normally."""
+        engine = self._engines.pop(name, None)
+        if engine is not None:
+            self._pools[engine.pool].remove(engine)
+            # A request ranked just before may still look it up for its retry.
+            self._removed[name] = engine
+
     def __len__(self) -> int:
         return len(self._engines)
 
     def get(self, name: str) -> Engine:
-        return self._engines[name]
+        engine = self._engines.get(name)
+        return engine if engine is not None else self._removed[name]
 
     def pool(self, name: str) -> Sequence[Engine]:
         return self._pools.get(name, ())

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +31,7 @@ from proxy.cache_entry import CachedResponse, Recording, replay_sse, usage_token
 from proxy.door_config import DoorConfig
 from proxy.ratelimit import RequestGate
 from proxy.redis_link import RedisLink
-from proxy.shared_state import HasBreaker, SharedBreakers
+from proxy.shared_state import EngineRecord, HasBreaker, RegistryWatcher, SharedBreakers
 from proxy.tenants import TenantDirectory
 
 CHARS_PER_TOKEN = 4
@@ -85,13 +85,21 @@ class FrontDoor:
         *,
         open_s: float,
         clock: Callable[[], float] = time.monotonic,
+        on_registry: Callable[[list[EngineRecord]], None] | None = None,
     ) -> None:
-        """Start the background work (call from the app's startup, inside the event loop)."""
+        """Start the background work (call from the app's startup, inside the event loop).
+        ``on_registry`` receives the engines registered in Redis whenever they change (only with
+        ``redis.discover_engines``)."""
         self.gate.start()
-        if self.link is not None:
-            self.shared = SharedBreakers(self.link, engines, open_s=open_s, clock=clock)
-            task = asyncio.create_task(self.shared.run(), name="kvproxy-shared-breakers")
-            self._tasks.append(task)
+        if self.link is None:
+            return
+        self.shared = SharedBreakers(self.link, engines, open_s=open_s, clock=clock)
+        self._spawn(self.shared.run(), "kvproxy-shared-breakers")
+        if on_registry is not None and self.cfg.redis.discover_engines:
+            self._spawn(RegistryWatcher(self.link, on_registry).run(), "kvproxy-engine-registry")
+
+    def _spawn(self, work: Coroutine[Any, Any, None], name: str) -> None:
+        self._tasks.append(asyncio.create_task(work, name=name))
 
     async def close(self) -> None:
         for task in self._tasks:

