@@ -19,7 +19,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from proxy.cache_key import CacheConfig
 from proxy.configload import build, parse_scalar, scalar_paths, set_path
+from proxy.door_config import AuthConfig, LimitsConfig, RedisConfig
 from proxy.errors import ConfigError
 
 PoolName = Literal["draft", "target"]
@@ -204,6 +206,10 @@ class Config:
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
     pools: tuple[PoolConfig, ...] = ()
     aliases: tuple[AliasConfig, ...] = ()
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    redis: RedisConfig = field(default_factory=RedisConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
 
     def __post_init__(self) -> None:
         _check_pools(self.pools)
@@ -260,6 +266,10 @@ SCALAR_SECTIONS: tuple[str, ...] = (
     "admission",
     "upstream",
     "breaker",
+    "auth",
+    "cache",
+    "redis",
+    "limits",
 )
 
 

@@ -131,10 +131,12 @@ class LocalStack:
 
     def rewrite_text(self, text: str) -> str:
         def sub(m: re.Match[str]) -> str:
-            key = (m.group(1), int(m.group(2)))
-            return f"http://127.0.0.1:{self.port_map[key]}" if key in self.port_map else m.group(0)
+            key = (m.group(2), int(m.group(3)))
+            if key not in self.port_map:
+                return m.group(0)
+            return f"{m.group(1)}://127.0.0.1:{self.port_map[key]}"
 
-        return re.sub(r"http://([a-zA-Z0-9_.-]+):(\d+)", sub, text)
+        return re.sub(r"(http|redis)://([a-zA-Z0-9_.-]+):(\d+)", sub, text)
 
     def _mounts(self, name: str, svc: dict[str, Any]) -> dict[str, str]:
         """Container path -> local copy of each bind mount (config files rewritten)."""

@@ -5,6 +5,7 @@ request through the proxy."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,6 +13,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+import redis.asyncio
 import yaml
 
 from deploy.compose_runner import ROOT, LocalStack, services_for, start_order
@@ -105,4 +107,14 @@ async def test_sim_profile_runs_and_streams_through_the_proxy(sim_stack: LocalSt
             assert '"chat.completion.chunk"' in raw
         async with s.get(proxy + "/metrics") as resp:
             assert resp.status == 200
-            assert "kvproxy_" in await resp.text()
+            metrics = await resp.text()
+    assert "kvproxy_" in metrics
+    # The proxy keeps its shared state in the stack's Redis: it holds a connection there and has
+    # seen no Redis errors.
+    assert not re.search(r"^kvproxy_redis_errors_total\S* [1-9]", metrics, re.M)
+    client = redis.asyncio.Redis(port=sim_stack.local_port("redis", 6379))
+    try:
+        info = await client.info("clients")
+    finally:
+        await client.aclose()
+    assert info["connected_clients"] >= 2, info  # this client and the proxy
