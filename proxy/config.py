@@ -82,12 +82,12 @@ class RoutingConfig:
     load_factor: float = 1.25
     # An engine carrying fewer requests than this is never over the bound (idle pools don't spill).
     min_load_bound: int = 2
-    block_chars: int = 2048
-    max_blocks: int = 64
+    block_chars: int = 256
+    max_blocks: int = 512
     # Depth (in blocks) of the chain hash that orders engines; deeper past a prefix most hold.
     affinity_blocks: int = 2
     # Recently routed block hashes remembered per engine (longest-prefix match); 0: no index.
-    index_blocks: int = 4096
+    index_blocks: int = 16384
     # A remembered prefix attracts a request only if it covers at least this many blocks.
     min_match_blocks: int = 1
     seed: int = 0

@@ -8,8 +8,10 @@ Rules:
 - Hashes are 64-bit blake2b, never Python's ``hash()`` (salted per process, so replicas would
   disagree). The first block is keyed with model and tenant: equal prefixes give equal chain
   prefixes, and two tenants never share a key.
-- A partial trailing block is hashed too, so every prompt (even an empty one) has a chain of at
-  least one block.
+- Only full blocks are hashed: an engine caches only full KV blocks, and a partial trailing block
+  changes with every new turn of a conversation, so it must be neither a routing key nor remembered
+  in the routing index. A prompt shorter than one block has no full block; it gets a one-element
+  chain hashing all of it, so short prompts still spread by content (an empty prompt included).
 """
 
 from __future__ import annotations
@@ -86,8 +88,9 @@ def prefix_chain(
         data = text[:end].encode("ascii")
     prev = _seed(model, tenant)
     chain: list[int] = []
-    # range(0, 1) for empty text: an empty prompt still gets a one-block chain.
-    for start in range(0, max(end, 1), block_chars):
+    # Full blocks only; a prompt shorter than one block is its own (short) block.
+    full_end = end - end % block_chars if end >= block_chars else max(end, 1)
+    for start in range(0, full_end, block_chars):
         block = data[start : start + block_chars]
         h = blake2b(prev, digest_size=8)
         h.update(block if isinstance(block, bytes) else block.encode("utf-8", "surrogatepass"))

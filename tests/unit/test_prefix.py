@@ -60,8 +60,24 @@ def test_lengths() -> None:
     assert len(chain("")) == 1
     assert len(chain("a")) == 1
     assert len(chain("a" * BC)) == 1
-    assert len(chain("a" * (BC + 1))) == 2
+    # A partial trailing block is left out: engines cache only full blocks.
+    assert len(chain("a" * (BC + 1))) == 1
+    assert len(chain("a" * (2 * BC - 1))) == 1
+    assert len(chain("a" * 2 * BC)) == 2
     assert len(chain("a" * 10 * BC, max_blocks=3)) == 3
+
+
+def test_short_prompts_are_keyed_by_their_whole_text() -> None:
+    assert chain("hello") != chain("howdy")
+    assert chain("") != chain("x")
+
+
+@given(st.text(min_size=BC, max_size=200), st.text(max_size=200))
+def test_a_growing_conversation_keeps_its_chain(turn1: str, more: str) -> None:
+    # What a later turn adds (however long) never changes the blocks an earlier turn produced:
+    # every block of turn 1's chain is in turn 2's chain at the same depth.
+    first = chain(turn1)
+    assert chain(turn1 + more)[: len(first)] == first
 
 
 @given(st.text(max_size=200), st.text(max_size=200))

@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proxy.config import RoutingConfig
+from proxy.prefix import canonical_chat, prefix_chain
 from proxy.routing import (
     BlockIndex,
     EngineView,
@@ -331,3 +332,31 @@ def test_stable_spill_with_history(
     ranked = policy.rank(RouteKey(chain), vs)
     hot = [view(v.name, 10 * n if v.name == ranked[0] else 2) for v in vs]
     assert policy.rank(RouteKey(chain), hot)[0] == ranked[1]
+
+
+def test_short_growing_conversations_stay_on_their_engine() -> None:
+    # Real chat: each turn appends an answer and a question of a few hundred characters, so the
+    # block boundaries of one turn fall inside the next turn's text. From its second turn on, a
+    # conversation must keep its engine (idle fleet, so the load bound never forces a spill).
+    cfg = RoutingConfig()
+    policy = PrefixAffinity(cfg)
+    engines = [view(n, 0) for n in ("e0", "e1", "e2", "e3")]
+    words = [f"w{i * 7919 % 1000}" for i in range(400)]
+    moves = 0
+    for conv in range(50):
+        msgs: list[dict[str, object]] = [{"role": "system", "content": "You are helpful."}]
+        picks: list[str] = []
+        for turn in range(6):
+            start = (conv * 31 + turn * 17) % 300
+            msgs.append({"role": "user", "content": " ".join(words[start : start + 20])})
+            text = canonical_chat(msgs)
+            rk = RouteKey(
+                prefix_chain(text, model="m", tenant="t", block_chars=cfg.block_chars,
+                             max_blocks=cfg.max_blocks)
+            )
+            picks.append(policy.rank(rk, engines)[0])
+            policy.observe(rk, picks[-1])
+            msgs.append({"role": "assistant", "content": " ".join(words[start + 20 : start + 60])})
+        assert len(text) < 2400  # short chats: a few hundred characters a turn
+        moves += sum(p != picks[1] for p in picks[2:])
+    assert moves == 0
