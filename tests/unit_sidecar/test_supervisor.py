@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import redis
+from tiers import missing
 
 FAKE_VLLM = Path(__file__).parent / "fake_vllm"
 
@@ -223,7 +224,7 @@ def test_sigterm_drains_in_flight_requests_then_stops_engine(sidecar_factory) ->
 def redis_url() -> Iterator[str]:
     server = shutil.which("redis-server")
     if server is None:
-        pytest.skip("redis-server is not installed")
+        missing("redis-server is not installed")
     port = free_port()
     proc = subprocess.Popen([server, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                              "--appendonly", "no"], stdout=subprocess.DEVNULL)
