@@ -129,6 +129,8 @@ class AdmissionConfig:
 class UpstreamConfig:
     connect_timeout_s: float = 2.0
     first_byte_timeout_s: float = 60.0
+    # A non-streamed answer arrives whole, only once generated: its budget covers the generation.
+    response_timeout_s: float = 600.0
     idle_timeout_s: float = 60.0
     max_connections_per_engine: int = 256
     retries: int = 1
@@ -138,6 +140,7 @@ class UpstreamConfig:
             self,
             "connect_timeout_s",
             "first_byte_timeout_s",
+            "response_timeout_s",
             "idle_timeout_s",
             "max_connections_per_engine",
         )

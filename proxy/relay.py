@@ -129,7 +129,10 @@ class Relay:
             total=None, connect=None, sock_connect=self._up.connect_timeout_s
         )
         # One budget from dispatch to the first body byte, whether the head or the body is slow.
-        budget = self._up.connect_timeout_s + self._up.first_byte_timeout_s
+        # An engine sends a non-streamed answer only once it is generated, so there the budget
+        # covers the whole answer.
+        wait = self._up.first_byte_timeout_s if job.stream else self._up.response_timeout_s
+        budget = self._up.connect_timeout_s + wait
         self._first_byte_deadline = asyncio.get_running_loop().time() + budget
         try:
             async with asyncio.timeout_at(self._first_byte_deadline):
@@ -165,9 +168,12 @@ class Relay:
         return _Retry(error, f"http_{status}")
 
     def _failed(self, engine: Engine, exc: BaseException, phase: str) -> KvproxyError:
-        self._outcome(
-            engine, Outcome.FAILURE, "timeout" if isinstance(exc, TimeoutError) else phase
-        )
+        timed_out = isinstance(exc, TimeoutError)
+        # An engine slow to start answering is queueing work, not broken: that timeout is
+        # backpressure, or a hot fleet would be ejected engine by engine. Dead engines still fail
+        # to connect and to answer their scrapes.
+        outcome = Outcome.BACKPRESSURE if timed_out and phase != "mid_stream" else Outcome.FAILURE
+        self._outcome(engine, outcome, "timeout" if timed_out else phase)
         return translate(exc, engine.name, phase)
 
     def _outcome(self, engine: Engine, outcome: Outcome, kind: str | None) -> None:
@@ -184,8 +190,11 @@ class Relay:
 
     async def _whole(self, engine: Engine, resp: aiohttp.ClientResponse) -> web.Response:
         """A plain answer (JSON, or an engine's 4xx): read it all, then pass it on as it is."""
+        deadline = asyncio.get_running_loop().time() + self._up.idle_timeout_s
+        if not self._job.stream:
+            deadline = self._first_byte_deadline
         try:
-            async with asyncio.timeout(self._up.idle_timeout_s):
+            async with asyncio.timeout_at(deadline):
                 body = await resp.read()
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise self._failed(engine, exc, "body") from None

@@ -187,7 +187,44 @@ async def test_stalled_stream_ends_with_error_event(make_stack: StackFactory) ->
 
 async def test_header_delay_past_first_byte_timeout_is_504(make_stack: StackFactory) -> None:
     stack = await make_stack(
-        upstream=UpstreamConfig(connect_timeout_s=1.0, first_byte_timeout_s=0.3, idle_timeout_s=1.0)
+        upstream=UpstreamConfig(connect_timeout_s=0.2, first_byte_timeout_s=0.3, idle_timeout_s=1.0)
+    )
+    for name in stack.names:
+        await stack.faults(name, header_delay_s=2.0)
+    # More timeouts per engine than the breaker's failure threshold.
+    for i in range(6):  # the stack's breakers open after 2 failures
+        resp = await stack.post(
+            "/v1/chat/completions", chat_body(f"slow {i}", model=TARGET_MODEL, stream=True)
+        )
+        assert resp.status == 504
+        assert (await resp.json())["error"]["type"] == "timeout"
+    # A slow engine is busy, not broken: the timeouts did not open any breaker.
+    engines = await stack.admin()
+    assert {e["breaker"] for e in engines.values()} == {"closed"}, engines
+
+
+async def test_slow_non_streamed_answer_gets_the_response_budget(make_stack: StackFactory) -> None:
+    # An engine sends a non-streamed answer only once it is generated: a generation longer than
+    # the first-byte timeout is normal there and must not be cut off.
+    stack = await make_stack(
+        upstream=UpstreamConfig(
+            connect_timeout_s=0.2, first_byte_timeout_s=0.3, response_timeout_s=10.0,
+            idle_timeout_s=1.0,
+        )
+    )
+    for name in stack.names:
+        await stack.faults(name, header_delay_s=1.0)
+    resp = await stack.post("/v1/chat/completions", chat_body("slow", model=TARGET_MODEL))
+    assert resp.status == 200, await resp.text()
+    assert (await resp.json())["choices"][0]["message"]["content"]
+
+
+async def test_non_streamed_answer_past_its_budget_is_504(make_stack: StackFactory) -> None:
+    stack = await make_stack(
+        upstream=UpstreamConfig(
+            connect_timeout_s=1.0, first_byte_timeout_s=5.0, response_timeout_s=0.3,
+            idle_timeout_s=5.0,
+        )
     )
     for name in stack.names:
         await stack.faults(name, header_delay_s=2.0)
