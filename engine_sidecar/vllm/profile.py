@@ -82,6 +82,9 @@ class SidecarSettings:
     warmup_requests: int = 3
     warmup_max_tokens: int = 8
     drain_timeout_s: float = 30.0
+    # Draining is shown for at least this long before an idle engine is stopped, so that every
+    # proxy scrapes the flag (every 200 ms by default) and stops routing here first.
+    drain_notice_s: float = 1.0
     stop_timeout_s: float = 20.0
     restart_initial_s: float = 1.0
     restart_max_s: float = 60.0
@@ -216,6 +219,8 @@ def _sidecar_from(table: Mapping[str, Any]) -> SidecarSettings:
                            "need 0 < restart_initial_s <= restart_max_s")
     if settings.spec_window_s <= 0:
         raise ProfileError("sidecar.spec_window_s", "must be > 0")
+    if not 0 <= settings.drain_notice_s <= settings.drain_timeout_s:
+        raise ProfileError("sidecar.drain_notice_s", "must be in [0, drain_timeout_s]")
     return settings
 
 

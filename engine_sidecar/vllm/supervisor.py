@@ -83,12 +83,16 @@ class Supervisor:
         # An engine that never became ready has served nobody: nothing to wait for.
         was_ready, self.state.ready = self.state.ready, False
         self.state.draining = True
-        deadline = time.monotonic() + self.profile.sidecar.drain_timeout_s
+        now = time.monotonic()
+        deadline = now + self.profile.sidecar.drain_timeout_s
+        # Even an idle engine keeps running until the proxies have had time to see the flag:
+        # a request routed here in the meantime must still be served.
+        noticed_at = now + self.profile.sidecar.drain_notice_s
         while was_ready and self.state.engine_up and time.monotonic() < deadline:
             busy = await self._in_flight()
-            if busy is not None and busy <= 0:
+            if busy is not None and busy <= 0 and time.monotonic() >= noticed_at:
                 break
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.25)
         await self.close()
 
     async def _stop_engine(self) -> None:
