@@ -6,7 +6,11 @@ Rules:
   (``async with`` does it); only a fill whose recorder saw a normally completed answer stores it.
 - Identical concurrent misses in this process coalesce: the first is the leader and goes to an
   engine, the others wait (up to ``single_flight_timeout_s``) and are answered from its result. If
-  the leader's answer cannot be stored, waiters look up again, so one of them leads next.
+  the leader ends without an answer to keep (an error, a cut stream, an answer too large or not
+  mergeable, one from another pool), every waiter goes to an engine at once, each on its own: they
+  form no new flight, since an answer that could not be kept once is likely not to be kept again,
+  and waiting in turn would run them one after another. Their answers are still stored if they can
+  be. Requests the policy knows in advance to be unstorable are bypassed and never wait.
 - Backend trouble (Redis down, slow, garbage, or a value for another tenant) is a miss plus a
   metric, never an error the client sees.
 """
@@ -210,6 +214,24 @@ class ResponseCache:
             if not await self._wait(flight, deadline):
                 self.metrics.coalesced.labels("timeout").inc()
                 return Lookup("MISS")
+            # Answered from the flight itself: the leader may have landed already, and its store
+            # may have failed (Redis down) without that making this a miss.
+            entry = _usable(req, flight.entry)
+            if entry is not None:
+                return self._hit(entry, waited)
+            if flight.entry is None:
+                return await self._released(req, key)
+            # An answer this request cannot use (no usage figures): look up again, and wait for or
+            # lead a flight of the requests that can.
+
+    async def _released(self, req: CacheRequest, key: str) -> Lookup:
+        """A waiter whose leader kept nothing: go now, side by side with the other waiters."""
+        entry = _usable(req, await self._read(req, key))  # stored meanwhile by another request
+        if entry is not None:
+            return self._hit(entry, True)
+        self.metrics.coalesced.labels("released").inc()
+        # No flight: its answer is still stored if good, but nobody waits for it.
+        return Lookup("MISS", fill=Fill(self, req, key, None), coalesced=True)
 
     def _hit(self, entry: CachedResponse, waited: bool) -> Lookup:
         if waited:
@@ -242,11 +264,7 @@ class ResponseCache:
             log.warning("cache entry ignored: %s", exc)
         return None
 
-    async def _store(self, key: str, entry: CachedResponse) -> None:
-        value = entry.encode()
-        if len(value) > self.cfg.max_entry_bytes:
-            self.metrics.stores.labels("too_large").inc()
-            return
+    async def _store(self, key: str, value: bytes) -> None:
         try:
             await self.backend.set(key, value, self.cfg.ttl_s)
         except RedisUnavailable:
@@ -312,12 +330,18 @@ class Fill:
             return
         self._finished = True
         entry = self.result() if completed and not self._discarded else None
-        self._cache._wake(self._flight, entry)
+        value = None if entry is None else entry.encode()
+        too_large = value is not None and len(value) > self._cache.cfg.max_entry_bytes
+        # An answer too large to store is not handed to the waiters either, whatever size the
+        # relayed bytes were: they go to the engines themselves, the same for every such answer.
+        self._cache._wake(self._flight, None if too_large else entry)
         try:
-            if entry is None:
+            if value is None:
                 self._cache.metrics.stores.labels("incomplete").inc()
+            elif too_large:
+                self._cache.metrics.stores.labels("too_large").inc()
             else:
-                await self._cache._store(self._key, entry)
+                await self._cache._store(self._key, value)
         finally:
             self._cache._land(self._key, self._flight)
 

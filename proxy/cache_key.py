@@ -5,6 +5,9 @@ Rules (pure, no I/O):
   Config can turn the cache off; a request can refuse it with ``Cache-Control``: ``no-store``
   (neither read nor write) or ``no-cache`` (not answered from the cache, but the fresh answer is
   stored).
+- A streamed request whose answer the cache could never store bypasses it entirely, so it is not
+  made to wait for an identical one either: per-token ``logprobs`` and tool calls cannot be merged
+  from stream deltas (see ``cache_entry``). The same requests without ``stream`` stay cacheable.
 - The key is an HMAC-SHA256 under a server-side secret over the tenant, the requested model, the
   endpoint and the whole canonical request minus what only shapes the transport (``stream``,
   ``stream_options``) or the scheduling (``priority``). Never a part of the prompt alone: one tenant
@@ -95,7 +98,7 @@ def decide(body: Mapping[str, Any], cache_control: str | None, *, enabled: bool)
     directives = _directives(cache_control)
     if "no-store" in directives:
         return CachePolicy(False, False, "no_store")
-    reason = _irreproducible(body)
+    reason = _irreproducible(body) or _unstorable_stream(body)
     if reason:
         return CachePolicy(False, False, reason)
     if "no-cache" in directives:
@@ -120,6 +123,24 @@ def _irreproducible(body: Mapping[str, Any]) -> str:
     seed = body.get("seed")
     seeded = isinstance(seed, int) and not isinstance(seed, bool)
     return "" if greedy or seeded else "sampling"
+
+
+def _unstorable_stream(body: Mapping[str, Any]) -> str:
+    """Why the cache would refuse a streamed answer to ``body``; "" when it may keep it."""
+    if body.get("stream") is not True:
+        return ""
+    # Completions take a count (0 still returns the chosen token's logprob), chat a boolean.
+    logprobs = body.get("logprobs")
+    if (logprobs is not None and logprobs is not False) or body.get("top_logprobs") is not None:
+        return "logprobs"
+    if _offered(body, "tools", "tool_choice") or _offered(body, "functions", "function_call"):
+        return "tools"
+    return ""
+
+
+def _offered(body: Mapping[str, Any], tools: str, choice: str) -> bool:
+    """Tools the model may call: given, and not switched off with a choice of "none"."""
+    return bool(body.get(tools)) and body.get(choice) != "none"
 
 
 def _is_number(value: object) -> bool:

@@ -129,22 +129,95 @@ async def test_single_flight(cache: ResponseCache) -> None:
     )
 
 
-async def test_single_flight_failed_leader_hands_over(cache: ResponseCache) -> None:
+async def test_single_flight_failed_leader_releases_every_waiter(cache: ResponseCache) -> None:
     leader = await cache.lookup(request())
     assert leader.fill is not None
     waiters = [asyncio.create_task(cache.lookup(request())) for _ in range(5)]
     await asyncio.sleep(0.02)
     await leader.fill.finish(completed=False)
-    # Exactly one waiter leads the next attempt; the others wait for it and hit.
-    done, pending = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-    assert len(done) == 1
-    second = done.pop().result()
-    assert second.status == "MISS" and second.fill is not None
-    async with second.fill as fill:
+    # All of them go to an engine at once; none leads a flight the others would wait for.
+    async with asyncio.timeout(1):
+        released = await asyncio.gather(*waiters)
+    assert all(r.status == "MISS" and r.coalesced and r.fill is not None for r in released)
+    registry = cache.metrics.registry
+    outcome = {"outcome": "released"}
+    assert registry.get_sample_value("kvproxy_cache_coalesced_waits_total", outcome) == 5
+    # A request arriving meanwhile starts a flight of its own, which the released ones do not join.
+    fresh = await cache.lookup(request())
+    assert fresh.status == "MISS" and fresh.fill is not None and not fresh.coalesced
+    follower = asyncio.create_task(cache.lookup(request()))
+    await asyncio.sleep(0.02)
+    assert not follower.done()
+    # A released waiter's good answer is stored, though nobody waited on it.
+    first = released[0].fill
+    assert first is not None
+    async with first as fill:
         fill.start(200, streamed=False)
         fill.feed(answer("second try"))
-    results = await asyncio.gather(*pending)
-    assert [r.status for r in results] == ["HIT"] * 4
+    for other in released[1:]:
+        await other.fill.finish(completed=False)  # type: ignore[union-attr]
+    await fresh.fill.finish(completed=False)
+    assert (await follower).status == "HIT"  # found the released waiter's stored answer
+    assert (await cache.lookup(request())).status == "HIT"
+
+
+async def test_an_answer_too_large_to_store_releases_the_waiters() -> None:
+    # Small enough to record as relayed, too large once encoded as an entry: not shared either.
+    size = len(answer("large")) + 10
+    cache = make_cache(CacheConfig(max_entry_bytes=size), None)
+    leader = await cache.lookup(request())
+    assert leader.fill is not None
+    waiters = [asyncio.create_task(cache.lookup(request())) for _ in range(3)]
+    await asyncio.sleep(0.02)
+    async with leader.fill as fill:
+        fill.start(200, streamed=False)
+        fill.feed(answer("large"))
+    released = await asyncio.gather(*waiters)
+    assert all(r.status == "MISS" and r.fill is not None for r in released)
+    registry = cache.metrics.registry
+    assert registry.get_sample_value("kvproxy_cache_stores_total", {"outcome": "too_large"}) == 1
+    for r in released:
+        await r.fill.finish(completed=False)  # type: ignore[union-attr]
+
+
+async def test_a_discarded_answer_releases_the_waiters(cache: ResponseCache) -> None:
+    # Served by another pool (tiering): complete, but not the answer for the model asked for.
+    leader = await cache.lookup(request())
+    assert leader.fill is not None
+    waiters = [asyncio.create_task(cache.lookup(request())) for _ in range(3)]
+    await asyncio.sleep(0.02)
+    leader.fill.discard()
+    async with leader.fill as fill:
+        fill.start(200, streamed=False)
+        fill.feed(answer("from the draft"))
+    released = await asyncio.gather(*waiters)
+    assert [(r.status, r.fill is not None) for r in released] == [("MISS", True)] * 3
+    for r in released:
+        await r.fill.finish(completed=False)  # type: ignore[union-attr]
+    assert (await cache.lookup(request())).status == "MISS"
+
+
+async def test_waiters_share_an_answer_the_backend_failed_to_store(
+    redis_factory: RedisFactory,
+) -> None:
+    server = redis_factory.start()
+    link = RedisLink(RedisConfig(url=server.url, op_timeout_s=0.3, retry_after_failure_s=0.3))
+    cache = make_cache(CacheConfig(backend="redis", secret=SECRET), link)
+    try:
+        leader = await cache.lookup(request())
+        assert leader.fill is not None
+        waiters = [asyncio.create_task(cache.lookup(request())) for _ in range(3)]
+        await asyncio.sleep(0.02)
+        server.pause()  # the store times out; the answer is good all the same
+        async with leader.fill as fill:
+            fill.start(200, streamed=False)
+            fill.feed(answer("shared"))
+        assert [r.status for r in await asyncio.gather(*waiters)] == ["HIT"] * 3
+        registry = cache.metrics.registry
+        assert registry.get_sample_value("kvproxy_cache_errors_total", {"op": "set"}) == 1
+    finally:
+        server.resume()
+        await link.close()
 
 
 async def test_single_flight_timeout() -> None:

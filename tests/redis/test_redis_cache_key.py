@@ -11,6 +11,8 @@ from proxy.errors import ConfigError
 
 SECRET = b"s" * 32
 CHAT = "/v1/chat/completions"
+STREAM = {"temperature": 0, "stream": True}
+TOOLS = [{"type": "function", "function": {"name": "f"}}]
 
 
 def body(**extra: object) -> dict[str, object]:
@@ -31,6 +33,19 @@ def body(**extra: object) -> dict[str, object]:
         ({"temperature": 0}, "no-store", (False, False, "no_store")),
         ({"temperature": 0}, "No-Cache", (False, True, "no_cache")),
         ({"temperature": 0}, "max-age=0, no-store", (False, False, "no_store")),
+        # Streamed answers the cache could never store: bypassed, so they never wait either.
+        ({**STREAM, "logprobs": True}, None, (False, False, "logprobs")),
+        ({**STREAM, "logprobs": 0}, None, (False, False, "logprobs")),  # completions: a count
+        ({**STREAM, "top_logprobs": 2}, None, (False, False, "logprobs")),
+        ({**STREAM, "logprobs": False}, None, (True, True, "")),
+        ({**STREAM, "logprobs": True}, "no-cache", (False, False, "logprobs")),
+        ({**STREAM, "tools": TOOLS}, None, (False, False, "tools")),
+        ({**STREAM, "functions": [{"name": "f"}]}, None, (False, False, "tools")),
+        ({**STREAM, "tools": TOOLS, "tool_choice": "none"}, None, (True, True, "")),
+        ({**STREAM, "tools": []}, None, (True, True, "")),
+        # The JSON answer is stored whole, logprobs and tool calls included.
+        ({"temperature": 0, "logprobs": True}, None, (True, True, "")),
+        ({"temperature": 0, "stream": False, "tools": TOOLS}, None, (True, True, "")),
     ],
 )
 def test_cacheability(
