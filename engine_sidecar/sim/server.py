@@ -13,6 +13,7 @@ import logging
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import orjson
 from aiohttp import web
@@ -158,14 +159,20 @@ async def _metrics(request: web.Request) -> web.StreamResponse:
                         headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
 
-async def _tokenize(request: web.Request) -> web.StreamResponse:
-    engine = request.app[ENGINE]
+async def _json_object(request: web.Request) -> dict[str, Any]:
+    """The request body, which must be one JSON object (400 otherwise, as vLLM answers)."""
     try:
         body = orjson.loads(await request.read())
     except orjson.JSONDecodeError as exc:
         raise ApiError(400, f"Invalid JSON body: {exc}") from None
     if not isinstance(body, dict):
         raise ApiError(400, "The request body must be a JSON object")
+    return body
+
+
+async def _tokenize(request: web.Request) -> web.StreamResponse:
+    engine = request.app[ENGINE]
+    body = await _json_object(request)
     model = body.get("model")
     if model is not None and model != engine.model:
         raise ApiError(404, f"The model `{model}` does not exist.", "model")
@@ -192,12 +199,7 @@ async def _faults_get(request: web.Request) -> web.StreamResponse:
 
 async def _faults_set(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
-    try:
-        body = orjson.loads(await request.read())
-    except orjson.JSONDecodeError as exc:
-        raise ApiError(400, f"Invalid JSON body: {exc}") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "The request body must be a JSON object")
+    body = await _json_object(request)
     try:
         engine.faults.update(body)
     except ValueError as exc:
