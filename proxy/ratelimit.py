@@ -30,6 +30,7 @@ from prometheus_client import CollectorRegistry, Counter
 from proxy.door_config import LimitsConfig
 from proxy.errors import RateLimited
 from proxy.limit_rules import Limits, LocalLimits, Verdict, retry_after_header
+from proxy.periodic import every
 from proxy.redis_link import RedisLink, RedisUnavailable
 
 log = logging.getLogger("kvproxy.ratelimit")
@@ -254,9 +255,7 @@ class RequestGate:
             self._renewer = None
 
     async def _renew_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.cfg.lease_ttl_s / 3)
-            await self.renew()
+        await every(self.cfg.lease_ttl_s / 3, self.renew, "renewing stream leases")
 
     async def renew(self) -> None:
         """Extend every open lease this replica holds (they expire if it dies)."""

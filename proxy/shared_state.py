@@ -29,6 +29,7 @@ import orjson
 from proxy.breaker import Breaker, BreakerState, Outcome
 from proxy.config import EngineConfig
 from proxy.errors import ConfigError
+from proxy.periodic import every
 from proxy.redis_link import RedisClient, RedisLink, RedisUnavailable
 
 log = logging.getLogger("kvproxy.shared")
@@ -125,9 +126,7 @@ class SharedBreakers:
 
     async def run(self) -> None:
         """The polling loop; run it as one named task owned by the app."""
-        while True:
-            await self.sync()
-            await asyncio.sleep(self.poll_s)
+        await every(self.poll_s, self.sync, "sharing breaker state")
 
 
 # --- engine registry ------------------------------------------------------------------------------
@@ -302,6 +301,4 @@ class RegistryWatcher:
             self._on_change(records)
 
     async def run(self) -> None:
-        while True:
-            await self.poll()
-            await asyncio.sleep(self.poll_s)
+        await every(self.poll_s, self.poll, "engine registry sync")

@@ -1,0 +1,38 @@
+import asyncio
+
+import pytest
+
+from proxy.periodic import every
+
+
+async def test_a_failing_round_does_not_end_the_loop(caplog: pytest.LogCaptureFixture) -> None:
+    rounds: list[int] = []
+    third = asyncio.Event()
+
+    async def step() -> None:
+        rounds.append(len(rounds))
+        if len(rounds) == 1:
+            raise RuntimeError("bug in one round")
+        if len(rounds) == 3:
+            third.set()
+
+    task = asyncio.create_task(every(0.001, step, "test loop"))
+    await asyncio.wait_for(third.wait(), 5)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert "test loop failed" in caplog.text
+
+
+async def test_cancellation_inside_a_round_stops_the_loop() -> None:
+    started = asyncio.Event()
+
+    async def step() -> None:
+        started.set()
+        await asyncio.sleep(10)
+
+    task = asyncio.create_task(every(0.001, step, "test loop"))
+    await started.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
