@@ -268,13 +268,16 @@ def _relay_mode(args: argparse.Namespace, work: Path, streams: int,
 
 async def _firehose_load(endpoint: Endpoint, args: argparse.Namespace,
                          streams: int) -> tuple[int, float]:
-    body = request_body(endpoint, "relay", args.relay_events)
     total = 0
+    sent = iter(range(1 << 62))
     async with make_session() as session:
 
         async def stream(stop_at: float) -> None:
             nonlocal total
             while time.perf_counter() < stop_at:
+                # A unique prompt each time: identical deterministic requests may be coalesced
+                # by a response cache's single flight, which is not what is measured here.
+                body = request_body(endpoint, f"relay {next(sent)}", args.relay_events)
                 async with session.post(endpoint.url, data=body) as resp:
                     async for chunk in resp.content.iter_any():
                         total += chunk.count(b"data: ")

@@ -71,6 +71,7 @@ def overhead_figure(ratios: Mapping[str, Mapping[int, Mapping[str, float]]], foo
                     path: Path) -> None:
     """``ratios[router][concurrency][metric]`` -> value relative to direct."""
     import matplotlib.pyplot as plt  # noqa: PLC0415 - optional extra
+    from matplotlib.ticker import FuncFormatter  # noqa: PLC0415 - optional extra
 
     metrics = (("ttft_p50", "TTFT p50"), ("ttft_p99", "TTFT p99"), ("itl_p50", "ITL p50"),
                ("throughput_tok_s", "throughput"))
@@ -84,6 +85,10 @@ def overhead_figure(ratios: Mapping[str, Mapping[int, Mapping[str, float]]], foo
         ax.axhline(1.05, color="grey", linewidth=0.6, linestyle=":")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")  # one slow peer must not flatten the others
+        plain = FuncFormatter(lambda v, _pos: f"{v:g}")
+        ax.yaxis.set_major_formatter(plain)
+        ax.yaxis.set_minor_formatter(plain)
+        ax.tick_params(axis="y", which="minor", labelsize=7)
         ax.set_xlabel("concurrent streams")
         ax.set_title(f"{label} / direct")
     axes[0].legend(fontsize=7)

@@ -5,7 +5,7 @@ import math
 
 from bench import report
 from bench.machine import write_json
-from bench.targets import best_peer_p90, routing_targets
+from bench.targets import best_peer_p90, overhead_targets, routing_targets
 
 MACHINE = {"nproc": 2, "cpu_model": "Test CPU", "kernel": "6", "python": "3.11",
            "memory_gib": 24.0, "load_avg_at_start": [0.5, 0.4, 0.3]}
@@ -133,3 +133,11 @@ def test_report_without_results_says_how_to_get_them(tmp_path):
 def test_fmt_renders_missing_values_as_a_dash():
     assert report.fmt(None) == "n/a" and report.fmt(math.nan) == "n/a"
     assert report.fmt(1.23456) == "1.235"
+
+
+def test_overhead_target_is_checked_for_both_kvproxy_policies():
+    text = overhead_targets({"kvproxy/prefix_affinity": {64: {"ttft_p50": 1.02}}})
+    assert "`kvproxy/prefix_affinity`, TTFT p50 ≤ 1.05 x direct at 64 streams: 1.020x — **met**" \
+        in text
+    assert "`kvproxy/round_robin`, TTFT p50 ≤ 1.05 x direct at 64 streams: nanx — not measured" \
+        in text
