@@ -27,7 +27,7 @@ from pathlib import Path
 from bench import machine
 from bench.prompts import PromptMapper, workload
 from bench.stats import percentile
-from bench.traces import Caps, TraceRequest, apply_caps
+from bench.traces import Caps, TraceRequest, apply_caps, hit_rate, oracle_hit_rate
 
 
 def simulate_round_robin(reqs: Sequence[TraceRequest], *, engines: int, profile: str,
@@ -113,6 +113,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      num_gpu_blocks=args.num_gpu_blocks, rate_scale=scale)
         print(" ".join(f"{k} {v:.3f}" for k, v in point.items()), flush=True)
         points.append(point)
+    from engine_sidecar.sim.profiles import PROFILES  # noqa: PLC0415
+
+    kv_tokens = (args.num_gpu_blocks or PROFILES[args.profile].num_gpu_blocks(16)) * 16
+    ceiling = {"kv_tokens_per_engine": kv_tokens, "ideal_hit_rate": hit_rate(reqs),
+               "oracle_hit_rate": oracle_hit_rate(reqs, args.engines, kv_tokens)}
+    print(" ".join(f"{k} {v:.3f}" for k, v in ceiling.items()), flush=True)
     out: Path = args.out
     machine.write_json(out / "calibration.json", {
         "command": machine.command_line(), "started_at": machine.now_utc(),
@@ -121,6 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                      "profile": args.profile, "num_gpu_blocks": args.num_gpu_blocks,
                      "caps": asdict(caps)},
         "points": points,
+        "cache_ceiling": ceiling,
     })
     return 0
 

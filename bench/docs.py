@@ -38,6 +38,13 @@ See `bench/README.md` for every option.
   separate process: continuous batching, a paged KV cache with prefix caching and LRU eviction,
   and a step time derived from the model size and GPU figures of the chosen profile. Its
   `/metrics` are vLLM's, so the prefix-cache hit rate is the engines' own count.
+- **KV cache.** The routing benchmark's engines use the profile `llama70b-h100x4-kv8`:
+  Llama-3.1-70B in BF16 over four H100s with an FP8 KV cache, twice the KV capacity of the same
+  engine with a BF16 cache (`llama70b-h100x4`). With the BF16 cache the slice's working set does
+  not fit: even a router that knew every cache exactly would stay far under 90 % of the ideal
+  hit rate (`python -m bench.calibrate --profile llama70b-h100x4` prints that ceiling), and the
+  figures would measure the cache size rather than the routers. The calibration section below
+  gives the ceiling for the profile used.
 - **Traffic (routing).** A slice of the Mooncake conversation trace (FAST'25) replayed open-loop
   with its arrival times. Every `hash_id` becomes the same pseudo-random 512-token text block each
   time it appears, so the trace's prefix sharing becomes prompt prefix sharing; a unique tail

@@ -161,8 +161,18 @@ def calibration_markdown(results: Path) -> str:
              fmt(num(p["busy_fraction"]), 2), fmt(num(p["preemptions"]), 0)] for p in points]
     header = ("rate scale", "RR TTFT p50 s", "RR TTFT p90 s", "RR TTFT p99 s", "hit rate",
               "busy fraction", "preemptions")
-    return "\n".join([
+    lines = [
         f"Round-robin on the simulator's own scheduler and step-time model, without wall clock "
         f"(`{data.get('command')}`, {data.get('started_at')}; same slice, caps and engines): the "
         f"load is chosen where round-robin's TTFT turns upward.", "",
-        table(header, rows)])
+        table(header, rows)]
+    ceiling = data.get("cache_ceiling")
+    if isinstance(ceiling, dict):
+        lines += ["", (
+            f"The KV cache size is chosen so that the hit-rate target can be met at all: a router "
+            f"that knew every engine's cache exactly (longest cached prefix first, load ignored) "
+            f"would reach {fmt(num(ceiling['oracle_hit_rate']))} with "
+            f"{int(num(ceiling['kv_tokens_per_engine']))} tokens of KV cache per engine, against "
+            f"the ideal {fmt(num(ceiling['ideal_hit_rate']))} of one infinite cache "
+            f"(`bench.traces.oracle_hit_rate`).")]
+    return "\n".join(lines)

@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-scale", type=float, default=3.0,
                    help="engines and arrivals run this many times faster than real time (3)")
     p.add_argument("--engines", type=int, default=8)
-    p.add_argument("--profile", default="llama70b-h100x4")
+    p.add_argument("--profile", default="llama70b-h100x4-kv8")
     p.add_argument("--num-gpu-blocks", type=int, default=None)
     p.add_argument("--max-input-tokens", type=int, default=16384)
     p.add_argument("--max-output-tokens", type=int, default=256)

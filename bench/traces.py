@@ -14,7 +14,9 @@ from __future__ import annotations
 import csv
 import json
 import math
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
@@ -137,7 +139,7 @@ def cap_request(req: TraceRequest, caps: Caps, block_tokens: int) -> TraceReques
     return replace(req, input_tokens=in_tokens, output_tokens=out_tokens, hash_ids=hash_ids)
 
 
-def _leading_hits(hash_ids: Sequence[int], seen: set[int]) -> int:
+def _leading_hits(hash_ids: Sequence[int], seen: AbstractSet[int]) -> int:
     k = 0
     for h in hash_ids:
         if h not in seen:
@@ -161,6 +163,37 @@ def hit_rate(
         hits += min(k * block_tokens, req.input_tokens)
         queries += req.input_tokens
         cache.update(req.hash_ids)
+    return hits / queries if queries else 0.0
+
+
+def oracle_hit_rate(
+    reqs: Sequence[TraceRequest], instances: int, capacity_tokens: int,
+    block_tokens: int = MOONCAKE_BLOCK_TOKENS,
+) -> float:
+    """Token-weighted hit rate of a router that knows every cache exactly, over ``instances``
+    LRU caches of ``capacity_tokens`` each: a request goes to the cache holding the longest
+    prefix of it beyond the first block (shared by all), else to the one with the fewest tokens
+    sent so far. Load and timing are ignored, so no router can do better on these caches; with
+    small caches this, not the ideal, is the ceiling.
+    """
+    capacity = max(1, capacity_tokens // block_tokens)
+    caches: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(instances)]
+    sent = [0] * instances
+    hits = queries = 0
+    for req in reqs:
+        held = [_leading_hits(req.hash_ids, cache.keys()) for cache in caches]
+        best = max(held, default=0)
+        pool = [i for i in range(instances) if held[i] == best] if best > 1 else range(instances)
+        i = min(pool, key=lambda j: sent[j])
+        hits += min(held[i] * block_tokens, req.input_tokens)
+        queries += req.input_tokens
+        sent[i] += req.input_tokens
+        cache = caches[i]
+        for h in req.hash_ids:
+            cache[h] = None
+            cache.move_to_end(h)
+        while len(cache) > capacity:
+            cache.popitem(last=False)
     return hits / queries if queries else 0.0
 
 

@@ -66,11 +66,17 @@ def _context(
     cfg: Config, engines: Sequence[Engine] | None, clock: Callable[[], float]
 ) -> ShellContext:
     metrics = ProxyMetrics()
-    fleet = Fleet(cfg, engines)
+    policies = {pool.name: make_policy(cfg.routing) for pool in cfg.pools}
+
+    def forget(pool: str, engine: str) -> None:
+        if pool in policies:
+            policies[pool].forget(engine)
+
+    fleet = Fleet(cfg, engines, on_remove=forget)
     return ShellContext(
         cfg=cfg,
         fleet=fleet,
-        policies={pool.name: make_policy(cfg.routing) for pool in cfg.pools},
+        policies=policies,
         admission=Admission(cfg.admission),
         metrics=metrics,
         drain=Drain(metrics),

@@ -27,6 +27,7 @@ from proxy.errors import ConfigError
 PoolName = Literal["draft", "target"]
 POOL_NAMES: tuple[str, ...] = ("draft", "target")
 POLICIES: tuple[str, ...] = ("round_robin", "least_load", "prefix_affinity")
+PLACE_NEW: tuple[str, ...] = ("least_load", "prefill", "rendezvous")
 ENV_PREFIX = "KVPROXY_"
 
 
@@ -79,7 +80,7 @@ class TelemetryConfig:
 @dataclass(frozen=True)
 class RoutingConfig:
     policy: str = "prefix_affinity"
-    load_factor: float = 1.25
+    load_factor: float = 2.0
     # An engine carrying fewer requests than this is never over the bound (idle pools don't spill).
     min_load_bound: int = 2
     block_chars: int = 256
@@ -90,6 +91,11 @@ class RoutingConfig:
     index_blocks: int = 16384
     # A remembered prefix attracts a request only if it covers at least this many blocks.
     min_match_blocks: int = 1
+    # Where a request goes that shares nothing but a common prefix with what was routed before
+    # (a new conversation): the engine with the least prompt work ahead of it ("prefill"), the
+    # least loaded ("least_load"), or its rendezvous home ("rendezvous": load-blind within the
+    # bound, the same on every replica).
+    place_new: str = "prefill"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -98,6 +104,7 @@ class RoutingConfig:
         _positive(self, "min_load_bound", "block_chars", "max_blocks")
         _positive(self, "affinity_blocks", "min_match_blocks")
         _require(self.index_blocks >= 0, "index_blocks", "must be >= 0")
+        _require(self.place_new in PLACE_NEW, "place_new", f"must be one of {', '.join(PLACE_NEW)}")
         _require(self.seed >= 0, "seed", "must be >= 0")
 
 
@@ -162,9 +169,14 @@ class EngineConfig:
     name: str
     url: str
     metrics_url: str | None = None
+    # Name of the environment variable that holds the engine's API key (vLLM ``--api-key``);
+    # the key itself never sits in a config file.
+    api_key_env: str | None = None
 
     def __post_init__(self) -> None:
         _require(bool(self.name.strip()), "name", "must not be empty")
+        _require(self.api_key_env is None or bool(self.api_key_env.strip()), "api_key_env",
+                 "must name an environment variable")
         _require(_http_url(self.url), "url", "must be an http(s) URL")
         # A trailing slash would double up when paths are appended.
         object.__setattr__(self, "url", self.url.rstrip("/"))

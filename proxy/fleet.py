@@ -7,12 +7,14 @@ request path reads views from it and reports dispatches, settlements and breaker
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+import os
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from proxy.breaker import Breaker, BreakerState, Outcome
 from proxy.config import Config, EngineConfig
+from proxy.errors import ConfigError
 from proxy.metrics import EngineGaugeRow
 from proxy.routing import EngineView
 from proxy.telemetry import EngineState, Health
@@ -28,6 +30,8 @@ class Engine:
     breaker: Breaker
     # Requests this proxy saw the engine complete; the scraper uses it to spot frozen metrics.
     completed: int = 0
+    # Sent with every data-path request to this engine (its API key); never logged or shown.
+    auth: dict[str, str] = field(default_factory=dict, repr=False)
 
     @property
     def name(self) -> str:
@@ -46,9 +50,12 @@ class Engine:
 
 
 class Fleet:
-    def __init__(self, cfg: Config, engines: Sequence[Engine] | None = None) -> None:
+    def __init__(self, cfg: Config, engines: Sequence[Engine] | None = None,
+                 on_remove: Callable[[str, str], None] | None = None) -> None:
         self._cfg = cfg
         self._removed: dict[str, Engine] = {}
+        # Told (pool, engine name) when an engine leaves, so per-engine state elsewhere goes too.
+        self._on_remove = on_remove
         if engines is None:
             engines = [_engine(cfg, pool.name, e) for pool in cfg.pools for e in pool.engines]
         self._engines: dict[str, Engine] = {e.name: e for e in engines}
@@ -73,8 +80,13 @@ class Fleet:
         engine = self._engines.pop(name, None)
         if engine is not None:
             self._pools[engine.pool].remove(engine)
+            # Earlier leavers with nothing in flight are gone for good (a ranking lives for
+            # milliseconds, registry rounds seconds apart).
+            self._removed = {n: e for n, e in self._removed.items() if e.state.open_requests}
             # A request ranked just before may still look it up for its retry.
             self._removed[name] = engine
+            if self._on_remove is not None:
+                self._on_remove(engine.pool, name)
 
     def __len__(self) -> int:
         return len(self._engines)
@@ -104,6 +116,13 @@ class Fleet:
 
 
 def _engine(cfg: Config, pool: str, engine: EngineConfig) -> Engine:
+    auth: dict[str, str] = {}
+    if engine.api_key_env is not None:
+        key = os.environ.get(engine.api_key_env)
+        if not key:
+            where = f"pools.{pool}.engines.{engine.name}.api_key_env"
+            raise ConfigError(where, f"environment variable {engine.api_key_env} is not set")
+        auth["Authorization"] = f"Bearer {key}"
     state = EngineState(
         engine.name,
         pool,
@@ -111,7 +130,7 @@ def _engine(cfg: Config, pool: str, engine: EngineConfig) -> Engine:
         stale_after_s=cfg.telemetry.stale_after_s,
         unhealthy_after_failures=cfg.telemetry.unhealthy_after_failures,
     )
-    return Engine(engine, pool, state, Breaker(cfg.breaker))
+    return Engine(engine, pool, state, Breaker(cfg.breaker), auth=auth)
 
 
 def _admin_row(engine: Engine, now: float) -> dict[str, Any]:
@@ -128,6 +147,7 @@ def _admin_row(engine: Engine, now: float) -> dict[str, Any]:
         "fresh": view.fresh,
         "load": view.load,
         "inflight": state.open_requests,
+        "prefill_pending_blocks": view.prefill,
         "dispatched_since_snapshot": state.dispatched_since_snapshot,
         "consecutive_scrape_failures": state.consecutive_failures,
         "last_error": state.last_error,

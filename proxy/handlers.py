@@ -92,7 +92,7 @@ async def _serve(
         if job.pool != plan.pool:
             visit.discard()  # another pool's answer is not the answer for the model asked for
         model = upstream_model(ctx.cfg, job.pool)
-        ranked = _rank(ctx, job.pool, model, inbound, priority, tenant=tenant)
+        ranked = _rank(ctx, job, model, inbound, priority, tenant=tenant)
         job.body = rewrite(
             inbound.body, model=model, priority=_engine_priority(ctx, job.pool, priority)
         )
@@ -156,8 +156,9 @@ def _admitted(ctx: ShellContext, pool: str, decision: Admit) -> str:
 
 
 def _rank(
-    ctx: ShellContext, pool: str, model: str, inbound: Inbound, priority: Priority, *, tenant: str
+    ctx: ShellContext, job: Job, model: str, inbound: Inbound, priority: Priority, *, tenant: str
 ) -> tuple[str, ...]:
+    pool = job.pool
     routing = ctx.cfg.routing
     chain = prefix_chain(
         inbound.prompt_text,
@@ -172,6 +173,11 @@ def _rank(
     ranked = policy.rank(key, views)
     if not ranked:
         raise NoCapacity(f"no routable engine in the {pool} pool", reason=REASON_NO_ENGINE)
+    # The prompt work each engine that may get the request would do, counted while it waits
+    # for its first byte (asked before ``observe`` records the pick as holding the prompt).
+    job.prefill = {
+        name: float(policy.uncached(key, name)) for name in ranked[: 1 + ctx.cfg.upstream.retries]
+    }
     policy.observe(key, ranked[0])
     return ranked
 

@@ -56,6 +56,8 @@ class Job:
     recorder: Recorder | None = None
     extra_headers: dict[str, str] = field(default_factory=dict)
     shed_reason: str | None = None
+    # Per engine name: prompt blocks it is expected to compute for this request (routing's view).
+    prefill: dict[str, float] = field(default_factory=dict)
 
     def client_headers(self) -> dict[str, str]:
         ids = {"X-Request-Id": self.request_id, "X-Engine": self.engine, "X-Served-By": self.pool}
@@ -78,6 +80,7 @@ class Relay:
         self._request = request
         self._job = job
         self._recorded = False
+        self._ticket = 0
         self._first_byte_deadline = 0.0
 
     async def run(self, ranked: Sequence[str]) -> web.StreamResponse:
@@ -110,7 +113,10 @@ class Relay:
 
     @asynccontextmanager
     async def _dispatched(self, engine: Engine) -> AsyncIterator[None]:
-        ticket = engine.state.on_dispatch(self._ctx.clock())
+        ticket = engine.state.on_dispatch(
+            self._ctx.clock(), self._job.prefill.get(engine.name, 0.0)
+        )
+        self._ticket = ticket
         self._recorded = False
         self._first_byte_deadline = 0.0
         try:
@@ -136,8 +142,9 @@ class Relay:
         self._first_byte_deadline = asyncio.get_running_loop().time() + budget
         try:
             async with asyncio.timeout_at(self._first_byte_deadline):
+                headers = job.headers | engine.auth if engine.auth else job.headers
                 resp = await self._ctx.session.post(
-                    engine.cfg.url + job.path, data=job.body, headers=job.headers, timeout=connect
+                    engine.cfg.url + job.path, data=job.body, headers=headers, timeout=connect
                 )
         except aiohttp.ClientConnectionError as exc:
             # Refused, reset, connect timeout, or dropped before any response head: nothing of the
@@ -202,6 +209,7 @@ class Relay:
         if resp.status < 300:
             engine.completed += 1
         self._job.first_byte_at = self._ctx.clock()
+        engine.state.on_first_byte(self._ticket)
         self._job.status = resp.status
         if self._job.recorder is not None:
             self._job.recorder.start(resp.status, streamed=False)
@@ -222,6 +230,7 @@ class Relay:
         await out.prepare(self._request)
         self._job.status = resp.status
         self._job.first_byte_at = self._ctx.clock()
+        engine.state.on_first_byte(self._ticket)
         recorder = self._job.recorder
         if recorder is not None:
             recorder.start(resp.status, streamed=True)

@@ -42,6 +42,8 @@ class EngineView:
     load: float  # running + waiting + dispatched since the snapshot
     kv_usage: float  # 0..1
     block_size: int | None = None
+    # Prompt blocks this proxy sent the engine that it has not answered yet (its prefill backlog).
+    prefill: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,14 @@ class Policy(Protocol):
 
     def observe(self, key: RouteKey, engine: str) -> None:
         """The request with ``key`` was sent to ``engine`` (lets a policy learn; may do nothing)."""
+        ...
+
+    def uncached(self, key: RouteKey, engine: str) -> int:
+        """Blocks of ``key``'s chain that ``engine`` is expected to compute (not hold cached)."""
+        ...
+
+    def forget(self, engine: str) -> None:
+        """``engine`` left the pool: drop what the policy keeps about it."""
         ...
 
 
@@ -127,6 +137,12 @@ class RoundRobin:
     def observe(self, key: RouteKey, engine: str) -> None:
         return None
 
+    def uncached(self, key: RouteKey, engine: str) -> int:
+        return len(key.chain)
+
+    def forget(self, engine: str) -> None:
+        return None
+
 
 class LeastLoad:
     """The engine with the least load (running + waiting + in flight) first."""
@@ -138,6 +154,12 @@ class LeastLoad:
         return tuple(e.name for e in least_loaded(cands))
 
     def observe(self, key: RouteKey, engine: str) -> None:
+        return None
+
+    def uncached(self, key: RouteKey, engine: str) -> int:
+        return len(key.chain)
+
+    def forget(self, engine: str) -> None:
         return None
 
 
@@ -211,9 +233,18 @@ class PrefixAffinity:
         order = sorted(engines, key=lambda e: (-mix64(k ^ self._salt(e.name)), e.name))
         deepest = max(depths.values(), default=0)
         if deepest <= common or deepest < self.cfg.min_match_blocks:
-            return order
+            if self.cfg.place_new == "rendezvous":
+                return order
+            if self.cfg.place_new == "prefill":
+                return _by_prefill(order, len(chain), depths)
+            # Nothing of this request beyond the common prefix was routed anywhere: a new
+            # conversation. Any engine serves it equally well from cache, so the least loaded
+            # takes it (rendezvous order breaks ties, so an idle fleet still spreads by content);
+            # its later turns then follow it through the index.
+            rank = {e.name: i for i, e in enumerate(order)}
+            return sorted(engines, key=lambda e: (e.load, rank[e.name]))
         # Some engines were routed a longer prefix than most hold (this conversation's earlier
-        # turns, wherever they spilled to): they go first, in rendezvous order among themselves.
+        # turns, wherever they went): they go first, in rendezvous order among themselves.
         held = [e for e in order if depths.get(e.name, 0) == deepest]
         return held + [e for e in order if depths.get(e.name, 0) != deepest]
 
@@ -232,6 +263,23 @@ class PrefixAffinity:
 
     def observe(self, key: RouteKey, engine: str) -> None:
         self.index.add(engine, key.chain)
+
+    def uncached(self, key: RouteKey, engine: str) -> int:
+        depth = self.index.match_depths(key.chain, [engine]).get(engine, 0)
+        return len(key.chain) - depth
+
+    def forget(self, engine: str) -> None:
+        self.index.forget(engine)
+        self._salts.pop(engine, None)
+
+
+def _by_prefill(order: Sequence[EngineView], blocks: int,
+                depths: Mapping[str, int]) -> list[EngineView]:
+    """Least prompt work to wait for and to do first: the engine's prefill backlog plus the blocks
+    of this prompt it does not hold; then the least loaded; ``order`` breaks the remaining ties."""
+    rank = {e.name: i for i, e in enumerate(order)}
+    return sorted(order, key=lambda e: (e.prefill + blocks - depths.get(e.name, 0), e.load,
+                                        rank[e.name]))
 
 
 def make_policy(cfg: RoutingConfig) -> Policy:

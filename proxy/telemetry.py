@@ -221,6 +221,8 @@ class EngineState:
         self.open_requests = 0
         # ticket -> dispatch time (None: unknown, counted until the next snapshot of any age).
         self._since_snapshot: dict[int, float | None] = {}
+        # Per open ticket: prompt blocks the engine is expected to prefill, until the first byte.
+        self._prefill: dict[int, float] = {}
         self._next_ticket = 0
 
     # -- transitions
@@ -263,12 +265,21 @@ class EngineState:
 
     # -- in-flight accounting
 
-    def on_dispatch(self, now: float | None = None) -> int:
-        """Count a request sent to this engine; returns the ticket to settle it with."""
+    def on_dispatch(self, now: float | None = None, prefill: float = 0.0) -> int:
+        """Count a request sent to this engine; returns the ticket to settle it with.
+
+        ``prefill``: the prompt blocks it is expected to compute (not in the engine's cache);
+        they count as pending until its first byte."""
         self._next_ticket += 1
         self._since_snapshot[self._next_ticket] = now
+        if prefill > 0:
+            self._prefill[self._next_ticket] = prefill
         self.open_requests += 1
         return self._next_ticket
+
+    def on_first_byte(self, ticket: int) -> None:
+        """The engine answered: the request's prompt is computed, its prefill no longer pending."""
+        self._prefill.pop(ticket, None)
 
     def on_settle(self, ticket: int | None = None) -> None:
         """The request finished (any outcome).
@@ -279,6 +290,7 @@ class EngineState:
         self.open_requests = max(0, self.open_requests - 1)
         if ticket is not None:
             self._since_snapshot.pop(ticket, None)
+            self._prefill.pop(ticket, None)
 
     @property
     def inflight(self) -> int:
@@ -308,5 +320,6 @@ class EngineState:
             fresh=self.health is Health.HEALTHY,
             load=self.load(),
             kv_usage=snap.kv_usage if snap is not None else 1.0,
+            prefill=sum(self._prefill.values()),
             block_size=snap.block_size if snap is not None else None,
         )

@@ -3,8 +3,9 @@
 Rules:
 - One data-path ``ClientSession`` (keep-alive pool, a connection limit per engine) and one small
   separate session for scrapes, so that a saturated data path never starves telemetry.
-- Nothing hop-by-hop, no ``X-Forwarded-*``, no client ``Authorization`` and no ``Host`` ever reaches
-  an engine; nothing hop-by-hop comes back to the client.
+- Nothing hop-by-hop, no ``X-Forwarded-*``, no client credentials (``Authorization``,
+  ``api-key``, ``x-api-key``) and no ``Host`` ever reaches an engine; nothing hop-by-hop comes back
+  to the client.
 - Bodies travel as the engine sent them: no automatic decompression, and we never ask for
   compression, so SSE bytes can be passed through without re-encoding.
 - Library exceptions are translated here, once, into ``UpstreamError`` / ``UpstreamTimeout``.
@@ -34,8 +35,10 @@ HOP_BY_HOP = frozenset(
     }
 )
 # Never forwarded to an engine, on top of the hop-by-hop set.
+# The client's credentials are for the proxy; an engine gets only its own (``api_key_env``).
 _REQUEST_DROP = frozenset(
-    {"host", "authorization", "content-length", "accept-encoding", "forwarded", "cookie"}
+    {"host", "authorization", "api-key", "x-api-key", "content-length", "accept-encoding",
+     "forwarded", "cookie"}
 )
 # Never copied back to the client: the proxy's own server writes these.
 _RESPONSE_DROP = frozenset({"content-length", "content-encoding", "server", "date"})

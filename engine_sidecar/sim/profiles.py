@@ -105,6 +105,14 @@ PROFILES: dict[str, Profile] = {
             q_heads=64, kv_bytes_per_elem=2, gpu_mem_bytes=320e9, bandwidth=4 * 3.35e12,
             peak_flops=4 * 989e12, mfu=0.45, mbu=0.70, t_fixed=0.006,
         ),
+        Profile(
+            name="llama70b-h100x4-kv8",
+            description="Llama-3.1-70B, BF16 weights, FP8 KV cache, tensor parallel over four "
+            "H100 SXM",
+            params=70.6e9, weight_bytes_per_param=2, layers=80, kv_heads=8, head_dim=128,
+            q_heads=64, kv_bytes_per_elem=1, gpu_mem_bytes=320e9, bandwidth=4 * 3.35e12,
+            peak_flops=4 * 989e12, mfu=0.45, mbu=0.70, t_fixed=0.006,
+        ),
     )
 }
 

@@ -13,6 +13,7 @@ from bench.traces import (
     hit_rate,
     load_azure,
     load_mooncake,
+    oracle_hit_rate,
     take_slice,
 )
 
@@ -92,3 +93,23 @@ def test_mooncake_trace_matches_its_published_hit_rates():
     assert len(reqs) == 12031
     assert hit_rate(reqs) == pytest.approx(0.374, abs=0.001)
     assert hit_rate(reqs, instances=8) == pytest.approx(0.139, abs=0.001)
+
+
+def test_oracle_hit_rate_follows_conversations_until_the_caches_are_too_small():
+    # Two conversations on two caches, both starting with the shared block 0; each turn extends
+    # its conversation by one block. Every block is 512 tokens.
+    turns = []
+    for t in range(1, 4):
+        for conv in (10, 20):
+            ids = (0, *range(conv, conv + t))
+            n = len(turns)
+            turns.append(TraceRequest(index=n, arrival_s=n, input_tokens=512 * len(ids),
+                                      output_tokens=1, hash_ids=ids))
+    queries = sum(r.input_tokens for r in turns)
+    # Infinitely large caches: only each conversation's newest block is computed (and block 0
+    # once per cache).
+    hits = (0 + 0 + 2 + 2 + 3 + 3) * 512
+    assert oracle_hit_rate(turns, 2, 10**9) == pytest.approx(hits / queries)
+    # Room for one block per cache: every turn evicts what the next one would need.
+    assert oracle_hit_rate(turns, 2, 512) == 0.0
+    assert oracle_hit_rate(turns, 1, 10**9) <= hit_rate(turns)

@@ -14,6 +14,7 @@ import pytest
 from aiohttp import web
 
 from proxy.config import Config, EngineConfig, PoolConfig, ServerConfig
+from proxy.errors import ConfigError
 from proxy.lifecycle import ProxyServer
 
 from .stack import TARGET_MODEL, Stack, StackFactory, chat_body
@@ -147,6 +148,8 @@ async def test_hop_by_hop_forwarded_and_authorization_not_passed(recorder: Recor
             headers = {
                 "Authorization": "Bearer sk-secret",
                 "Proxy-Authorization": "Basic abc",
+                "api-key": "sk-azure-style",
+                "x-api-key": "sk-anthropic-style",
                 "X-Forwarded-For": "10.0.0.1",
                 "X-Forwarded-Proto": "https",
                 "Forwarded": "for=10.0.0.1",
@@ -166,8 +169,9 @@ async def test_hop_by_hop_forwarded_and_authorization_not_passed(recorder: Recor
         await server.stop()
     ((got, sent_body),) = recorder.seen
     lower = {k.lower(): v for k, v in got.items()}
-    for gone in ("authorization", "proxy-authorization", "x-forwarded-for", "x-forwarded-proto",
-                 "forwarded", "x-hop-secret", "keep-alive", "te"):  # fmt: skip
+    for gone in ("authorization", "proxy-authorization", "api-key", "x-api-key",
+                 "x-forwarded-for", "x-forwarded-proto", "forwarded", "x-hop-secret", "keep-alive",
+                 "te"):  # fmt: skip
         assert gone not in lower, gone
     assert lower["x-custom"] == "kept"
     assert lower["x-request-id"] == "rid-7"
@@ -182,3 +186,38 @@ async def _wait_routable(http: aiohttp.ClientSession, url: str) -> None:
                 return
         await asyncio.sleep(0.02)
     raise AssertionError("the proxy never became ready")
+
+
+async def test_engine_api_key_replaces_the_clients_credentials(
+    recorder: Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVPROXY_TEST_ENGINE_KEY", "engine-secret")
+    engine = EngineConfig("rec", recorder.url, api_key_env="KVPROXY_TEST_ENGINE_KEY")
+    server = ProxyServer(Config(server=ServerConfig(port=0),
+                                pools=(PoolConfig("target", "served-name", (engine,)),)))
+    await server.start()
+    try:
+        async with aiohttp.ClientSession() as http:
+            await _wait_routable(http, server.url)
+            body = {"model": "served-name", "messages": [{"role": "user", "content": "x"}]}
+            headers = {"Authorization": "Bearer sk-client", "x-api-key": "sk-client"}
+            async with http.post(server.url + "/v1/chat/completions", json=body,
+                                 headers=headers) as resp:
+                assert resp.status == 200
+            async with http.get(server.url + "/admin/engines") as resp:
+                assert "engine-secret" not in await resp.text()
+    finally:
+        await server.stop()
+    ((got, _),) = recorder.seen
+    lower = {k.lower(): v for k, v in got.items()}
+    assert lower["authorization"] == "Bearer engine-secret"
+    assert "x-api-key" not in lower
+
+
+def test_engine_api_key_variable_must_be_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVPROXY_TEST_ENGINE_KEY", raising=False)
+    engine = EngineConfig("e0", "http://127.0.0.1:9", api_key_env="KVPROXY_TEST_ENGINE_KEY")
+    cfg = Config(server=ServerConfig(port=0), pools=(PoolConfig("target", "m", (engine,)),))
+    with pytest.raises(ConfigError, match="KVPROXY_TEST_ENGINE_KEY is not set") as err:
+        ProxyServer(cfg)
+    assert "pools.target.engines.e0.api_key_env" in str(err.value)

@@ -5,8 +5,11 @@ from __future__ import annotations
 import asyncio
 import random
 from collections import Counter
+from collections.abc import Awaitable, Callable
 
 from openai.types.chat import ChatCompletionMessageParam
+
+from proxy.prefix import canonical_chat
 
 from .stack import TARGET_MODEL, Stack, StackFactory
 
@@ -66,3 +69,35 @@ async def test_burst_does_not_pile_onto_one_engine(make_stack: StackFactory) -> 
     counts = Counter(picks)
     assert set(counts) == {"t0", "t1", "t2"}, counts
     assert max(counts.values()) <= 18, counts
+
+
+async def test_prompt_work_counts_as_pending_until_the_first_byte(make_stack: StackFactory) -> None:
+    """Routing sees an engine's prefill backlog: the prompt blocks of requests sent to it that
+    have not had their first byte. It must appear while the engine holds the answer back and be
+    gone once the answer starts, or new conversations would avoid that engine forever."""
+    stack = await make_stack(targets=1)
+    await stack.faults("t0", header_delay_s=1.5)
+    prompt = _words(7, 400)  # ~2.6 kB: ten full prefix blocks of 256 characters
+    blocks = len(canonical_chat([{"role": "user", "content": prompt}])) // 256
+
+    async def pending() -> float:
+        return float((await stack.admin())["t0"]["prefill_pending_blocks"])
+
+    task = asyncio.create_task(_engine_for(stack, [{"role": "user", "content": prompt}]))
+    await stack.wait_for(lambda: _at_least(pending, 1), what="pending prefill")
+    assert await pending() == blocks
+    assert await task == "t0"
+    assert await pending() == 0
+    await stack.clear_faults("t0")
+    # Once served, the prompt is held: its next turn adds only what is new.
+    longer = prompt + " " + _words(8, 60)
+    await stack.faults("t0", header_delay_s=1.5)
+    task = asyncio.create_task(_engine_for(stack, [{"role": "user", "content": longer}]))
+    await stack.wait_for(lambda: _at_least(pending, 1), what="pending prefill")
+    grown = len(canonical_chat([{"role": "user", "content": longer}])) // 256
+    assert await pending() == grown - blocks
+    await task
+
+
+async def _at_least(read: Callable[[], Awaitable[float]], n: float) -> bool:
+    return await read() >= n

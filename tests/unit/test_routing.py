@@ -21,7 +21,8 @@ from proxy.routing import (
     make_policy,
 )
 
-CFG = RoutingConfig()
+# Spill tests need a bound that binds on small pools (with n engines, only load_factor < n can).
+CFG = RoutingConfig(load_factor=1.25)
 
 
 def view(
@@ -131,7 +132,7 @@ def test_stable_spill_when_home_overloaded(chain: tuple[int, ...], n: int) -> No
     policy = PrefixAffinity(CFG)
     vs = fleet(n, load=2)
     ranked = policy.rank(RouteKey(chain), vs)
-    hot = [view(v.name, 10 * n if v.name == ranked[0] else 2) for v in vs]
+    hot = [view(v.name, 100 * n if v.name == ranked[0] else 2) for v in vs]
     spilled = policy.rank(RouteKey(chain), hot)
     assert spilled[0] == ranked[1]
     assert spilled[-1] == ranked[0]  # still ranked, last resort
@@ -212,13 +213,18 @@ def test_shared_system_prompt_spreads_once_everywhere() -> None:
     assert len(homes) == 4
 
 
-def test_shared_system_prompt_spreads_under_load() -> None:
-    policy = PrefixAffinity(CFG)
+@pytest.mark.parametrize("place_new", ["prefill", "least_load", "rendezvous"])
+def test_shared_system_prompt_spreads_under_load(place_new: str) -> None:
+    # No request is answered meanwhile: loads and prefill backlogs only grow.
+    policy = PrefixAffinity(RoutingConfig(load_factor=1.25, place_new=place_new))
     loads = dict.fromkeys((f"e{i}" for i in range(4)), 0)
+    backlog = dict.fromkeys(loads, 0.0)
     for i in range(200):
-        vs = [view(n, load) for n, load in loads.items()]
-        pick = policy.rank(key(11, 12, 13, i), vs)[0]
-        policy.observe(key(11, 12, 13, i), pick)
+        k = key(11, 12, 13, i)
+        vs = [EngineView(n, True, True, load, 0.1, prefill=backlog[n]) for n, load in loads.items()]
+        pick = policy.rank(k, vs)[0]
+        backlog[pick] += policy.uncached(k, pick)
+        policy.observe(k, pick)
         loads[pick] += 1
     assert max(loads.values()) <= math.ceil(1.25 * 200 / 4)
     assert min(loads.values()) > 0
@@ -275,13 +281,14 @@ def test_single_request_idle_fleet(n: int) -> None:
 def test_idle_pool_does_not_spill() -> None:
     # One request in flight over three engines: the plain mean bound is 1, which would move the
     # next request with the same prefix away from its home; the floor keeps it there.
-    policy = PrefixAffinity(RoutingConfig())
-    home = policy.rank(key(1, 2), [view("a", 0), view("b", 0), view("c", 0)])[0]
-    vs = [view(n, 1 if n == home else 0) for n in ("a", "b", "c")]
-    assert load_bound(vs, 1.25) == 1
-    assert policy.rank(key(1, 2), vs)[0] == home
-    strict = PrefixAffinity(RoutingConfig(min_load_bound=1))
-    assert strict.rank(key(1, 2), vs)[0] != home
+    for cfg, stays in ((RoutingConfig(load_factor=1.25), True),
+                       (RoutingConfig(load_factor=1.25, min_load_bound=1), False)):
+        policy = PrefixAffinity(cfg)
+        home = policy.rank(key(1, 2), [view("a", 0), view("b", 0), view("c", 0)])[0]
+        policy.observe(key(1, 2), home)
+        vs = [view(n, 1 if n == home else 0) for n in ("a", "b", "c")]
+        assert load_bound(vs, 1.25) == 1
+        assert (policy.rank(key(1, 2, 3), vs)[0] == home) is stays
 
 
 def test_nothing_fits_takes_least_loaded() -> None:
@@ -292,6 +299,49 @@ def test_nothing_fits_takes_least_loaded() -> None:
     vs = [view("a", 1.5, kv=0.5), view("b", 1.5, kv=0.1)]
     assert load_bound(vs, 1.0) == 2
     assert policy.rank(key(1, 2), vs) == ("b", "a")
+
+
+def test_new_conversation_goes_to_the_least_prefill_backlog() -> None:
+    # Nothing but the shared system prompt is known: the engine with the least prompt work ahead
+    # of the request takes it, whatever its request count; the next turn follows it there.
+    policy = PrefixAffinity(RoutingConfig())
+    system = (11, 12, 13)
+    for i in range(3):
+        policy.observe(key(*system), f"e{i}")  # e3 lacks even the system prompt
+    vs = [EngineView(n, True, True, load, 0.1, prefill=p)
+          for n, load, p in (("e0", 1, 40.0), ("e1", 3, 2.0), ("e2", 2, 9.0), ("e3", 0, 0.0))]
+    first = key(*system, 40, 41)
+    # e1: 2 + 2 blocks to prefill; e3: 0 + 5; e2: 9 + 2; e0: 40 + 2.
+    assert policy.rank(first, vs) == ("e1", "e3", "e2", "e0")
+    assert policy.uncached(first, "e1") == 2 and policy.uncached(first, "e3") == 5
+    policy.observe(first, "e1")
+    vs = [EngineView(v.name, True, True, v.load, 0.1, prefill=0.0 if v.name == "e3" else 50.0)
+          for v in vs]
+    assert policy.rank(key(*system, 40, 41, 42), vs)[0] == "e1"
+
+
+def test_new_conversation_goes_to_the_least_loaded_engine() -> None:
+    # Only the shared system prompt (held everywhere) is known: nothing to gain from any engine's
+    # cache, so load decides; its next turn then follows it although that engine is now busier.
+    policy = PrefixAffinity(RoutingConfig(place_new="least_load"))
+    system = (11, 12, 13)
+    for i in range(4):
+        policy.observe(key(*system), f"e{i}")
+    vs = [view("e0", 3), view("e1", 1), view("e2", 2), view("e3", 3)]
+    first = key(*system, 40, 41)
+    assert policy.rank(first, vs)[0] == "e1"
+    policy.observe(first, "e1")
+    busier = [view("e0", 3), view("e1", 4), view("e2", 2), view("e3", 3)]
+    assert policy.rank(key(*system, 40, 41, 42), busier)[0] == "e1"
+
+
+def test_rendezvous_placement_ignores_load_within_the_bound() -> None:
+    policy = PrefixAffinity(RoutingConfig(place_new="rendezvous"))
+    idle = fleet(4)
+    home = policy.rank(key(5, 6), idle)[0]
+    vs = [view(v.name, 1 if v.name == home else 0) for v in idle]
+    assert policy.rank(key(5, 6), vs)[0] == home
+    assert PrefixAffinity(CFG).rank(key(5, 6), vs)[0] != home
 
 
 def test_common_depth() -> None:
@@ -305,12 +355,16 @@ def test_common_depth() -> None:
 
 def test_prefix_most_engines_hold_does_not_attract() -> None:
     # Held by three of four engines: common, so the request's own next block decides.
-    policy = PrefixAffinity(CFG)
-    vs = fleet(4)
-    for name in ("e0", "e1", "e2"):
-        policy.observe(key(11, 12, 13), name)
-    homes = Counter(policy.rank(key(11, 12, 13, i), vs)[0] for i in range(400))
-    assert len(homes) == 4
+    # By default the engine lacking it is not picked while the others are idle: it would have to
+    # compute the shared prefix too.
+    for place_new, spread in (("prefill", 3), ("least_load", 4), ("rendezvous", 4)):
+        policy = PrefixAffinity(RoutingConfig(place_new=place_new))
+        vs = fleet(4)
+        for name in ("e0", "e1", "e2"):
+            policy.observe(key(11, 12, 13), name)
+        homes = Counter(policy.rank(key(11, 12, 13, i), vs)[0] for i in range(400))
+        assert len(homes) == spread
+        assert max(homes.values()) < 2 * 400 / spread
 
 
 small_chains = st.lists(st.integers(0, 5), min_size=1, max_size=5).map(tuple)
@@ -330,7 +384,7 @@ def test_stable_spill_with_history(
         policy.observe(RouteKey(past), f"e{engine % n}")
     vs = fleet(n, load=2)
     ranked = policy.rank(RouteKey(chain), vs)
-    hot = [view(v.name, 10 * n if v.name == ranked[0] else 2) for v in vs]
+    hot = [view(v.name, 100 * n if v.name == ranked[0] else 2) for v in vs]
     assert policy.rank(RouteKey(chain), hot)[0] == ranked[1]
 
 
@@ -360,3 +414,12 @@ def test_short_growing_conversations_stay_on_their_engine() -> None:
         assert len(text) < 2400  # short chats: a few hundred characters a turn
         moves += sum(p != picks[1] for p in picks[2:])
     assert moves == 0
+
+
+def test_forgotten_engine_attracts_nothing() -> None:
+    policy = PrefixAffinity(CFG)
+    policy.observe(key(1, 2, 3), "e1")
+    assert policy.uncached(key(1, 2, 3, 4), "e1") == 1
+    policy.forget("e1")
+    assert policy.uncached(key(1, 2, 3, 4), "e1") == 4
+    assert policy.index.size("e1") == 0

@@ -208,6 +208,22 @@ def test_inflight_accounting() -> None:
     assert s.open_requests == 0
 
 
+def test_prefill_backlog_counts_until_the_first_byte() -> None:
+    s = state()
+    s.on_scrape_ok(snap(0.0), 0.0)
+    a = s.on_dispatch(0.05, prefill=30.0)
+    b = s.on_dispatch(0.06, prefill=12.0)
+    s.on_dispatch(0.07)  # nothing to prefill (all cached, or unknown)
+    assert s.view(0.1, True).prefill == 42.0
+    s.on_first_byte(a)
+    assert s.view(0.1, True).prefill == 12.0
+    s.on_scrape_ok(snap(0.2), 0.2)  # a snapshot does not clear it: only the answer does
+    assert s.view(0.2, True).prefill == 12.0
+    s.on_settle(b)  # failed or cancelled before its first byte
+    s.on_first_byte(a)  # twice is harmless
+    assert s.view(0.2, True).prefill == 0.0
+
+
 def test_dispatch_without_time_resets_on_next_snapshot() -> None:
     s = state()
     s.on_scrape_ok(snap(0.0), 0.0)
