@@ -57,8 +57,12 @@ class AuthConfig:
     tenants: tuple[TenantConfig, ...] = ()
     redis_keys: bool = False
     redis_cache_s: float = 30.0
+    # Name of the environment variable holding the key that ``/admin/*`` then requires.
+    admin_key_env: str | None = None
 
     def __post_init__(self) -> None:
+        if self.admin_key_env is not None and not self.admin_key_env.strip():
+            raise ConfigError("admin_key_env", "must name an environment variable")
         if not TENANT_NAME.match(self.default_tenant):
             raise ConfigError("default_tenant", "must be a valid tenant name")
         if self.redis_cache_s < 0:

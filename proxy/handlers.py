@@ -235,6 +235,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def admin_engines(request: web.Request) -> web.Response:
+    request.app[DOOR].tenants.check_admin(request.headers.get("Authorization"))
     ctx = request.app[SHELL]
     return _json({"engines": ctx.fleet.admin_view(ctx.clock()), "draining": ctx.drain.draining})
 

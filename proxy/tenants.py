@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -24,7 +25,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter
 
 from proxy.door_config import TENANT_NAME, AuthConfig, key_digest
-from proxy.errors import NoCapacity, Unauthorized
+from proxy.errors import ConfigError, NoCapacity, Unauthorized
 from proxy.redis_link import RedisLink, RedisUnavailable
 
 log = logging.getLogger("kvproxy.tenants")
@@ -60,6 +61,23 @@ class TenantDirectory:
             "kvproxy_auth_failures", "Requests refused for their API key, by reason",
             ["reason"], registry=registry or CollectorRegistry(),
         )  # fmt: skip
+        self._admin: bytes | None = None
+        if cfg.admin_key_env is not None:
+            admin = os.environ.get(cfg.admin_key_env)
+            if not admin:
+                raise ConfigError("auth.admin_key_env",
+                                  f"environment variable {cfg.admin_key_env} is not set")
+            self._admin = bytes.fromhex(key_digest(admin))
+
+    def check_admin(self, authorization: str | None) -> None:
+        """Unauthorized unless the admin key is presented (or none is configured)."""
+        if self._admin is None:
+            return
+        token = bearer_token(authorization)
+        presented = bytes.fromhex(key_digest(token or ""))
+        if token is None or not hmac.compare_digest(presented, self._admin):
+            self.failures.labels("admin").inc()
+            raise Unauthorized("the admin endpoints need the admin key (Authorization: Bearer ...)")
 
     async def identify(self, authorization: str | None) -> str:
         """The tenant for this header; Unauthorized or NoCapacity when there is none."""

@@ -14,6 +14,7 @@ import pytest
 from aiohttp import web
 
 from proxy.config import Config, EngineConfig, PoolConfig, ServerConfig
+from proxy.door_config import AuthConfig, TenantConfig
 from proxy.errors import ConfigError
 from proxy.lifecycle import ProxyServer
 
@@ -221,3 +222,32 @@ def test_engine_api_key_variable_must_be_set(monkeypatch: pytest.MonkeyPatch) ->
     with pytest.raises(ConfigError, match="KVPROXY_TEST_ENGINE_KEY is not set") as err:
         ProxyServer(cfg)
     assert "pools.target.engines.e0.api_key_env" in str(err.value)
+
+
+async def test_admin_view_needs_the_admin_key_when_one_is_set(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("KVPROXY_TEST_ADMIN_KEY", "admin-secret")
+    auth = AuthConfig(required=True, tenants=(TenantConfig("acme", keys=("sk-acme-tenant-key",)),),
+                      admin_key_env="KVPROXY_TEST_ADMIN_KEY")
+    pool = PoolConfig("target", "m", (EngineConfig("e0", "http://127.0.0.1:9"),))
+    server = ProxyServer(Config(server=ServerConfig(port=0), pools=(pool,), auth=auth))
+    await server.start()
+    try:
+        async with aiohttp.ClientSession() as http:
+            for key in (None, "sk-acme-tenant-key", "admin-secret-not"):
+                headers = {} if key is None else {"Authorization": f"Bearer {key}"}
+                async with http.get(server.url + "/admin/engines", headers=headers) as resp:
+                    assert resp.status == 401
+                    error = (await resp.json())["error"]
+                    assert error["type"] == "authentication_error"
+                    assert "admin key" in error["message"]
+            headers = {"Authorization": "Bearer admin-secret"}
+            async with http.get(server.url + "/admin/engines", headers=headers) as resp:
+                assert resp.status == 200
+                assert [e["name"] for e in (await resp.json())["engines"]] == ["e0"]
+    finally:
+        await server.stop()
+    monkeypatch.delenv("KVPROXY_TEST_ADMIN_KEY")
+    with pytest.raises(ConfigError, match=r"auth\.admin_key_env"):
+        ProxyServer(Config(server=ServerConfig(port=0), pools=(pool,), auth=auth))
