@@ -20,6 +20,7 @@ from bench import plots
 from bench.docs import benchmarks_doc
 from bench.machine import now_utc, read_json
 from bench.markdown import fmt, footer_text, num
+from bench.report_noise import noise_markdown
 from bench.report_overhead import overhead_markdown, overhead_ratios
 from bench.report_routing import calibration_markdown, routing_markdown
 
@@ -39,6 +40,11 @@ def write_routing(results: Path) -> str | None:
         data["runs"], num(data["trace"]["ideal_hit_rate"]), footer_text(data), p),  # type: ignore[arg-type,index]
         results / "routing.png")
     text = routing_markdown(data, png)
+    noise = results / "noise" / "routing.json"
+    text += "\n## Noise: the benchmark repeated\n\n" + (
+        noise_markdown(read_json(noise)) if noise.exists() else
+        "No repeated runs: `python -m bench.routing --repeat 3 --routers ROUTERS "
+        "--out bench/results/noise --no-report` writes them.") + "\n"
     (results / "routing.md").write_text(text)
     return text
 

@@ -77,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-cores", default="1", help="taskset cores for the engines ('' = none)")
     p.add_argument("--router-cores", default="0", help="taskset cores for the router ('' = none)")
     p.add_argument("--request-timeout-s", type=float, default=180.0, help="wall-clock, per request")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run the router list this many times, one round after another (noise)")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--no-report", action="store_true")
     return p
@@ -159,11 +161,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"slice: {len(plan.reqs)} requests over {plan.duration_s:.0f} trace s; ideal hit rate "
           f"{hit_rate(plan.reqs):.3f}; {len(plan.routers)} routers", flush=True)
     mapper = PromptMapper()
-    for router in plan.routers:
-        print(f"== {router.name}", flush=True)
-        runs.append(run_one(router, plan, mapper))
-        _print_run(runs[-1])
-        machine.write_json(out / "routing.json", result)  # partial results survive a crash
+    # Rounds, not router after router: a slow drift of the machine then touches every router.
+    for rnd in range(max(1, plan.args.repeat)):
+        for router in plan.routers:
+            print(f"== {router.name} (round {rnd + 1})", flush=True)
+            runs.append({**run_one(router, plan, mapper), "round": rnd})
+            _print_run(runs[-1])
+            machine.write_json(out / "routing.json", result)  # partial results survive a crash
     result["finished_at"] = machine.now_utc()
     machine.write_json(out / "routing.json", result)
     if not plan.args.no_report:

@@ -141,3 +141,30 @@ def test_overhead_target_is_checked_for_both_kvproxy_policies():
         in text
     assert "`kvproxy/round_robin`, TTFT p50 ≤ 1.05 x direct at 64 streams: nanx — not measured" \
         in text
+
+
+def test_repeated_runs_are_judged_round_by_round(tmp_path):
+    results = tmp_path / "results"
+    write_json(results / "routing.json", ROUTING)
+    rounds = [(6.0, 2.9, 3.5), (6.2, 3.2, 3.1), (5.8, 2.8, 3.0)]  # RR, kvproxy, best peer
+    runs = []
+    for i, (rr, ours, peer) in enumerate(rounds):
+        runs += [{**_run("kvproxy/round_robin", rr, 0.1), "round": i},
+                 {**_run("kvproxy/prefix_affinity", ours, (0.28, 0.275, 0.26)[i]), "round": i},
+                 {**_run("sglang-router/cache_aware", peer, 0.27), "round": i}]
+    write_json(results / "noise" / "routing.json", {**ROUTING, "runs": runs})
+    report.main(["--results", str(results), "--docs", str(tmp_path / "page.md")])
+    text = (results / "routing.md").read_text()
+    assert "3 rounds" in text
+    row = "| `kvproxy/prefix_affinity` | 2.90 / 3.20 / 2.80 | 2.90 | 0.280 / 0.275 / 0.260 |"
+    assert row in text
+    assert "0.483 / 0.516 / 0.483 — ≤ 0.5 in 2 of 3 rounds" in text
+    assert "≥ 0.9 in 2 of 3 rounds" in text  # 0.933, 0.917, 0.867 of the ideal 0.3
+    assert "below every peer's best in 2 of 3 rounds" in text
+
+
+def test_without_repeated_runs_the_report_says_how_to_make_them(tmp_path):
+    results = tmp_path / "results"
+    write_json(results / "routing.json", ROUTING)
+    report.main(["--results", str(results), "--docs", str(tmp_path / "page.md")])
+    assert "--repeat 3" in (results / "routing.md").read_text()
