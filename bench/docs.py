@@ -26,6 +26,9 @@ no figure on it is typed by hand. Benchmarks are not tests: nothing asserts on t
 pip install -e '.[bench]'           # matplotlib for the PNGs (optional: reports work without)
 bench/install-peers.sh              # peers, each in its own venv under .venv-peers/ (optional)
 python -m bench.routing             # routing benchmark (full run; --quick for a few minutes)
+python -m bench.routing --repeat 3 --no-report --out bench/results/noise \
+  --routers kvproxy/round_robin,kvproxy/prefix_affinity,sglang-router/cache_aware,vllm-router/cache_aware
+                                    # the same, repeated: run-to-run noise (about 30 min)
 python -m bench.overhead            # overhead benchmark (full run; --quick for a few minutes)
 python -m bench.report              # rewrite bench/results/*.md, *.png and this page
 ```
@@ -57,8 +60,11 @@ See `bench/README.md` for every option.
   directly and through each router, in short slices that alternate within one run so that
   drifts of the machine affect every path alike.
 - **Noise.** The routing benchmark runs each router once; its p90 column carries a bootstrap
-  interval (sampling noise of that run only; the machine's own noise comes on top, and on a
-  shared two-core machine it can be large). The overhead benchmark gives, for each ratio, its
+  interval (sampling noise of that run only). The machine's own noise comes on top, and on a
+  shared two-core machine it can be large: the routing report's last section repeats the
+  benchmark for kvproxy and the best peer policies in rounds
+  (`python -m bench.routing --repeat 3 --routers … --out bench/results/noise --no-report`) and
+  judges every round on its own. The overhead benchmark gives, for each ratio, its
   range over the interleaved rounds.
 
 ## Reading the figures
