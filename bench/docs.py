@@ -26,8 +26,8 @@ no figure on it is typed by hand. Benchmarks are not tests: nothing asserts on t
 pip install -e '.[bench]'           # matplotlib for the PNGs (optional: reports work without)
 bench/install-peers.sh              # peers, each in its own venv under .venv-peers/ (optional)
 python -m bench.routing             # routing benchmark (full run; --quick for a few minutes)
-python -m bench.routing --repeat 3 --no-report --out bench/results/noise \
-  --routers kvproxy/round_robin,kvproxy/prefix_affinity,sglang-router/cache_aware,vllm-router/cache_aware
+python -m bench.routing --repeat 3 --no-report --out bench/results/noise --routers \
+  kvproxy/round_robin,kvproxy/prefix_affinity,sglang-router/cache_aware,vllm-router/cache_aware
                                     # the same, repeated: run-to-run noise (about 30 min)
 python -m bench.overhead            # overhead benchmark (full run; --quick for a few minutes)
 python -m bench.report              # rewrite bench/results/*.md, *.png and this page
