@@ -107,6 +107,9 @@ async def serve(profile: Profile, cmd: list[str], env: dict[str, str]) -> int:
                      side.drain_timeout_s)
             await _drain(sup, beat)
         finally:
+            # Also on the way out of an error: a registration must not outlive its sidecar's
+            # wish to serve (the key's TTL is only the backstop for a killed process).
+            await _stop_heartbeat(beat)
             await sup.close()
             await runner.cleanup()
     return 0
@@ -120,11 +123,15 @@ def _on_signal(stop: asyncio.Event) -> None:
 
 
 async def _drain(sup: Supervisor, beat: asyncio.Task[None] | None) -> None:
-    if beat is not None:
+    await _stop_heartbeat(beat)
+    await sup.drain_and_stop()
+
+
+async def _stop_heartbeat(beat: asyncio.Task[None] | None) -> None:
+    if beat is not None and not beat.done():
         beat.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await beat
-    await sup.drain_and_stop()
 
 
 def _start_heartbeat(profile: Profile, sup: Supervisor) -> asyncio.Task[None] | None:
