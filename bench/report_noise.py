@@ -11,28 +11,18 @@ import math
 import statistics
 from collections.abc import Mapping, Sequence
 
-from bench.markdown import fmt, num, table
-from bench.targets import KVPROXY, ROUND_ROBIN, best_peer_p90
+from bench.markdown import fmt, table
+from bench.targets import KVPROXY, ROUND_ROBIN, best_peer_p90, router_hit, router_p90
 
 Run = Mapping[str, object]
 
 
-def _p90(run: Run) -> float:
-    summary = run.get("summary")
-    value = summary.get("ttft_p90") if isinstance(summary, Mapping) else None
-    return float(value) if isinstance(value, int | float) else math.nan
-
-
-def _rounds(runs: Sequence[Run]) -> dict[int, list[Run]]:
+def _rounds(runs: Sequence[Run]) -> list[list[Run]]:
     out: dict[int, list[Run]] = {}
     for run in runs:
-        if run.get("status") == "ok":
-            out.setdefault(int(num(run.get("round", 0))), []).append(run)
-    return dict(sorted(out.items()))
-
-
-def _by_router(runs: Sequence[Run]) -> dict[str, Run]:
-    return {str(r.get("router")): r for r in runs}
+        round_no = run.get("round", 0)
+        out.setdefault(round_no if isinstance(round_no, int) else 0, []).append(run)
+    return [out[k] for k in sorted(out)]
 
 
 def noise_markdown(data: Mapping[str, object]) -> str:
@@ -42,23 +32,22 @@ def noise_markdown(data: Mapping[str, object]) -> str:
     routers = list(dict.fromkeys(str(r.get("router")) for r in runs))
     rows = []
     for name in routers:
-        p90s = [_p90(_by_router(rr)[name]) for rr in rounds.values() if name in _by_router(rr)]
-        hits = [num(_by_router(rr)[name].get("hit_rate")) for rr in rounds.values()
-                if name in _by_router(rr)]
+        p90s = [v for v in (router_p90(rr, name) for rr in rounds) if not math.isnan(v)]
+        hits = [v for v in (router_hit(rr, name) for rr in rounds) if not math.isnan(v)]
         rows.append([f"`{name}`", " / ".join(fmt(v, 2) for v in p90s),
                      fmt(statistics.median(p90s), 2) if p90s else "n/a",
                      " / ".join(fmt(v, 3) for v in hits)])
-    ideal = num(data["trace"]["ideal_hit_rate"])  # type: ignore[index]
+    ideal = float(data["trace"]["ideal_hit_rate"])  # type: ignore[index]
     ratio, hit, beat = [], [], []
-    for rr in rounds.values():
-        by = _by_router(rr)
-        if KVPROXY in by and ROUND_ROBIN in by:
-            ratio.append(_p90(by[KVPROXY]) / _p90(by[ROUND_ROBIN]))
-        if KVPROXY in by:
-            hit.append(num(by[KVPROXY].get("hit_rate")) / ideal)
+    for rr in rounds:
+        ours, rr_p90 = router_p90(rr, KVPROXY), router_p90(rr, ROUND_ROBIN)
+        if not math.isnan(ours) and not math.isnan(rr_p90):
+            ratio.append(ours / rr_p90)
+        if not math.isnan(ours):
+            hit.append(router_hit(rr, KVPROXY) / ideal)
             peers = best_peer_p90(rr)
             if peers:
-                beat.append(all(_p90(by[KVPROXY]) < p90 for _, p90 in peers.values()))
+                beat.append(all(ours < p90 for _, p90 in peers.values()))
     n = len(rounds)
     return "\n".join([
         f"`{data.get('command')}` ({data.get('started_at')} → {data.get('finished_at')}), "

@@ -15,7 +15,7 @@ OVERHEAD_ROUTERS = ("kvproxy/prefix_affinity", "kvproxy/round_robin")
 OVERHEAD_STREAMS = 64
 
 
-def _p90(runs: Sequence[Mapping[str, object]], name: str) -> float:
+def router_p90(runs: Sequence[Mapping[str, object]], name: str) -> float:
     for run in runs:
         if run.get("router") == name and run.get("status") == "ok":
             summary = run["summary"]
@@ -25,7 +25,7 @@ def _p90(runs: Sequence[Mapping[str, object]], name: str) -> float:
     return math.nan
 
 
-def _hit(runs: Sequence[Mapping[str, object]], name: str) -> float:
+def router_hit(runs: Sequence[Mapping[str, object]], name: str) -> float:
     for run in runs:
         if run.get("router") == name and run.get("status") == "ok":
             value = run.get("hit_rate")
@@ -51,15 +51,15 @@ def best_peer_p90(runs: Sequence[Mapping[str, object]]) -> dict[str, tuple[str, 
         peer = name.split("/", 1)[0]
         if peer == "kvproxy" or run.get("status") != "ok":
             continue
-        p90 = _p90(runs, name)
+        p90 = router_p90(runs, name)
         if not math.isnan(p90) and (peer not in best or p90 < best[peer][1]):
             best[peer] = (name, p90)
     return best
 
 
 def routing_targets(runs: Sequence[Mapping[str, object]], ideal: float) -> str:
-    ours, rr = _p90(runs, KVPROXY), _p90(runs, ROUND_ROBIN)
-    hit = _hit(runs, KVPROXY)
+    ours, rr = router_p90(runs, KVPROXY), router_p90(runs, ROUND_ROBIN)
+    hit = router_hit(runs, KVPROXY)
     lines = [
         f"- `{KVPROXY}` TTFT p90 ≤ 0.5 x `{ROUND_ROBIN}`'s: {ours:.3f} s vs {rr:.3f} s "
         f"(ratio {ours / rr if rr else math.nan:.3f}) — "

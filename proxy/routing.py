@@ -115,7 +115,20 @@ def common_depth(depths: Mapping[str, int], n: int) -> int:
     return sorted(depths.values(), reverse=True)[need - 1]
 
 
-class RoundRobin:
+class _Unlearning:
+    """The learning hooks of a policy that keeps no history: it assumes no engine holds a prompt."""
+
+    def observe(self, key: RouteKey, engine: str) -> None:
+        return None
+
+    def uncached(self, key: RouteKey, engine: str) -> int:
+        return len(key.chain)
+
+    def forget(self, engine: str) -> None:
+        return None
+
+
+class RoundRobin(_Unlearning):
     """Each pick goes to the next engine in name order; a counter is the only state."""
 
     name = "round_robin"
@@ -134,17 +147,8 @@ class RoundRobin:
         self._counter += 1
         return tuple(names[start:] + names[:start])
 
-    def observe(self, key: RouteKey, engine: str) -> None:
-        return None
 
-    def uncached(self, key: RouteKey, engine: str) -> int:
-        return len(key.chain)
-
-    def forget(self, engine: str) -> None:
-        return None
-
-
-class LeastLoad:
+class LeastLoad(_Unlearning):
     """The engine with the least load (running + waiting + in flight) first."""
 
     name = "least_load"
@@ -152,15 +156,6 @@ class LeastLoad:
     def rank(self, key: RouteKey, engines: Sequence[EngineView]) -> tuple[str, ...]:
         cands, _ = candidates(engines)
         return tuple(e.name for e in least_loaded(cands))
-
-    def observe(self, key: RouteKey, engine: str) -> None:
-        return None
-
-    def uncached(self, key: RouteKey, engine: str) -> int:
-        return len(key.chain)
-
-    def forget(self, engine: str) -> None:
-        return None
 
 
 class BlockIndex:

@@ -12,7 +12,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from bench.procs import free_port_range
 
 ROOT = Path(__file__).resolve().parents[2]
 _VAR = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::?-([^}]*))?\}")
@@ -66,26 +67,6 @@ def hostnames(name: str, svc: dict[str, Any]) -> list[str]:
     return [name, *aliases]
 
 
-def free_ports(n: int) -> int:
-    """First of ``n`` consecutive free local ports."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            first = int(s.getsockname()[1])
-        if first + n < 65535 and all(_free(first + i) for i in range(1, n)):
-            return first
-    raise RuntimeError("no run of free ports")
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
-
-
 def _arg_after(cmd: list[str], flag: str, default: str | None = None) -> str | None:
     return cmd[cmd.index(flag) + 1] if flag in cmd else default
 
@@ -117,7 +98,7 @@ class LocalStack:
         for name, svc in self.services.items():
             cmd = self.command(svc)
             ports = _container_ports(svc, cmd)
-            first = free_ports(len(ports))
+            first = free_port_range(len(ports))
             for i, port in enumerate(ports):
                 for host in hostnames(name, svc):
                     self.port_map[(host, port)] = first + i
