@@ -1,0 +1,125 @@
+"""An engine that misbehaves on purpose, served on 127.0.0.1:0.
+
+It speaks just enough of vLLM's surface for the proxy (``/metrics``, the two completion endpoints)
+and each part can be told to lie, redirect or hang. Everything it received is kept in ``seen`` so
+tests can tell what reached it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import orjson
+from aiohttp import web
+
+HEALTHY_METRICS = (
+    "# TYPE vllm:kv_cache_usage_perc gauge\n"
+    'vllm:kv_cache_usage_perc{model_name="m",engine="0"} 0.1\n'
+    'vllm:num_requests_running{model_name="m",engine="0"} 0\n'
+    'vllm:num_requests_waiting{model_name="m",engine="0"} 0\n'
+)
+
+
+@dataclass
+class Behaviour:
+    """What the rogue engine does; tests change the fields between requests."""
+
+    metrics_body: bytes = HEALTHY_METRICS.encode()
+    metrics_status: int = 200
+    metrics_headers: dict[str, str] = field(default_factory=dict)
+    # Completions: "ok" answers normally, "hang" never answers, "status" answers
+    # ``completion_status`` with ``completion_headers`` and an empty body.
+    completions: str = "ok"
+    completion_status: int = 200
+    completion_headers: dict[str, str] = field(default_factory=dict)
+    tokens: int = 4
+
+
+@dataclass
+class Seen:
+    method: str
+    path: str
+    headers: dict[str, str]
+    body: bytes
+
+
+class RogueEngine:
+    def __init__(self, model: str = "target-model") -> None:
+        self.model = model
+        self.behaviour = Behaviour()
+        self.seen: list[Seen] = []
+        self._runner: web.AppRunner | None = None
+        self.port = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_post("/v1/chat/completions", self._complete)
+        app.router.add_post("/v1/completions", self._complete)
+        app.router.add_route("*", "/{tail:.*}", self._other)
+        self._runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.1)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        for address in self._runner.addresses:
+            self.port = int(address[1])
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    def requests_to(self, path: str) -> list[Seen]:
+        return [s for s in self.seen if s.path == path]
+
+    async def _record(self, request: web.Request) -> None:
+        body = await request.read()
+        self.seen.append(Seen(request.method, request.path, dict(request.headers), body))
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        await self._record(request)
+        b = self.behaviour
+        return web.Response(
+            body=b.metrics_body, status=b.metrics_status, headers=b.metrics_headers,
+            content_type="text/plain",
+        )
+
+    async def _other(self, request: web.Request) -> web.Response:
+        await self._record(request)
+        return web.Response(status=404)
+
+    async def _complete(self, request: web.Request) -> web.StreamResponse:
+        await self._record(request)
+        b = self.behaviour
+        if b.completions == "hang":
+            await asyncio.Event().wait()
+        if b.completions == "status":
+            return web.Response(status=b.completion_status, headers=b.completion_headers)
+        body = orjson.loads(self.seen[-1].body or b"{}")
+        if body.get("stream"):
+            return await self._stream(request)
+        answer = {
+            "id": "cmpl-rogue", "object": "chat.completion", "model": self.model,
+            "choices": [{"index": 0, "finish_reason": "stop",
+                         "message": {"role": "assistant", "content": "x" * b.tokens}}],
+            "usage": {"prompt_tokens": 1, "completion_tokens": b.tokens,
+                      "total_tokens": 1 + b.tokens},
+        }
+        return web.Response(body=orjson.dumps(answer), content_type="application/json",
+                            headers=b.completion_headers)
+
+    async def _stream(self, request: web.Request) -> web.StreamResponse:
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                          **self.behaviour.completion_headers})
+        await out.prepare(request)
+        for _ in range(self.behaviour.tokens):
+            chunk = {"id": "cmpl-rogue", "object": "chat.completion.chunk", "model": self.model,
+                     "choices": [{"index": 0, "delta": {"content": "x"}, "finish_reason": None}]}
+            await out.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+        await out.write(b"data: [DONE]\n\n")
+        await out.write_eof()
+        return out
