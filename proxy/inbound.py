@@ -44,17 +44,20 @@ def parse_body(raw: bytes, max_depth: int = DEFAULT_MAX_DEPTH) -> dict[str, Any]
     """Parse a JSON object; the error message names what is wrong with it."""
     if not raw:
         raise BadRequest("request body is empty; expected a JSON object", param=None)
+    too_deep_error = BadRequest(
+        f"request body is nested more than {max_depth} levels deep", param=None
+    )
     try:
         value = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
+        if "depth" in str(exc) or "recursion" in str(exc):
+            raise too_deep_error from None  # beyond orjson's own limit, far beyond ours
         raise BadRequest(f"request body is not valid JSON: {exc}", param=None) from None
     if not isinstance(value, dict):
         kind = type(value).__name__
         raise BadRequest(f"request body must be a JSON object, not {kind}", param=None)
     if too_deep(value, max_depth):
-        raise BadRequest(
-            f"request body is nested more than {max_depth} levels deep", param=None
-        )
+        raise too_deep_error
     return value
 
 
