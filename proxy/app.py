@@ -25,6 +25,7 @@ from aiohttp import web
 from proxy import handlers
 from proxy.admission import Admission
 from proxy.config import Config
+from proxy.connections import SERVER_NAME
 from proxy.context import Drain, ShellContext
 from proxy.door_config import DoorConfig
 from proxy.errors import KvproxyError
@@ -40,7 +41,6 @@ from proxy.upstream import make_data_session, make_scrape_session
 log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-SERVER_NAME = "kvproxy"
 
 
 def build_app(

@@ -9,6 +9,9 @@ Rules:
 - A response that says ``Connection: close`` is never followed by reading (lingering over) the rest
   of a body the proxy refused: after a 413 or 408 the connection is closed, not drained.
 - The body's own time limit is the handler's (``handlers``), which answers 408.
+- What aiohttp answers by itself (a request it cannot parse, an exception outside the app's
+  middleware) is answered in the proxy's shape too: an OpenAI-shaped JSON error, ``Server:
+  kvproxy``, a request id, and no library text or traceback (those go to the log).
 - Everything else is aiohttp's ``RequestHandler`` as it is; the subclass touches only the hooks
   named above (``connection_made``, ``data_received``, ``_handle_request``, ``finish_response``).
 """
@@ -17,12 +20,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
+from http import HTTPStatus
 from typing import Any
 
+import orjson
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
 log = logging.getLogger(__name__)
+
+SERVER_NAME = "kvproxy"
 
 
 class GuardedHandler(RequestHandler):
@@ -72,6 +80,28 @@ class GuardedHandler(RequestHandler):
             self._lingering_time = 0.0
         return result
 
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        if status >= 500:
+            log.error("unhandled error serving %s", request.remote, exc_info=exc)
+        else:
+            log.debug("malformed request from %s: %r", request.remote, exc)
+        if request.writer.output_size > 0:
+            raise ConnectionError("a response was already started; the connection is broken")
+        resp = web.Response(
+            status=status,
+            body=_error_body(status),
+            content_type="application/json",
+            headers={"Server": SERVER_NAME, "X-Request-Id": uuid.uuid4().hex},
+        )
+        resp.force_close()
+        return resp
+
     def _arm_head_timer(self) -> None:
         self._disarm_head_timer()
         loop = asyncio.get_running_loop()
@@ -89,6 +119,21 @@ class GuardedHandler(RequestHandler):
         log.info("closing a client connection: request head not received in %.1fs",
                  self._header_timeout_s)
         self.force_close()
+
+
+def _error_body(status: int) -> bytes:
+    try:
+        phrase = HTTPStatus(status).phrase
+    except ValueError:
+        phrase = "Error"
+    if status >= 500:
+        error = {"message": "internal error in the proxy", "type": "internal_error",
+                 "param": None, "code": None}
+    else:
+        error = {"message": f"malformed HTTP request ({phrase})",
+                 "type": "invalid_request_error", "param": None,
+                 "code": phrase.lower().replace(" ", "_")}
+    return orjson.dumps({"error": error})
 
 
 class GuardedServer(web.Server):
