@@ -190,7 +190,9 @@ def _encode(value: object) -> bytes:
 
 
 def _deep(depth: int) -> bytes:
-    return b'{"model":"target-model","x":' + b"[" * depth + b"]" * depth + b"}"
+    """A request that is valid but for an extra field nested ``depth`` levels deep."""
+    valid = _encode({**_VALID, "temperature": 0})
+    return valid[:-1] + b',"x":' + b"[" * depth + b"]" * depth + b"}"
 
 
 _objects = _body_object().map(_encode)
