@@ -7,6 +7,8 @@ Rules:
 - One middleware turns every exception into a response: ``KvproxyError`` renders itself,
   aiohttp's own HTTP errors (unknown route, wrong method) become OpenAI-shaped errors, anything else
   is logged and becomes a 500. ``asyncio.CancelledError`` always propagates.
+- Every response names its server as plain ``kvproxy`` (no versions, no libraries) and carries
+  ``X-Request-Id``; an error that leaves the body unread closes the connection.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from aiohttp import web
 from proxy import handlers
 from proxy.admission import Admission
 from proxy.config import Config
+from proxy.connections import SERVER_NAME
 from proxy.context import Drain, ShellContext
 from proxy.door_config import DoorConfig
 from proxy.errors import KvproxyError
@@ -58,6 +61,7 @@ def build_app(
     app.cleanup_ctx.append(_upstream_sessions)
     app.cleanup_ctx.append(_scraper)
     app.cleanup_ctx.append(_front_door)
+    app.on_response_prepare.append(_server_header)
     _routes(app)
     return app
 
@@ -143,6 +147,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         response = await handler(request)
     except KvproxyError as exc:
         response = render(exc)
+        if exc.closes_connection:
+            response.force_close()
     except web.HTTPException as exc:
         response = _http_error(request, exc)
     except asyncio.CancelledError:
@@ -153,6 +159,10 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     if not response.prepared:
         response.headers.setdefault("X-Request-Id", request[REQUEST_ID])
     return response
+
+
+async def _server_header(request: web.Request, response: web.StreamResponse) -> None:
+    response.headers["Server"] = SERVER_NAME
 
 
 def render(exc: KvproxyError) -> web.Response:

@@ -158,12 +158,34 @@ def canonical_body(body: Mapping[str, Any]) -> bytes:
 
 
 def _normalise(value: Any) -> Any:
+    """``value`` with integral floats as ints; iterative, so no depth can exhaust the stack."""
+    if not isinstance(value, dict | list):
+        return _number(value)
+    root = _empty_like(value)
+    todo: list[tuple[Any, Any]] = [(value, root)]
+    while todo:
+        source, target = todo.pop()
+        items = source.items() if isinstance(source, dict) else enumerate(source)
+        for key, item in items:
+            if isinstance(item, dict | list):
+                copy = _empty_like(item)
+                todo.append((item, copy))
+            else:
+                copy = _number(item)
+            if isinstance(target, dict):
+                target[key] = copy
+            else:
+                target.append(copy)
+    return root
+
+
+def _empty_like(value: dict[Any, Any] | list[Any]) -> dict[Any, Any] | list[Any]:
+    return {} if isinstance(value, dict) else []
+
+
+def _number(value: Any) -> Any:
     if isinstance(value, float) and value.is_integer() and abs(value) < _EXACT_FLOAT_INTS:
         return int(value)
-    if isinstance(value, dict):
-        return {k: _normalise(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_normalise(v) for v in value]
     return value
 
 

@@ -51,12 +51,25 @@ class ServerConfig:
     port: int = 8000
     max_body_bytes: int = 4 * 1024 * 1024
     drain_timeout_s: float = 30.0
+    # Nesting levels a request body may have (the top-level object is level 1).
+    max_json_depth: int = 64
+    # The whole request head must arrive within this, counted from the connection's start or, on
+    # a kept-alive connection, from the first byte of the next request.
+    header_timeout_s: float = 10.0
+    # The whole request body must arrive within this once the handler starts reading it (else 408).
+    body_timeout_s: float = 30.0
+    # How long an idle kept-alive client connection is kept open between requests.
+    keepalive_timeout_s: float = 75.0
 
     def __post_init__(self) -> None:
         _require(0 <= self.port <= 65535, "port", "must be in 0..65535")
         _require(bool(self.host), "host", "must not be empty")
-        _positive(self, "max_body_bytes")
+        _positive(
+            self, "max_body_bytes", "header_timeout_s", "body_timeout_s", "keepalive_timeout_s"
+        )
         _require(self.drain_timeout_s >= 0, "drain_timeout_s", "must be >= 0")
+        # orjson refuses to write documents nested deeper than 254 levels.
+        _require(2 <= self.max_json_depth <= 200, "max_json_depth", "must be in 2..200")
 
 
 @dataclass(frozen=True)

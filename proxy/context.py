@@ -2,7 +2,9 @@
 
 Rules: one ``ShellContext`` per application, created by ``build_app`` and reachable only through
 the app's typed key; the HTTP sessions inside it are opened and closed by the app's cleanup
-context, never by a request. ``Drain`` counts open proxied requests so shutdown can wait for them.
+context, never by a request. ``Drain`` counts open proxied requests so shutdown can wait for them,
+and knows every open stream so that, when the drain times out, each one can be ended cleanly (an
+error event) rather than dropped.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class Drain:
         self._metrics = metrics
         self._idle = asyncio.Event()
         self._idle.set()
+        self._cuts: set[Callable[[], None]] = set()
 
     @contextmanager
     def track(self, retry_after_s: int) -> Iterator[None]:
@@ -49,6 +52,22 @@ class Drain:
             self._metrics.inflight_total.dec()
             if self.open == 0:
                 self._idle.set()
+
+    @contextmanager
+    def cuttable(self, cut: Callable[[], None]) -> Iterator[None]:
+        """While inside, ``cut_all`` calls ``cut`` (which must end the stream promptly)."""
+        self._cuts.add(cut)
+        try:
+            yield
+        finally:
+            self._cuts.discard(cut)
+
+    def cut_all(self) -> int:
+        """Ask every open stream to end now; returns how many were asked."""
+        cuts = list(self._cuts)
+        for cut in cuts:
+            cut()
+        return len(cuts)
 
     def start(self) -> None:
         self.draining = True

@@ -6,6 +6,9 @@ Rules:
   application's error middleware, through ``body()`` and ``headers()``.
 - Client faults are 4xx (``ClientError``), lack of capacity is 503 (``NoCapacity``), an engine that
   fails is 502 (``UpstreamError``) and one that is too slow is 504 (``UpstreamTimeout``).
+- Messages name an engine by its configured name only: never its address, never library text.
+- An error raised while the request body is still unread (``closes_connection``: too large, too
+  slow) is answered with ``Connection: close``, and the rest of the body is never read.
 - Library exceptions are translated into these at one boundary (the async shell), never here.
 - ``ConfigError`` is not an HTTP error: it stops start-up and names the dotted field that is wrong.
 """
@@ -24,15 +27,22 @@ class KvproxyError(Exception):
     status: ClassVar[int] = 500
     err_type: ClassVar[str] = "internal_error"
     default_code: ClassVar[str | None] = None
+    closes_connection: ClassVar[bool] = False
 
     def __init__(self, message: str, *, code: str | None = None, param: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.code = code if code is not None else self.default_code
         self.param = param
+        # What the shell learnt about the request before it failed (``X-Cache``), sent along.
+        self.context_headers: dict[str, str] = {}
 
     def headers(self) -> dict[str, str]:
-        """Extra response headers; most errors need none."""
+        """Extra response headers: the error's own, then what the shell attached."""
+        return self.context_headers | self.own_headers()
+
+    def own_headers(self) -> dict[str, str]:
+        """Headers this kind of error always carries; most need none."""
         return {}
 
     def body(self) -> bytes:
@@ -72,6 +82,15 @@ class PayloadTooLarge(ClientError):
 
     status = 413
     default_code = "payload_too_large"
+    closes_connection = True
+
+
+class RequestTimeout(ClientError):
+    """The client did not send its whole body within ``server.body_timeout_s``."""
+
+    status = 408
+    default_code = "request_timeout"
+    closes_connection = True
 
 
 class Unauthorized(ClientError):
@@ -100,7 +119,7 @@ class RateLimited(ClientError):
         super().__init__(message, code=code)
         self.retry_after_s = retry_after_s
 
-    def headers(self) -> dict[str, str]:
+    def own_headers(self) -> dict[str, str]:
         return {"Retry-After": _retry_after_header(self.retry_after_s)}
 
 
@@ -118,7 +137,7 @@ class NoCapacity(KvproxyError):
         self.reason = reason
         self.retry_after_s = retry_after_s
 
-    def headers(self) -> dict[str, str]:
+    def own_headers(self) -> dict[str, str]:
         return {
             "Retry-After": _retry_after_header(self.retry_after_s),
             "X-Kvproxy-Shed-Reason": self.reason,

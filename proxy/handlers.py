@@ -3,7 +3,10 @@
 Rules: a handler performs decisions made by the pure core (pools, admission, routing) in the order
 of DESIGN §2 and does nothing clever itself; every refusal is raised as a ``KvproxyError`` and
 rendered by the app's error middleware, before any byte of a response. Each proxied request is
-counted for drain, and observed in metrics exactly once, whatever way it ends.
+counted for drain, and observed in metrics exactly once, whatever way it ends. Every answer to a
+proxied request, errors included, carries ``X-Cache`` (``BYPASS`` when the request never reached
+the cache) and ``X-Request-Id``. The body is read within ``server.max_body_bytes`` and
+``server.body_timeout_s`` (else 413 / 408, and the connection is closed).
 """
 
 from __future__ import annotations
@@ -13,11 +16,12 @@ import uuid
 
 import orjson
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
 from proxy.admission import REASON_NO_ENGINE, Admit, Priority, engine_priority, parse_priority
 from proxy.cache_entry import CachedResponse
 from proxy.context import ShellContext
-from proxy.errors import KvproxyError, NoCapacity, PayloadTooLarge
+from proxy.errors import BadRequest, KvproxyError, NoCapacity, PayloadTooLarge, RequestTimeout
 from proxy.fleet import HEALTH_STATES
 from proxy.frontdoor import DOOR, replay, wants_usage
 from proxy.inbound import Endpoint, Inbound, accept, rewrite
@@ -54,6 +58,7 @@ async def _proxy(request: web.Request, endpoint: Endpoint) -> web.StreamResponse
             response = await _serve(request, ctx, endpoint, job)
     except KvproxyError as exc:
         job.status = exc.status
+        exc.context_headers.setdefault("X-Cache", job.extra_headers.get("X-Cache", "BYPASS"))
         if isinstance(exc, NoCapacity):
             job.shed_reason = exc.reason
         raise
@@ -70,7 +75,9 @@ async def _serve(
 ) -> web.StreamResponse:
     door = request.app[DOOR]
     tenant = await door.identify(request.headers)
-    inbound = accept(await _read_body(request, ctx.cfg.server.max_body_bytes), endpoint)
+    server = ctx.cfg.server
+    raw = await _read_body(request, server.max_body_bytes, server.body_timeout_s)
+    inbound = accept(raw, endpoint, max_depth=server.max_json_depth)
     priority = parse_priority(request.headers.get("X-Priority"), inbound.body.get("priority"))
     job.cls = priority.value
     job.stream = inbound.stream
@@ -111,15 +118,22 @@ async def _from_cache(
     return await replay(request, entry, stream=inbound.stream, include_usage=usage, headers=headers)
 
 
-async def _read_body(request: web.Request, limit: int) -> bytes:
+async def _read_body(request: web.Request, limit: int, timeout_s: float) -> bytes:
     length = request.content_length
     if length is not None and length > limit:
         raise PayloadTooLarge(f"request body of {length} bytes exceeds the limit of {limit} bytes")
     body = bytearray()
-    async for chunk in request.content.iter_any():
-        body += chunk
-        if len(body) > limit:
-            raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.content.iter_any():
+                body += chunk
+                if len(body) > limit:
+                    raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+    except TimeoutError:
+        raise RequestTimeout(f"request body not received within {timeout_s:g}s") from None
+    except RequestPayloadError:
+        # Bad chunked framing or a body shorter than its Content-Length, as aiohttp parses it.
+        raise BadRequest("request body is malformed (framing or length)") from None
     return bytes(body)
 
 

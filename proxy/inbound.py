@@ -3,13 +3,15 @@
 Rules: pure and synchronous (no aiohttp, no I/O). Only the fields the proxy itself uses are
 validated; everything else in the body is the engine's business and is passed on untouched.
 Every rejection is a ``BadRequest`` whose ``param`` names the offending field, so that clients get
-the same kind of 400 that the OpenAI API would give them.
+the same kind of 400 that the OpenAI API would give them. A body nested deeper than ``max_depth``
+levels (the top-level object is level 1) is refused at parse, by an iterative walk, so no later
+step (re-encoding, the cache key) ever meets one.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,23 +37,49 @@ class Inbound:
     prompt_text: str
 
 
-def parse_body(raw: bytes) -> dict[str, Any]:
+DEFAULT_MAX_DEPTH = 64
+
+
+def parse_body(raw: bytes, max_depth: int = DEFAULT_MAX_DEPTH) -> dict[str, Any]:
     """Parse a JSON object; the error message names what is wrong with it."""
     if not raw:
         raise BadRequest("request body is empty; expected a JSON object", param=None)
+    too_deep_error = BadRequest(
+        f"request body is nested more than {max_depth} levels deep", param=None
+    )
     try:
         value = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
+        if "depth" in str(exc) or "recursion" in str(exc):
+            raise too_deep_error from None  # beyond orjson's own limit, far beyond ours
         raise BadRequest(f"request body is not valid JSON: {exc}", param=None) from None
     if not isinstance(value, dict):
         kind = type(value).__name__
         raise BadRequest(f"request body must be a JSON object, not {kind}", param=None)
+    if too_deep(value, max_depth):
+        raise too_deep_error
     return value
 
 
-def accept(raw: bytes, endpoint: Endpoint) -> Inbound:
+def too_deep(value: object, limit: int) -> bool:
+    """Whether ``value`` has more than ``limit`` levels of objects and arrays (iterative)."""
+    level: list[dict[Any, Any] | list[Any]] = [value] if isinstance(value, dict | list) else []
+    depth = 0
+    while level:
+        depth += 1
+        if depth > limit:
+            return True
+        below: list[dict[Any, Any] | list[Any]] = []
+        for node in level:
+            items: Iterable[Any] = node.values() if isinstance(node, dict) else node
+            below.extend(v for v in items if isinstance(v, dict | list))
+        level = below
+    return False
+
+
+def accept(raw: bytes, endpoint: Endpoint, *, max_depth: int = DEFAULT_MAX_DEPTH) -> Inbound:
     """Parse and validate ``raw`` for ``endpoint``."""
-    body = parse_body(raw)
+    body = parse_body(raw, max_depth)
     model = _model(body)
     if endpoint is Endpoint.CHAT:
         prompt_text = canonical_chat(_messages(body))

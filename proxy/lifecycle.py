@@ -5,9 +5,12 @@ Rules:
   ``127.0.0.1`` port 0 in their own event loop, ``run_server`` adds the signal handling.
 - Handlers are cancelled when their client disconnects (``handler_cancellation``), which is how an
   abandoned request reaches the relay's ``finally`` and closes its engine connection at once.
+- Client connections are ``connections.GuardedHandler``: request heads have a deadline
+  (``server.header_timeout_s``), idle kept-alive connections ``server.keepalive_timeout_s``.
 - Shutdown order: stop admitting (``/ready`` 503, new requests 503) while still listening, wait for
-  open requests up to ``server.drain_timeout_s``, then close the listener, cancel what is left, and
-  run the app's cleanup (sessions, scraper task).
+  open requests up to ``server.drain_timeout_s``; streams still open then are ended with an SSE
+  error event (their engine connections closed), and get a short grace to write it; then close the
+  listener, cancel what is left, and run the app's cleanup (sessions, scraper task).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from aiohttp import web
 
 from proxy.app import build_app
 from proxy.config import Config
+from proxy.connections import GuardedRunner
 from proxy.keys import SHELL
 
 log = logging.getLogger(__name__)
@@ -33,8 +37,10 @@ class ProxyServer:
     def __init__(self, cfg: Config, app: web.Application | None = None) -> None:
         self.cfg = cfg
         self.app = app if app is not None else build_app(cfg)
-        self._runner = web.AppRunner(
+        self._runner = GuardedRunner(
             self.app,
+            header_timeout_s=cfg.server.header_timeout_s,
+            keepalive_timeout=cfg.server.keepalive_timeout_s,
             handler_cancellation=True,
             shutdown_timeout=_FINAL_GRACE_S,
             access_log=None,
@@ -62,6 +68,9 @@ class ProxyServer:
         finished = await drain.wait_idle(self._timeout)
         if not finished:
             log.warning("drain timeout: %d requests still open are cut off", drain.open)
+            if drain.cut_all():
+                # Streams end with an error event at once; let them write it before the cancel.
+                await drain.wait_idle(_FINAL_GRACE_S)
         return finished
 
     @property

@@ -5,6 +5,9 @@ Rules:
   JSON answer, the whole body). Until then a connect failure, a 5xx or a 429 may be retried on the
   next engine of the ranking (``upstream.retries`` times); after it, never.
 - SSE bytes are written as they arrive (``iter_any``), never re-encoded.
+- Redirects are not followed: an engine's 3xx is a failure (502, retried like a 5xx).
+- A stream still open when the drain times out is cut by the proxy like any broken stream: one SSE
+  error event, no ``[DONE]``, and the engine's connection closed so it aborts.
 - Timeouts: connect (retryable), first byte (504, not retried: the engine may just be busy), and
   between chunks. A failure after the first byte ends the stream with one SSE error event.
 - The upstream response is always closed (``close``, not ``release``) when the exchange ends early,
@@ -30,7 +33,13 @@ from proxy.cache_entry import Recorder
 from proxy.context import ShellContext
 from proxy.errors import KvproxyError, NoCapacity, UpstreamError, UpstreamTimeout
 from proxy.fleet import Engine
-from proxy.upstream import response_headers, retryable_status, translate
+from proxy.upstream import (
+    DATA_POST,
+    redirect_status,
+    response_headers,
+    retryable_status,
+    translate,
+)
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +153,11 @@ class Relay:
             async with asyncio.timeout_at(self._first_byte_deadline):
                 headers = job.headers | engine.auth if engine.auth else job.headers
                 resp = await self._ctx.session.post(
-                    engine.cfg.url + job.path, data=job.body, headers=headers, timeout=connect
+                    engine.cfg.url + job.path,
+                    data=job.body,
+                    headers=headers,
+                    timeout=connect,
+                    **DATA_POST,
                 )
         except aiohttp.ClientConnectionError as exc:
             # Refused, reset, connect timeout, or dropped before any response head: nothing of the
@@ -155,7 +168,17 @@ class Relay:
             raise self._failed(engine, exc, "first_byte") from None
         if retryable_status(resp.status):
             raise await self._refused(engine, resp)
+        if redirect_status(resp.status):
+            raise self._redirected(engine, resp)
         return resp
+
+    def _redirected(self, engine: Engine, resp: aiohttp.ClientResponse) -> _Retry:
+        """An engine's 3xx: never followed (it would re-send the prompt elsewhere); a failure."""
+        status = resp.status
+        resp.close()
+        self._outcome(engine, Outcome.FAILURE, f"http_{status}")
+        error = UpstreamError(f"engine {engine.name} redirected (HTTP {status}); not followed")
+        return _Retry(error, f"http_{status}")
 
     async def _refused(self, engine: Engine, resp: aiohttp.ClientResponse) -> _Retry:
         """An engine's 5xx / 429: close it, count it, and describe it for the client."""
@@ -235,13 +258,17 @@ class Relay:
         if recorder is not None:
             recorder.start(resp.status, streamed=True)
         pump = _Pump(out, self._up.idle_timeout_s, None if recorder is None else recorder.feed)
-        failure = await pump.run(chunks) if await pump.write(first) else None
+        with self._ctx.drain.cuttable(pump.cut):
+            failure = await pump.run(chunks) if await pump.write(first) else None
         self._settle_stream(engine, pump, failure)
         return out
 
     def _settle_stream(self, engine: Engine, pump: _Pump, failure: BaseException | None) -> None:
         if pump.client_gone:
             self._job.status = CLIENT_CLOSED
+        elif pump.was_cut:
+            # The proxy's own shutdown ended it: no verdict on the engine.
+            log.warning("stream from %s cut off by the drain timeout", engine.name)
         elif failure is not None:
             self._failed(engine, failure, "mid_stream")
             log.warning("stream from %s broke after the first byte: %r", engine.name, failure)
@@ -267,7 +294,15 @@ class _Pump:
         self._tap = tap
         self._idle = idle_timeout_s
         self._at_event_boundary = True
+        self._waiting: asyncio.Timeout | None = None
         self.client_gone = False
+        self.was_cut = False
+
+    def cut(self) -> None:
+        """End the stream now (drain timeout): the pending read gives up, the client is told."""
+        self.was_cut = True
+        if self._waiting is not None:
+            self._waiting.reschedule(asyncio.get_running_loop().time())
 
     async def write(self, chunk: bytes) -> bool:
         """Send ``chunk``; False once the client is gone."""
@@ -283,24 +318,38 @@ class _Pump:
 
     async def run(self, chunks: AsyncIterator[bytes]) -> BaseException | None:
         """Relay until the engine's EOF; return the engine failure that cut the stream, if any."""
-        while True:
+        while not self.was_cut:
             try:
-                async with asyncio.timeout(self._idle):
+                async with asyncio.timeout(self._idle) as self._waiting:
                     chunk = await anext(chunks, b"")
             except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+                if self.was_cut:
+                    break
                 await self._error_event(exc)
                 return exc
+            finally:
+                self._waiting = None
             if not chunk:
                 break
             if not await self.write(chunk):
                 return None
+        if self.was_cut:
+            await self._send_error(
+                NoCapacity(
+                    "the proxy is shutting down; the answer is incomplete",
+                    reason="draining",
+                )
+            )
+            return None
         await self._finish()
         return None
 
     async def _error_event(self, exc: BaseException) -> None:
         error = UpstreamTimeout if isinstance(exc, TimeoutError) else UpstreamError
         kind = "stalled between chunks" if isinstance(exc, TimeoutError) else "broke off"
-        event = error(f"the engine's stream {kind}; the answer is incomplete")
+        await self._send_error(error(f"the engine's stream {kind}; the answer is incomplete"))
+
+    async def _send_error(self, event: KvproxyError) -> None:
         # A cut mid-event would glue our event onto a partial line; end that event first.
         lead = b"" if self._at_event_boundary else b"\n\n"
         if await self.write(lead + b"data: " + event.body() + b"\n\n"):

@@ -3,17 +3,27 @@
 Rules:
 - One data-path ``ClientSession`` (keep-alive pool, a connection limit per engine) and one small
   separate session for scrapes, so that a saturated data path never starves telemetry.
-- Nothing hop-by-hop, no ``X-Forwarded-*``, no client credentials (``Authorization``,
-  ``api-key``, ``x-api-key``) and no ``Host`` ever reaches an engine; nothing hop-by-hop comes back
-  to the client.
+- Redirects are never followed on the data path (``DATA_POST``): an engine's 3xx would otherwise
+  re-send a client's prompt to whatever address the engine names. A 3xx is an engine failure.
+- To engines: nothing hop-by-hop, no client credentials (``Authorization``, ``api-key``,
+  ``x-api-key``), no cookies, no ``Host``, and nothing that describes the client's network path
+  (``Forwarded``, ``X-Forwarded-*``, ``X-Real-IP``, ``Via`` and the CDN variants of them).
+- To clients, an allow-list: of an engine's response headers only ``Content-Type``,
+  ``Cache-Control``, ``Retry-After``/``Retry-After-Ms`` and the ``openai-*`` and ``x-ratelimit-*``
+  families pass (what the OpenAI SDKs read); engine cookies, server banners and internal headers
+  stay inside.
 - Bodies travel as the engine sent them: no automatic decompression, and we never ask for
   compression, so SSE bytes can be passed through without re-encoding.
-- Library exceptions are translated here, once, into ``UpstreamError`` / ``UpstreamTimeout``.
+- Library exceptions are translated here, once, into ``UpstreamError`` / ``UpstreamTimeout``. The
+  client's message names the engine by its configured name and the phase only; the library's own
+  text (which carries addresses) goes to the log.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import aiohttp
 
@@ -36,12 +46,20 @@ HOP_BY_HOP = frozenset(
 )
 # Never forwarded to an engine, on top of the hop-by-hop set.
 # The client's credentials are for the proxy; an engine gets only its own (``api_key_env``).
+# Where the client sits on the network is none of an engine's business.
 _REQUEST_DROP = frozenset(
     {"host", "authorization", "api-key", "x-api-key", "content-length", "accept-encoding",
-     "forwarded", "cookie"}
+     "cookie", "cookie2", "forwarded", "via", "x-real-ip", "x-client-ip", "true-client-ip",
+     "cf-connecting-ip", "fastly-client-ip", "x-cluster-client-ip"}
 )
-# Never copied back to the client: the proxy's own server writes these.
-_RESPONSE_DROP = frozenset({"content-length", "content-encoding", "server", "date"})
+_REQUEST_DROP_PREFIXES = ("x-forwarded-",)
+# The only engine response headers a client sees (besides the proxy's own).
+_RESPONSE_ALLOW = frozenset({"content-type", "cache-control", "retry-after", "retry-after-ms"})
+_RESPONSE_ALLOW_PREFIXES = ("openai-", "x-ratelimit-")
+# Every data-path request: an engine's 3xx is answered as a failure, never followed.
+DATA_POST: dict[str, Any] = {"allow_redirects": False}
+
+log = logging.getLogger(__name__)
 
 SCRAPE_CONNECTIONS_PER_ENGINE = 2
 
@@ -75,15 +93,19 @@ def _session(connector: aiohttp.TCPConnector) -> aiohttp.ClientSession:
 def request_headers(client: Mapping[str, str], request_id: str) -> dict[str, str]:
     """Headers for the engine: the client's, cleaned, plus the request id and content type."""
     out = _filtered(client.items(), _REQUEST_DROP, _connection_tokens(client))
-    out = {k: v for k, v in out.items() if not k.lower().startswith("x-forwarded-")}
+    out = {k: v for k, v in out.items() if not k.lower().startswith(_REQUEST_DROP_PREFIXES)}
     out["Content-Type"] = "application/json"
     out["X-Request-Id"] = request_id
     return out
 
 
 def response_headers(upstream: Mapping[str, str]) -> dict[str, str]:
-    """Headers for the client: the engine's, minus hop-by-hop and what our server writes."""
-    return _filtered(upstream.items(), _RESPONSE_DROP, _connection_tokens(upstream))
+    """Headers for the client: those of the engine's that are on the allow-list."""
+    return {
+        name: value
+        for name, value in upstream.items()
+        if name.lower() in _RESPONSE_ALLOW or name.lower().startswith(_RESPONSE_ALLOW_PREFIXES)
+    }
 
 
 def _filtered(
@@ -108,9 +130,26 @@ def retryable_status(status: int) -> bool:
     return status == 429 or status >= 500
 
 
+def redirect_status(status: int) -> bool:
+    return 300 <= status < 400
+
+
 def translate(exc: BaseException, engine: str, phase: str) -> UpstreamError:
     """The one place aiohttp / timeout exceptions become kvproxy errors."""
     if isinstance(exc, TimeoutError):
         return UpstreamTimeout(f"engine {engine} timed out ({phase})")
-    detail = str(exc) or type(exc).__name__
-    return UpstreamError(f"engine {engine} failed ({phase}): {detail}")
+    # The library's text names the engine's address: the operator's to read, not the client's.
+    log.warning("engine %s failed (%s): %r", engine, phase, exc)
+    return UpstreamError(f"engine {engine} failed ({phase}): {_kind(exc)}")
+
+
+def _kind(exc: BaseException) -> str:
+    if isinstance(exc, aiohttp.ClientConnectorError | ConnectionRefusedError):
+        return "connection refused or unreachable"
+    if isinstance(exc, aiohttp.ServerDisconnectedError | ConnectionResetError):
+        return "connection closed by the engine"
+    if isinstance(exc, aiohttp.ClientPayloadError):
+        return "malformed response body"
+    if isinstance(exc, aiohttp.ClientResponseError):
+        return "malformed response"
+    return "connection error"

@@ -34,6 +34,8 @@ class Behaviour:
     completion_status: int = 200
     completion_headers: dict[str, str] = field(default_factory=dict)
     tokens: int = 4
+    # Pause before each streamed chunk (a slow engine); 0 streams at once.
+    chunk_delay_s: float = 0.0
 
 
 @dataclass
@@ -49,6 +51,8 @@ class RogueEngine:
         self.model = model
         self.behaviour = Behaviour()
         self.seen: list[Seen] = []
+        # Streams that ended before their last chunk was written (the proxy hung up).
+        self.streams_cut = 0
         self._runner: web.AppRunner | None = None
         self.port = 0
 
@@ -116,10 +120,19 @@ class RogueEngine:
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                           **self.behaviour.completion_headers})
         await out.prepare(request)
-        for _ in range(self.behaviour.tokens):
-            chunk = {"id": "cmpl-rogue", "object": "chat.completion.chunk", "model": self.model,
-                     "choices": [{"index": 0, "delta": {"content": "x"}, "finish_reason": None}]}
-            await out.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
-        await out.write(b"data: [DONE]\n\n")
-        await out.write_eof()
+        finished = False
+        try:
+            for _ in range(self.behaviour.tokens):
+                if self.behaviour.chunk_delay_s:
+                    await asyncio.sleep(self.behaviour.chunk_delay_s)
+                chunk = {"id": "cmpl-rogue", "object": "chat.completion.chunk",
+                         "model": self.model, "choices": [
+                             {"index": 0, "delta": {"content": "x"}, "finish_reason": None}]}
+                await out.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+            await out.write(b"data: [DONE]\n\n")
+            await out.write_eof()
+            finished = True
+        finally:
+            if not finished:
+                self.streams_cut += 1
         return out
