@@ -147,8 +147,8 @@ class Relay:
         finally:
             engine.state.on_settle(ticket)
             if not self._recorded:
-                # Ended without a verdict (client gone, cancelled): neutral for the breaker, but
-                # it frees a half-open probe slot.
+                # Ended without a verdict (client gone, cancelled): neutral for the breaker and
+                # outlier detection, but it frees a half-open or probation probe slot.
                 self._outcome(engine, Outcome.CLIENT_ERROR, None)
 
     async def _open(self, engine: Engine) -> aiohttp.ClientResponse:
