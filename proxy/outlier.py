@@ -241,9 +241,9 @@ class OutlierDetector:
         rates = self._rates(now)
         if len(rates) < self.cfg.success_rate_min_engines:
             return []
-        threshold = _threshold(list(rates.values()), self.cfg.success_rate_stdev_factor)
+        spread = _threshold(list(rates.values()), self.cfg.success_rate_stdev_factor)
+        threshold = min(spread - _EPSILON, self.cfg.min_pool_success_rate)
         out: list[Ejection] = []
-        threshold = min(threshold - _EPSILON, self.cfg.min_pool_success_rate)
         for name in sorted(rates, key=lambda n: (rates[n], n)):  # worst first
             member = self._members[name]
             if rates[name] >= threshold or not self._stands_out(name, rates[name], now):
