@@ -152,7 +152,11 @@ class UpstreamConfig:
     # A non-streamed answer arrives whole, only once generated: its budget covers the generation.
     response_timeout_s: float = 600.0
     idle_timeout_s: float = 60.0
-    max_connections_per_engine: int = 256
+    # Requests open at once from this proxy process to one engine. An engine at the limit is not
+    # eligible for routing; a pool whose engines are all at it sheds at once (503,
+    # ``engine_connections_full``). Well above vLLM's own ``max_num_seqs`` (256..1024 by GPU) so
+    # that excess work queues in the engine's waiting queue, which the proxy sees and routes by.
+    max_connections_per_engine: int = 2048
     retries: int = 1
 
     def __post_init__(self) -> None:
@@ -175,6 +179,40 @@ class BreakerConfig:
 
     def __post_init__(self) -> None:
         _positive(self, "failure_threshold", "open_s", "half_open_probes")
+
+
+@dataclass(frozen=True)
+class OutlierConfig:
+    """Outlier detection (``proxy.outlier``): eject an engine that fails where its pool succeeds."""
+
+    enabled: bool = True
+    # Failures in a row (timeouts, connect failures, 5xx other than 503, broken streams).
+    consecutive_failures: int = 5
+    # The rest of the pool must succeed this often in its recent exchanges for an engine to be
+    # an outlier: a pool that fails alike (a hot fleet) is never ejected.
+    min_pool_success_rate: float = 0.8
+    # "Recent": an engine's last ``window_requests`` results, none older than ``window_s``.
+    window_s: float = 300.0
+    window_requests: int = 100
+    # Success-rate ejection: below mean - factor * stdev of the pool's rates.
+    success_rate_min_requests: int = 20
+    success_rate_min_engines: int = 5
+    success_rate_stdev_factor: float = 1.9
+    interval_s: float = 1.0
+    base_ejection_s: float = 30.0
+    max_ejection_s: float = 300.0
+    max_ejection_percent: int = 50
+
+    def __post_init__(self) -> None:
+        _positive(self, "consecutive_failures", "window_s", "window_requests")
+        _require(self.interval_s >= 0, "interval_s", "must be >= 0")
+        _positive(self, "success_rate_min_requests", "success_rate_min_engines")
+        _positive(self, "success_rate_stdev_factor", "base_ejection_s")
+        _require(0.0 <= self.min_pool_success_rate <= 1.0, "min_pool_success_rate",
+                 "must be in 0..1")
+        _require(self.max_ejection_s >= self.base_ejection_s, "max_ejection_s",
+                 "must be >= outlier.base_ejection_s")
+        _require(1 <= self.max_ejection_percent <= 100, "max_ejection_percent", "must be in 1..100")
 
 
 @dataclass(frozen=True)
@@ -232,6 +270,7 @@ class Config:
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     upstream: UpstreamConfig = field(default_factory=UpstreamConfig)
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
+    outlier: OutlierConfig = field(default_factory=OutlierConfig)
     pools: tuple[PoolConfig, ...] = ()
     aliases: tuple[AliasConfig, ...] = ()
     auth: AuthConfig = field(default_factory=AuthConfig)
@@ -294,6 +333,7 @@ SCALAR_SECTIONS: tuple[str, ...] = (
     "admission",
     "upstream",
     "breaker",
+    "outlier",
     "auth",
     "cache",
     "redis",

@@ -1,8 +1,11 @@
-"""The engines this proxy knows: per engine its config, telemetry state and circuit breaker.
+"""The engines this proxy knows: per engine its config, telemetry state, circuit breaker and its
+pool's outlier detector.
 
 Rules: this module only assembles pure-core objects and answers questions about them; it performs
 no I/O and reads no clock (``now`` is always passed in). The scraper feeds telemetry into it, the
-request path reads views from it and reports dispatches, settlements and breaker outcomes.
+request path reads views from it and reports dispatches, settlements and exchange outcomes.
+An engine is routable only when its health, its breaker and its pool's outlier detector all let
+requests through; every engine of a pool shares that pool's detector.
 """
 
 from __future__ import annotations
@@ -13,9 +16,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from proxy.breaker import Breaker, BreakerState, Outcome
-from proxy.config import Config, EngineConfig
+from proxy.config import Config, EngineConfig, OutlierConfig
 from proxy.errors import ConfigError
 from proxy.metrics import EngineGaugeRow
+from proxy.outlier import Ejection, OutlierDetector, Result
 from proxy.routing import EngineView
 from proxy.telemetry import EngineState, Health
 
@@ -32,6 +36,10 @@ class Engine:
     completed: int = 0
     # Sent with every data-path request to this engine (its API key); never logged or shown.
     auth: dict[str, str] = field(default_factory=dict, repr=False)
+    # Its pool's detector, shared by the pool's engines (the fleet binds it).
+    outliers: OutlierDetector = field(
+        default_factory=lambda: OutlierDetector(OutlierConfig()), repr=False
+    )
 
     @property
     def name(self) -> str:
@@ -42,11 +50,45 @@ class Engine:
         return self.cfg.metrics_url or self.cfg.url + "/metrics"
 
     def view(self, now: float) -> EngineView:
-        # peek: a view must not take a half-open probe slot; dispatch does that.
-        return self.state.view(now, self.breaker.peek(now))
+        # peek: a view must not take a half-open or probation probe slot; dispatch does that.
+        return self.state.view(now, self._lets_through(now))
 
-    def record(self, outcome: Outcome, now: float) -> None:
+    def _lets_through(self, now: float) -> bool:
+        return self.breaker.peek(now) and self.outliers.peek(self.name, now)
+
+    def allows(self, now: float) -> bool:
+        """Whether a request may be dispatched to the engine now; takes the breaker's half-open
+        and the detector's probation probe slot where they apply, so ``record`` its outcome."""
+        if not self._lets_through(now):
+            return False
+        self.breaker.allows(now)
+        self.outliers.allows(self.name, now)
+        return True
+
+    def full(self, limit: int) -> bool:
+        """Whether this proxy already has ``limit`` requests open at the engine."""
+        return self.state.open_requests >= limit
+
+    def record(
+        self,
+        outcome: Outcome,
+        now: float,
+        result: Result | None = None,
+        sent_at: float | None = None,
+    ) -> list[Ejection]:
+        """One exchange's outcome for the breaker and, as ``result`` (derived from ``outcome``
+        when not given), for the outlier detector; returns the ejections it caused."""
         self.breaker.record(outcome, now)
+        found = _RESULTS[outcome] if result is None else result
+        return self.outliers.record(self.name, found, now, sent_at)
+
+
+_RESULTS: dict[Outcome, Result] = {
+    Outcome.SUCCESS: Result.SUCCESS,
+    Outcome.FAILURE: Result.ERROR,
+    Outcome.BACKPRESSURE: Result.BUSY,
+    Outcome.CLIENT_ERROR: Result.NEUTRAL,
+}
 
 
 class Fleet:
@@ -54,6 +96,7 @@ class Fleet:
                  on_remove: Callable[[str, str], None] | None = None) -> None:
         self._cfg = cfg
         self._removed: dict[str, Engine] = {}
+        self._outliers: dict[str, OutlierDetector] = {}
         # Told (pool, engine name) when an engine leaves, so per-engine state elsewhere goes too.
         self._on_remove = on_remove
         if engines is None:
@@ -62,6 +105,7 @@ class Fleet:
         self._pools: dict[str, list[Engine]] = {}
         for engine in engines:
             self._pools.setdefault(engine.pool, []).append(engine)
+            self._bind(engine)
 
     def __iter__(self) -> Iterator[Engine]:
         return iter(self._engines.values())
@@ -74,12 +118,21 @@ class Fleet:
         self._removed.pop(added.name, None)
         self._engines[added.name] = added
         self._pools.setdefault(pool, []).append(added)
+        self._bind(added)
+
+    def _bind(self, engine: Engine) -> None:
+        detector = self._outliers.get(engine.pool)
+        if detector is None:
+            detector = self._outliers[engine.pool] = OutlierDetector(self._cfg.outlier, engine.pool)
+        detector.add(engine.name)
+        engine.outliers = detector
 
     def remove(self, name: str) -> None:
         """Stop routing to an engine; requests already sent to it finish normally."""
         engine = self._engines.pop(name, None)
         if engine is not None:
             self._pools[engine.pool].remove(engine)
+            engine.outliers.remove(name)
             # Earlier leavers with nothing in flight are gone for good (a ranking lives for
             # milliseconds, registry rounds seconds apart).
             self._removed = {n: e for n, e in self._removed.items() if e.state.open_requests}
@@ -143,6 +196,7 @@ def _admin_row(engine: Engine, now: float) -> dict[str, Any]:
         "url": engine.cfg.url,
         "health": state.health.name.lower(),
         "breaker": _breaker_name(engine.breaker.state),
+        "outlier": engine.outliers.describe(engine.name, now),
         "routable": view.routable,
         "fresh": view.fresh,
         "load": view.load,
@@ -169,6 +223,7 @@ def _gauge_row(engine: Engine, now: float) -> EngineGaugeRow:
         inflight=state.open_requests,
         breaker=_breaker_name(engine.breaker.state),
         health=state.health.name.lower(),
+        outlier=engine.outliers.state(engine.name, now).value,
     )
 
 

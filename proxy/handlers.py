@@ -29,8 +29,8 @@ from proxy.keys import REQUEST_ID, SHELL
 from proxy.metrics import CONTENT_TYPE
 from proxy.pools import PoolPlan, model_names, resolve_model, upstream_model
 from proxy.prefix import prefix_chain
-from proxy.relay import CLIENT_CLOSED, Job, Relay
-from proxy.routing import RouteKey
+from proxy.relay import CLIENT_CLOSED, REASON_CONNECTIONS_FULL, Job, Relay
+from proxy.routing import EngineView, RouteKey
 from proxy.upstream import request_headers
 
 
@@ -183,7 +183,7 @@ def _rank(
     )
     key = RouteKey(chain=chain, tenant=tenant, model=model)
     policy = ctx.policies[pool]
-    views = ctx.admission.eligible(priority, ctx.fleet.views(pool, ctx.clock()))
+    views = ctx.admission.eligible(priority, _with_room(ctx, pool))
     ranked = policy.rank(key, views)
     if not ranked:
         raise NoCapacity(f"no routable engine in the {pool} pool", reason=REASON_NO_ENGINE)
@@ -194,6 +194,23 @@ def _rank(
     }
     policy.observe(key, ranked[0])
     return ranked
+
+
+def _with_room(ctx: ShellContext, pool: str) -> list[EngineView]:
+    """The pool's engines that may take one more request from this proxy. When the pool has
+    routable engines but all hold ``upstream.max_connections_per_engine`` requests, the request
+    is shed at once: waiting in the proxy's connection pool would only end in a timeout, and the
+    engines' own waiting queues are where work should queue."""
+    limit = ctx.cfg.upstream.max_connections_per_engine
+    views = ctx.fleet.views(pool, ctx.clock())
+    room = [v for v in views if not ctx.fleet.get(v.name).full(limit)]
+    if any(v.routable for v in views) and not any(v.routable for v in room):
+        raise NoCapacity(
+            f"every engine of the {pool} pool has {limit} requests open from this proxy",
+            reason=REASON_CONNECTIONS_FULL,
+            retry_after_s=ctx.cfg.admission.retry_after_s,
+        )
+    return room
 
 
 def _engine_priority(ctx: ShellContext, pool: str, priority: Priority) -> int | None:

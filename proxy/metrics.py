@@ -22,6 +22,7 @@ _LATENCY_BUCKETS = (
 _SCRAPE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 BREAKER_VALUES = {"closed": 0.0, "half_open": 1.0, "open": 2.0}
+OUTLIER_VALUES = {"active": 0.0, "probation": 1.0, "ejected": 2.0}
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class EngineGaugeRow:
     inflight: int
     breaker: str
     health: str
+    outlier: str = "active"
 
 
 class ProxyMetrics:
@@ -75,6 +77,10 @@ class ProxyMetrics:
         self.upstream_errors = Counter(
             "kvproxy_upstream_errors", "Failed engine exchanges, by kind",
             ["engine", "kind"], registry=r,
+        )  # fmt: skip
+        self.outlier_ejections = Counter(
+            "kvproxy_outlier_ejections", "Engines ejected by outlier detection, by reason",
+            ["pool", "engine", "reason"], registry=r,
         )  # fmt: skip
         self.client_disconnects = Counter(
             "kvproxy_client_disconnects", "Requests whose client went away before the end",
@@ -119,6 +125,15 @@ class ProxyMetrics:
             "kvproxy_breaker_state", "Circuit breaker: 0 closed, 1 half-open, 2 open", labels,
             registry=r,
         )  # fmt: skip
+        self.outlier = Gauge(
+            "kvproxy_engine_outlier_state",
+            "Outlier detection: 0 active, 1 on probation, 2 ejected", labels, registry=r,
+        )  # fmt: skip
+        self.outliers_ejected = Gauge(
+            "kvproxy_outlier_ejected_engines",
+            "Engines out of their pool by outlier detection (ejected or on probation)", ["pool"],
+            registry=r,
+        )  # fmt: skip
         self.health = Gauge(
             "kvproxy_engine_health", "1 for the engine's current health state", [*labels, "state"],
             registry=r,
@@ -126,6 +141,7 @@ class ProxyMetrics:
 
     def refresh_engines(self, rows: Iterable[EngineGaugeRow], health_states: Iterable[str]) -> None:
         states = tuple(health_states)
+        out: dict[str, int] = {}
         for row in rows:
             key = (row.engine, row.pool)
             _set_optional(self.kv_usage, key, row.kv_usage)
@@ -134,8 +150,12 @@ class ProxyMetrics:
             _set_optional(self.snapshot_age, key, row.snapshot_age_s)
             self.engine_inflight.labels(*key).set(row.inflight)
             self.breaker.labels(*key).set(BREAKER_VALUES.get(row.breaker, -1.0))
+            self.outlier.labels(*key).set(OUTLIER_VALUES.get(row.outlier, -1.0))
+            out[row.pool] = out.get(row.pool, 0) + (row.outlier != "active")
             for state in states:
                 self.health.labels(*key, state).set(1.0 if state == row.health else 0.0)
+        for pool, count in out.items():
+            self.outliers_ejected.labels(pool).set(count)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -13,7 +13,11 @@ Rules:
 - The upstream response is always closed (``close``, not ``release``) when the exchange ends early,
   so the engine sees the disconnect and aborts the generation; cancellation by a client disconnect
   goes through the same ``finally``. ``CancelledError`` is re-raised, always.
-- Every dispatch is settled exactly once and every engine exchange reports one breaker outcome.
+- Every dispatch is settled exactly once and every engine exchange reports one outcome, to the
+  engine's breaker and its pool's outlier detector (a first-byte timeout is backpressure for the
+  breaker but a failure for outlier detection, which judges an engine against its pool).
+- An engine with ``upstream.max_connections_per_engine`` requests open is not sent another (the
+  retry target included): nothing ever queues inside the proxy's connection pool.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from proxy.cache_entry import Recorder
 from proxy.context import ShellContext
 from proxy.errors import KvproxyError, NoCapacity, UpstreamError, UpstreamTimeout
 from proxy.fleet import Engine
+from proxy.outlier import Result
 from proxy.upstream import (
     DATA_POST,
     redirect_status,
@@ -42,6 +47,8 @@ from proxy.upstream import (
 )
 
 log = logging.getLogger(__name__)
+
+REASON_CONNECTIONS_FULL = "engine_connections_full"
 
 CLIENT_CLOSED = 499  # nginx's convention for "client went away", used as a metrics label only
 
@@ -91,6 +98,7 @@ class Relay:
         self._recorded = False
         self._ticket = 0
         self._first_byte_deadline = 0.0
+        self._sent_at: float | None = None
 
     async def run(self, ranked: Sequence[str]) -> web.StreamResponse:
         """Try ranked engines in order (at most ``1 + retries``), first good one answers."""
@@ -109,16 +117,31 @@ class Relay:
         raise error
 
     async def _exchange(self, engine: Engine) -> web.StreamResponse:
-        if not engine.breaker.allows(self._ctx.clock()):
-            # Another request took the half-open probe slot since the ranking was made.
-            busy = NoCapacity(f"engine {engine.name} is cooling down", reason=REASON_NO_ENGINE)
-            raise _Retry(busy, "breaker")
+        self._sent_at = self._gate(engine)
         async with self._dispatched(engine):
             resp = await self._open(engine)
             try:
                 return await self._answer(engine, resp)
             finally:
                 resp.close()
+
+    def _gate(self, engine: Engine) -> float:
+        """Check that ``engine`` may take the request now (taking a probe slot if it is on
+        trial) and return the dispatch time; ``_Retry`` if not."""
+        if engine.full(self._up.max_connections_per_engine):
+            # Only a retry target can be full here: the ranking leaves full engines out.
+            full = NoCapacity(
+                f"engine {engine.name} has as many requests open as allowed",
+                reason=REASON_CONNECTIONS_FULL,
+                retry_after_s=self._ctx.cfg.admission.retry_after_s,
+            )
+            raise _Retry(full, "connections_full")
+        now = self._ctx.clock()
+        if not engine.allows(now):
+            # Another request took the half-open or probation probe slot since the ranking.
+            busy = NoCapacity(f"engine {engine.name} is cooling down", reason=REASON_NO_ENGINE)
+            raise _Retry(busy, "breaker")
+        return now
 
     @asynccontextmanager
     async def _dispatched(self, engine: Engine) -> AsyncIterator[None]:
@@ -133,9 +156,9 @@ class Relay:
         finally:
             engine.state.on_settle(ticket)
             if not self._recorded:
-                # Ended without a verdict (client gone, cancelled): neutral for the breaker, but
-                # it frees a half-open probe slot.
-                engine.record(Outcome.CLIENT_ERROR, self._ctx.clock())
+                # Ended without a verdict (client gone, cancelled): neutral for the breaker and
+                # outlier detection, but it frees a half-open or probation probe slot.
+                self._outcome(engine, Outcome.CLIENT_ERROR, None)
 
     async def _open(self, engine: Engine) -> aiohttp.ClientResponse:
         """Send the request and wait for the response head; raise ``_Retry`` where allowed."""
@@ -162,7 +185,7 @@ class Relay:
         except aiohttp.ClientConnectionError as exc:
             # Refused, reset, connect timeout, or dropped before any response head: nothing of the
             # answer exists yet, so another engine may serve it.
-            self._outcome(engine, Outcome.FAILURE, "connect")
+            self._outcome(engine, Outcome.FAILURE, "connect", Result.CONNECT)
             raise _Retry(translate(exc, engine.name, "connect"), "connect") from None
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise self._failed(engine, exc, "first_byte") from None
@@ -202,15 +225,25 @@ class Relay:
         # An engine slow to start answering is queueing work, not broken: that timeout is
         # backpressure, or a hot fleet would be ejected engine by engine. Dead engines still fail
         # to connect and to answer their scrapes.
-        outcome = Outcome.BACKPRESSURE if timed_out and phase != "mid_stream" else Outcome.FAILURE
-        self._outcome(engine, outcome, "timeout" if timed_out else phase)
+        # Outlier detection still counts it: it ejects only an engine that times out where the
+        # rest of its pool answers.
+        slow = timed_out and phase != "mid_stream"
+        outcome = Outcome.BACKPRESSURE if slow else Outcome.FAILURE
+        result = Result.TIMEOUT if slow else None
+        self._outcome(engine, outcome, "timeout" if timed_out else phase, result)
         return translate(exc, engine.name, phase)
 
-    def _outcome(self, engine: Engine, outcome: Outcome, kind: str | None) -> None:
-        engine.record(outcome, self._ctx.clock())
+    def _outcome(
+        self, engine: Engine, outcome: Outcome, kind: str | None, result: Result | None = None
+    ) -> None:
+        metrics = self._ctx.metrics
+        for out in engine.record(outcome, self._ctx.clock(), result, self._sent_at):
+            metrics.outlier_ejections.labels(out.pool, out.engine, out.reason).inc()
+            log.warning("engine %s ejected from the %s pool as an outlier (%s) for %.1f s",
+                        out.engine, out.pool, out.reason, out.duration_s)
         self._recorded = True
         if kind is not None and outcome is not Outcome.SUCCESS:
-            self._ctx.metrics.upstream_errors.labels(engine.name, kind).inc()
+            metrics.upstream_errors.labels(engine.name, kind).inc()
 
     async def _answer(self, engine: Engine, resp: aiohttp.ClientResponse) -> web.StreamResponse:
         content_type = resp.headers.get("Content-Type", "")

@@ -1,8 +1,11 @@
 """Talking to engines: the pooled client sessions, header hygiene, and failure classification.
 
 Rules:
-- One data-path ``ClientSession`` (keep-alive pool, a connection limit per engine) and one small
-  separate session for scrapes, so that a saturated data path never starves telemetry.
+- One data-path ``ClientSession`` (keep-alive pool) and one small separate session for scrapes,
+  so that a saturated data path never starves telemetry.
+- The data-path connector has no connection limit: a request waiting there for a free connection
+  would wait silently until its first-byte timeout. The per-engine limit
+  (``upstream.max_connections_per_engine``) is enforced by routing instead, which sheds at once.
 - Redirects are never followed on the data path (``DATA_POST``): an engine's 3xx would otherwise
   re-send a client's prompt to whatever address the engine names. A 3xx is an engine failure.
 - To engines: nothing hop-by-hop, no client credentials (``Authorization``, ``api-key``,
@@ -65,10 +68,12 @@ SCRAPE_CONNECTIONS_PER_ENGINE = 2
 
 
 def make_data_session(cfg: UpstreamConfig) -> aiohttp.ClientSession:
-    """The keep-alive session every proxied request goes through."""
+    """The keep-alive session every proxied request goes through (``cfg``'s per-engine limit is
+    routing's to enforce, not the connector's)."""
+    # No limit here (0): routing keeps each engine under cfg.max_connections_per_engine.
     connector = aiohttp.TCPConnector(
         limit=0,
-        limit_per_host=cfg.max_connections_per_engine,
+        limit_per_host=0,
         keepalive_timeout=30.0,
         enable_cleanup_closed=False,
     )
