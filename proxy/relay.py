@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ from proxy.upstream import response_headers, retryable_status, translate
 log = logging.getLogger(__name__)
 
 CLIENT_CLOSED = 499  # nginx's convention for "client went away", used as a metrics label only
+_TAIL_CHUNKS = 4  # the engine's usage chunk and [DONE], even when a read splits them
 
 
 @dataclass
@@ -58,6 +60,15 @@ class Job:
     shed_reason: str | None = None
     # Per engine name: prompt blocks it is expected to compute for this request (routing's view).
     prefill: dict[str, float] = field(default_factory=dict)
+    # For the access log: who asked for what, retries made, and the last bytes relayed (where the
+    # engine's ``usage`` is; the whole body of a plain answer).
+    tenant: str | None = None
+    model: str | None = None
+    asked_pool: str | None = None
+    retries: int = 0
+    answer_tail: bytes = b""
+    # The whole stream reached the client: a disconnect after that is not an abort (499).
+    delivered: bool = False
 
     def client_headers(self) -> dict[str, str]:
         ids = {"X-Request-Id": self.request_id, "X-Engine": self.engine, "X-Served-By": self.pool}
@@ -90,7 +101,7 @@ class Relay:
             "no engine could take the request", reason=REASON_NO_ENGINE
         )
         for i, name in enumerate(attempts):
-            self._job.engine = name
+            self._job.engine, self._job.retries = name, i
             try:
                 return await self._exchange(self._ctx.fleet.get(name))
             except _Retry as retry:
@@ -210,7 +221,7 @@ class Relay:
             engine.completed += 1
         self._job.first_byte_at = self._ctx.clock()
         engine.state.on_first_byte(self._ticket)
-        self._job.status = resp.status
+        self._job.status, self._job.answer_tail = resp.status, body
         if self._job.recorder is not None:
             self._job.recorder.start(resp.status, streamed=False)
             self._job.recorder.feed(body)
@@ -236,6 +247,8 @@ class Relay:
             recorder.start(resp.status, streamed=True)
         pump = _Pump(out, self._up.idle_timeout_s, None if recorder is None else recorder.feed)
         failure = await pump.run(chunks) if await pump.write(first) else None
+        self._job.answer_tail = b"".join(pump.tail)
+        self._job.delivered = not pump.client_gone
         self._settle_stream(engine, pump, failure)
         return out
 
@@ -268,6 +281,7 @@ class _Pump:
         self._idle = idle_timeout_s
         self._at_event_boundary = True
         self.client_gone = False
+        self.tail: deque[bytes] = deque(maxlen=_TAIL_CHUNKS)  # references only: no copies
 
     async def write(self, chunk: bytes) -> bool:
         """Send ``chunk``; False once the client is gone."""
@@ -278,6 +292,7 @@ class _Pump:
             return False
         if self._tap is not None:
             self._tap(chunk)
+        self.tail.append(chunk)
         self._at_event_boundary = chunk.endswith(b"\n\n")
         return True
 
