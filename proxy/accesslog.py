@@ -175,19 +175,28 @@ def _count(value: object) -> int | None:
 # --- formatting and wiring ----------------------------------------------------------------------
 
 
+def _iso_utc(record: logging.LogRecord) -> str:
+    return datetime.fromtimestamp(record.created, tz=UTC).isoformat()
+
+
+class _JsonLines(OrjsonFormatter):
+    """python-json-logger's orjson formatter with the time first, in ISO 8601 UTC."""
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
+        return _iso_utc(record)
+
+
+_RENAMED = {"asctime": "time", "levelname": "level", "name": "logger"}
+
+
 def json_formatter() -> logging.Formatter:
     """JSON lines: time, level, logger, message, and whatever fields the record carries."""
-    return OrjsonFormatter(
-        "{levelname}{name}{message}",
-        style="{",
-        rename_fields={"levelname": "level", "name": "logger"},
-        timestamp="time",
-    )
+    return _JsonLines("{asctime}{levelname}{name}{message}", style="{", rename_fields=_RENAMED)
 
 
 def access_json_formatter() -> logging.Formatter:
     """JSON access lines: time and logger, then the access fields (no free-text message)."""
-    return OrjsonFormatter("{name}", style="{", rename_fields={"name": "logger"}, timestamp="time")
+    return _JsonLines("{asctime}{name}", style="{", rename_fields=_RENAMED)
 
 
 class LogfmtFormatter(logging.Formatter):
@@ -202,8 +211,7 @@ class LogfmtFormatter(logging.Formatter):
         return " ".join(parts)
 
     def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
-        # ISO 8601 in UTC, as the JSON lines write it.
-        return datetime.fromtimestamp(record.created, tz=UTC).isoformat()
+        return _iso_utc(record)  # as the JSON lines write it
 
 
 def _logfmt_value(value: object) -> str:
