@@ -6,9 +6,9 @@ Rules:
   gone (499), the engine failing (502) or too slow (504). The proxy's own endpoints are not logged.
 - A line names the tenant, never its API key, and holds no prompt or answer text. Token counts come
   from the engine's ``usage`` when the answer carries one; otherwise they are null, never guessed.
-- The relay pays nothing for it on the hot path: it keeps references to the last chunks it relayed
-  (the whole body for a plain JSON answer), and they are parsed here, once, after the answer has
-  gone out, and only when the access log is on.
+- The relay does no parsing for it on the hot path: it keeps references to the last few chunks it
+  relayed (the whole body for a plain JSON answer), and they are parsed here, once, after the
+  answer has gone out, and only when the access log is on.
 - This module decides the fields; the logging library formats them (python-json-logger for JSON,
   a small logfmt formatter). Where the lines go is the operator's choice through the named logger;
   ``kvproxy serve`` sends them to stdout, apart from the process log on stderr.
