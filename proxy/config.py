@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from proxy.accesslog import LogConfig
 from proxy.cache_key import CacheConfig
 from proxy.configload import build, parse_scalar, scalar_paths, set_path
 from proxy.door_config import AuthConfig, LimitsConfig, RedisConfig
@@ -277,6 +278,7 @@ class Config:
     cache: CacheConfig = field(default_factory=CacheConfig)
     redis: RedisConfig = field(default_factory=RedisConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
+    log: LogConfig = field(default_factory=LogConfig)
 
     def __post_init__(self) -> None:
         _check_pools(self.pools)
@@ -338,6 +340,7 @@ SCALAR_SECTIONS: tuple[str, ...] = (
     "cache",
     "redis",
     "limits",
+    "log",
 )
 
 

@@ -67,8 +67,10 @@ def banner(server: ProxyServer) -> str:
     for pool in server.cfg.pools:
         engines = ", ".join(f"{e.name} {e.url}" for e in pool.engines)
         lines.append(f"  pool {pool.name:<6} model {pool.model:<24} engines: {engines}")
+    for alias in server.cfg.aliases:
+        tiering = "; sheddable work falls back to draft under load" if alias.tiering else ""
+        lines.append(f"  alias {alias.name!r} -> {alias.pool} pool{tiering}")
     lines += [
-        f"  alias {TIERING_ALIAS!r} -> target pool; sheddable work falls back to draft under load",
         f"  metrics {base}/metrics   engines {base}/admin/engines",
         "try:",
         f"  curl -N {base}/v1/chat/completions -H 'Content-Type: application/json' \\",

@@ -18,6 +18,7 @@ import orjson
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
+from proxy import accesslog
 from proxy.admission import REASON_NO_ENGINE, Admit, Priority, engine_priority, parse_priority
 from proxy.cache_entry import CachedResponse
 from proxy.context import ShellContext
@@ -63,7 +64,8 @@ async def _proxy(request: web.Request, endpoint: Endpoint) -> web.StreamResponse
             job.shed_reason = exc.reason
         raise
     except asyncio.CancelledError:
-        job.status = CLIENT_CLOSED
+        if not job.delivered:  # a client closing right after the last byte did get its answer
+            job.status = CLIENT_CLOSED
         raise
     finally:
         _observe(ctx, job)
@@ -81,8 +83,10 @@ async def _serve(
     priority = parse_priority(request.headers.get("X-Priority"), inbound.body.get("priority"))
     job.cls = priority.value
     job.stream = inbound.stream
+    job.tenant, job.model = tenant, inbound.model
     plan = resolve_model(ctx.cfg, inbound.model)
     job.pool = plan.pool
+    job.asked_pool = plan.pool
     async with door.visit(
         tenant,
         endpoint=endpoint.value,
@@ -112,10 +116,13 @@ async def _from_cache(
 ) -> web.StreamResponse:
     """Answer from the response cache (no engine involved; ``X-Engine: cache``)."""
     job.engine, job.status = "cache", 200
+    job.answer_tail = entry.json_body()  # the cached answer's usage, for the access log
     job.first_byte_at = request.app[SHELL].clock()
     usage = wants_usage(inbound.body)
     headers = job.client_headers()
-    return await replay(request, entry, stream=inbound.stream, include_usage=usage, headers=headers)
+    out = await replay(request, entry, stream=inbound.stream, include_usage=usage, headers=headers)
+    job.delivered = inbound.stream
+    return out
 
 
 async def _read_body(request: web.Request, limit: int, timeout_s: float) -> bytes:
@@ -228,9 +235,12 @@ def _observe(ctx: ShellContext, job: Job) -> None:
         m.client_disconnects.labels(job.pool).inc()
     if job.shed_reason is not None:
         m.sheds.labels(job.pool, job.cls, job.shed_reason).inc()
-    m.duration.labels(job.pool, status).observe(ctx.clock() - job.started_at)
+    now = ctx.clock()
+    m.duration.labels(job.pool, status).observe(now - job.started_at)
     if job.first_byte_at is not None:
         m.ttft.labels(job.pool).observe(job.first_byte_at - job.started_at)
+    if ctx.cfg.log.access:
+        accesslog.emit(accesslog.access_fields(job, now))
 
 
 # --- the proxy's own endpoints -------------------------------------------------------------------

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -51,6 +52,7 @@ log = logging.getLogger(__name__)
 REASON_CONNECTIONS_FULL = "engine_connections_full"
 
 CLIENT_CLOSED = 499  # nginx's convention for "client went away", used as a metrics label only
+_TAIL_CHUNKS = 4  # the engine's usage chunk and [DONE], even when a read splits them
 
 
 @dataclass
@@ -74,6 +76,15 @@ class Job:
     shed_reason: str | None = None
     # Per engine name: prompt blocks it is expected to compute for this request (routing's view).
     prefill: dict[str, float] = field(default_factory=dict)
+    # For the access log: who asked for what, retries made, and the last bytes relayed (where the
+    # engine's ``usage`` is; the whole body of a plain answer).
+    tenant: str | None = None
+    model: str | None = None
+    asked_pool: str | None = None
+    retries: int = 0
+    answer_tail: bytes = b""
+    # The whole stream reached the client: a disconnect after that is not an abort (499).
+    delivered: bool = False
 
     def client_headers(self) -> dict[str, str]:
         ids = {"X-Request-Id": self.request_id, "X-Engine": self.engine, "X-Served-By": self.pool}
@@ -107,7 +118,7 @@ class Relay:
             "no engine could take the request", reason=REASON_NO_ENGINE
         )
         for i, name in enumerate(attempts):
-            self._job.engine = name
+            self._job.engine, self._job.retries = name, i
             try:
                 return await self._exchange(self._ctx.fleet.get(name))
             except _Retry as retry:
@@ -266,7 +277,7 @@ class Relay:
             engine.completed += 1
         self._job.first_byte_at = self._ctx.clock()
         engine.state.on_first_byte(self._ticket)
-        self._job.status = resp.status
+        self._job.status, self._job.answer_tail = resp.status, body
         if self._job.recorder is not None:
             self._job.recorder.start(resp.status, streamed=False)
             self._job.recorder.feed(body)
@@ -293,6 +304,8 @@ class Relay:
         pump = _Pump(out, self._up.idle_timeout_s, None if recorder is None else recorder.feed)
         with self._ctx.drain.cuttable(pump.cut):
             failure = await pump.run(chunks) if await pump.write(first) else None
+        self._job.answer_tail = b"".join(pump.tail)
+        self._job.delivered = not pump.client_gone
         self._settle_stream(engine, pump, failure)
         return out
 
@@ -330,6 +343,7 @@ class _Pump:
         self._waiting: asyncio.Timeout | None = None
         self.client_gone = False
         self.was_cut = False
+        self.tail: deque[bytes] = deque(maxlen=_TAIL_CHUNKS)  # references only: no copies
 
     def cut(self) -> None:
         """End the stream now (drain timeout): the pending read gives up, the client is told."""
@@ -346,6 +360,7 @@ class _Pump:
             return False
         if self._tap is not None:
             self._tap(chunk)
+        self.tail.append(chunk)
         self._at_event_boundary = chunk.endswith(b"\n\n")
         return True
 

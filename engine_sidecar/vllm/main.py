@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import shlex
 import signal
 import sys
 from pathlib import Path
@@ -80,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
     python = resolve_python(profile.sidecar.python, os.environ, _REPO_ROOT, sys.executable)
     cmd = build_command(profile, python)
     if args.print_command:
-        print(" ".join(cmd))
+        # Quoted for a shell: a JSON --speculative-config or a path with a space pastes intact.
+        print(shlex.join(cmd))
         return 0
     env = build_env(profile, os.environ)
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
