@@ -28,8 +28,6 @@ class Engine:
     pool: str
     state: EngineState
     breaker: Breaker
-    # Requests this proxy saw the engine complete; the scraper uses it to spot frozen metrics.
-    completed: int = 0
     # Sent with every data-path request to this engine (its API key); never logged or shown.
     auth: dict[str, str] = field(default_factory=dict, repr=False)
 
@@ -142,11 +140,13 @@ def _admin_row(engine: Engine, now: float) -> dict[str, Any]:
         "pool": engine.pool,
         "url": engine.cfg.url,
         "health": state.health.name.lower(),
+        "health_reason": state.health_reason,
         "breaker": _breaker_name(engine.breaker.state),
         "routable": view.routable,
         "fresh": view.fresh,
         "load": view.load,
         "inflight": state.open_requests,
+        "completed": state.completed,
         "prefill_pending_blocks": view.prefill,
         "dispatched_since_snapshot": state.dispatched_since_snapshot,
         "consecutive_scrape_failures": state.consecutive_failures,
