@@ -79,9 +79,12 @@ class TelemetryConfig:
     timeout_s: float = 0.15
     stale_after_s: float = 1.0
     unhealthy_after_failures: int = 3
+    # A larger /metrics body is a failed scrape, its rest never read (vLLM's is tens of KB).
+    max_metrics_bytes: int = 4 * 1024 * 1024
 
     def __post_init__(self) -> None:
         _positive(self, "interval_s", "timeout_s", "stale_after_s", "unhealthy_after_failures")
+        _require(self.max_metrics_bytes >= 1024, "max_metrics_bytes", "must be >= 1024")
         # A scrape that may outlive its interval would pile up behind the next one.
         _require(self.timeout_s < self.interval_s, "timeout_s", "must be < telemetry.interval_s")
         _require(

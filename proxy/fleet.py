@@ -32,8 +32,6 @@ class Engine:
     pool: str
     state: EngineState
     breaker: Breaker
-    # Requests this proxy saw the engine complete; the scraper uses it to spot frozen metrics.
-    completed: int = 0
     # Sent with every data-path request to this engine (its API key); never logged or shown.
     auth: dict[str, str] = field(default_factory=dict, repr=False)
     # Its pool's detector, shared by the pool's engines (the fleet binds it).
@@ -195,12 +193,14 @@ def _admin_row(engine: Engine, now: float) -> dict[str, Any]:
         "pool": engine.pool,
         "url": engine.cfg.url,
         "health": state.health.name.lower(),
+        "health_reason": state.health_reason,
         "breaker": _breaker_name(engine.breaker.state),
         "outlier": engine.outliers.describe(engine.name, now),
         "routable": view.routable,
         "fresh": view.fresh,
         "load": view.load,
         "inflight": state.open_requests,
+        "completed": state.completed,
         "prefill_pending_blocks": view.prefill,
         "dispatched_since_snapshot": state.dispatched_since_snapshot,
         "consecutive_scrape_failures": state.consecutive_failures,

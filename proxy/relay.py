@@ -274,7 +274,7 @@ class Relay:
             raise self._failed(engine, exc, "body") from None
         self._outcome(engine, classify_status(resp.status), f"http_{resp.status}")
         if resp.status < 300:
-            engine.completed += 1
+            engine.state.on_complete(self._ticket, self._ctx.clock())
         self._job.first_byte_at = self._ctx.clock()
         engine.state.on_first_byte(self._ticket)
         self._job.status, self._job.answer_tail = resp.status, body
@@ -320,7 +320,7 @@ class Relay:
             log.warning("stream from %s broke after the first byte: %r", engine.name, failure)
         else:
             self._outcome(engine, Outcome.SUCCESS, None)
-            engine.completed += 1
+            engine.state.on_complete(self._ticket, self._ctx.clock())
 
 
 class _Pump:

@@ -5,9 +5,19 @@ Rules:
   labels are parsed (it runs every 200 ms per engine). Samples are summed over the ``engine`` label
   (data-parallel ranks); KV usage, a fraction, is averaged instead. ``vllm:kv_cache_usage_perc`` is
   preferred, ``vllm:gpu_cache_usage_perc`` (vLLM <= 0.10) is the fallback. NaN samples are ignored.
+- The text comes from outside and is not believed blindly: a negative or infinite sample of a
+  family we read, a KV usage above 1 (plus ``KV_SLACK``) or more than ``MAX_REQUESTS`` running or
+  waiting makes the whole snapshot unusable (``ImplausibleMetrics``); routing on part of a lying
+  exposition would be worse than routing without it.
 - A snapshot carries the time it was taken. An engine whose snapshot is older than ``stale_after_s``
-  is STALE: neither idle nor full, routable only when no engine is fresh.
-- Health moves only along the transition table; any other move raises ``IllegalTransition``.
+  (no successful scrape recently) is STALE: neither idle nor full, routable only when no engine is
+  fresh.
+- Frozen metrics: an idle engine legitimately repeats its text. A repeat proves the exporter stuck
+  only when a request dispatched after the previous text was fetched completed before this scrape
+  began (the engine counted it in between); ``body_is_news`` says so, and the caller treats it as
+  a failed scrape, so the engine recovers by itself on the next scrape not proven frozen.
+- Health moves only along the transition table; any other move raises ``IllegalTransition``;
+  ``health_reason`` says why an engine is not HEALTHY.
 - Load between scrapes is ``running + waiting`` of the last snapshot plus the requests dispatched
   after that snapshot was taken and still open, so a burst does not pile onto an engine that looked
   idle a moment ago. No clock is read here: callers pass ``now``.
@@ -17,14 +27,32 @@ from __future__ import annotations
 
 import math
 import re
+from collections import deque
 from dataclasses import dataclass
 from enum import Enum
 
 from proxy.routing import EngineView
 
+# Bounds past which a figure is a lie or a bug, not a reading: KV usage is a 0-1 fraction (a little
+# rounding slack allowed); an engine runs hundreds of sequences, a million queued is already absurd.
+KV_SLACK = 0.01
+MAX_REQUESTS = 1_000_000.0
+# Cache-config figures outside this range are ignored rather than believed.
+_MAX_INFO_INT = 1 << 31
+# Completions remembered for the frozen-metrics proof; those between two scrapes are what counts.
+_COMPLETIONS_KEPT = 4096
+
 
 class MetricsError(ValueError):
     """The metrics text cannot be used (missing KV usage, running or waiting)."""
+
+    reason = "unparsable"  # the scrape-failure label
+
+
+class ImplausibleMetrics(MetricsError):
+    """A figure no engine can report: negative, infinite, KV usage above 1, absurd queues."""
+
+    reason = "out_of_range"
 
 
 @dataclass(frozen=True)
@@ -90,9 +118,18 @@ def parse_labels(text: str) -> dict[str, str]:
 
 def _info_int(labels: dict[str, str], key: str) -> int | None:
     try:
-        return int(float(labels[key]))
+        value = int(float(labels[key]))
     except (KeyError, ValueError, OverflowError):
         return None
+    return value if 0 < value <= _MAX_INFO_INT else None
+
+
+def _check_sample(name: str, value: float) -> None:
+    """Every family we read is non-negative and finite; a KV usage sample is at most 1."""
+    if value < 0 or math.isinf(value):
+        raise ImplausibleMetrics(f"{name} is {value:g}")
+    if name in _MEANED and value > 1.0 + KV_SLACK:
+        raise ImplausibleMetrics(f"{name} is {value:g}, above 1")
 
 
 def _split_sample(line: str) -> tuple[str, str, str] | None:
@@ -130,6 +167,7 @@ def _collect(text: str) -> tuple[dict[str, float], dict[str, list[float]], dict[
             continue
         if math.isnan(value):
             continue
+        _check_sample(name, value)
         if name in _MEANED:
             means.setdefault(_MEANED[name], []).append(value)
         else:
@@ -147,6 +185,8 @@ def parse_metrics(text: str, *, taken_at: float) -> EngineSnapshot:
     for need in ("running", "waiting"):
         if need not in sums:
             raise MetricsError(f"no vllm:num_requests_{need}")
+        if sums[need] > MAX_REQUESTS:
+            raise ImplausibleMetrics(f"vllm:num_requests_{need} is {sums[need]:g}")
     return EngineSnapshot(
         taken_at=taken_at,
         kv_usage=sum(kv_samples) / len(kv_samples),
@@ -219,11 +259,18 @@ class EngineState:
         self.consecutive_failures = 0
         self.last_error: str | None = None
         self.open_requests = 0
+        self.completed = 0  # requests this proxy saw the engine answer in full
         # ticket -> dispatch time (None: unknown, counted until the next snapshot of any age).
         self._since_snapshot: dict[int, float | None] = {}
         # Per open ticket: prompt blocks the engine is expected to prefill, until the first byte.
         self._prefill: dict[int, float] = {}
         self._next_ticket = 0
+        # What proves a repeated metrics text frozen (``body_is_news``): open tickets' dispatch
+        # times, recent completions as (dispatched, completed), and the last text as (digest,
+        # fetched at).
+        self._dispatched_at: dict[int, float] = {}
+        self._completions: deque[tuple[float, float]] = deque(maxlen=_COMPLETIONS_KEPT)
+        self._last_body: tuple[int, float] | None = None
 
     # -- transitions
 
@@ -263,6 +310,25 @@ class EngineState:
         if self.health is Health.HEALTHY and self.snapshot_age(now) > stale_after_s:
             self._move(HealthEvent.AGED)
 
+    def body_is_news(self, digest: int, started: float, fetched_at: float) -> bool:
+        """Record the metrics text fetched at ``fetched_at`` by a scrape begun at ``started``.
+
+        False when it repeats the previous text although a request dispatched after that text
+        was fetched completed before this scrape began: the engine counted that request in
+        between, so an unchanged text is frozen. Anything else is news, idle repeats included.
+        """
+        previous, self._last_body = self._last_body, (digest, fetched_at)
+        if previous is None:
+            return True
+        since = previous[1]
+        # Completions dispatched before the previous text can prove nothing any more.
+        self._completions = deque(
+            (c for c in self._completions if c[0] > since), maxlen=_COMPLETIONS_KEPT
+        )
+        if previous[0] != digest:
+            return True
+        return not any(done < started for _, done in self._completions)
+
     # -- in-flight accounting
 
     def on_dispatch(self, now: float | None = None, prefill: float = 0.0) -> int:
@@ -272,10 +338,19 @@ class EngineState:
         they count as pending until its first byte."""
         self._next_ticket += 1
         self._since_snapshot[self._next_ticket] = now
+        if now is not None:
+            self._dispatched_at[self._next_ticket] = now
         if prefill > 0:
             self._prefill[self._next_ticket] = prefill
         self.open_requests += 1
         return self._next_ticket
+
+    def on_complete(self, ticket: int, now: float) -> None:
+        """The engine answered the request in full, so its metrics have counted it by now."""
+        self.completed += 1
+        dispatched = self._dispatched_at.get(ticket)
+        if dispatched is not None:
+            self._completions.append((dispatched, now))
 
     def on_first_byte(self, ticket: int) -> None:
         """The engine answered: the request's prompt is computed, its prefill no longer pending."""
@@ -291,6 +366,7 @@ class EngineState:
         if ticket is not None:
             self._since_snapshot.pop(ticket, None)
             self._prefill.pop(ticket, None)
+            self._dispatched_at.pop(ticket, None)
 
     @property
     def inflight(self) -> int:
@@ -302,6 +378,20 @@ class EngineState:
         return len(self._since_snapshot)
 
     # -- views
+
+    @property
+    def health_reason(self) -> str | None:
+        """Why the engine is not HEALTHY, in words for the admin view; None when it is."""
+        health, error, snap = self.health, self.last_error, self.snapshot
+        if health is Health.HEALTHY:
+            return None
+        if health is Health.DRAINING:
+            return "draining" if snap is not None and snap.draining else "not ready"
+        if health is Health.STALE:
+            return "no successful scrape recently" + (f": {error}" if error else "")
+        if health is Health.UNKNOWN:
+            return error or "not scraped yet"
+        return error or "scrapes failed"
 
     def snapshot_age(self, now: float) -> float:
         return math.inf if self.snapshot is None else max(0.0, now - self.snapshot.taken_at)

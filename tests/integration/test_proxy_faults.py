@@ -8,7 +8,7 @@ import openai
 import orjson
 import pytest
 
-from proxy.config import UpstreamConfig
+from proxy.config import TelemetryConfig, UpstreamConfig
 
 from .stack import TARGET_MODEL, Stack, StackFactory, chat_body
 
@@ -138,28 +138,40 @@ async def test_unscrapable_engine_is_unhealthy_then_recovers(stack: Stack) -> No
     await stack.wait_health("t0", "healthy")
 
 
-async def test_frozen_metrics_are_stale_not_idle(stack: Stack) -> None:
-    """An engine whose /metrics repeats itself after serving requests ages into STALE; the
-    proxy stops trusting its (idle-looking) figures and prefers the fresh engine."""
+async def test_frozen_metrics_are_not_believed_and_probed(stack: Stack) -> None:
+    """An engine whose /metrics repeats itself although it served requests in between fails its
+    scrapes ("frozen") until it leaves service; it is probed again and returns once its metrics
+    move."""
     await stack.faults("t0", metrics_frozen=True)
+    rows: list[dict[str, object]] = []
 
-    async def t0_stale() -> bool:
+    async def t0_out() -> bool:
         await _served_by(stack, f"work {asyncio.get_running_loop().time()}")
-        return bool((await stack.admin())["t0"]["health"] == "stale")
+        rows.append((await stack.admin())["t0"])
+        return rows[-1]["health"] == "unhealthy"
 
-    await stack.wait_for(t0_stale)
-    row = (await stack.admin())["t0"]
-    assert row["fresh"] is False
-    assert row["snapshot_age_s"] >= 0.6
-    assert {await _served_by(stack, f"after {i}") for i in range(6)} == {"t1"}
+    await stack.wait_for(t0_out)
+    assert rows[-1]["routable"] is False
+    assert str(rows[-1]["health_reason"]).startswith("frozen metrics")
+    assert await stack.metric("kvproxy_scrape_failures_total", engine="t0", reason="frozen") >= 3
+    assert await stack.metric("kvproxy_scrape_failures_total", engine="t1", reason="frozen") == 0
+    await stack.clear_faults("t0")
+    await stack.wait_health("t0", "healthy")
 
 
-async def test_all_stale_fails_open_for_standard_and_sheds_sheddable(stack: Stack) -> None:
+async def test_all_stale_fails_open_for_standard_and_sheds_sheddable(
+    make_stack: StackFactory,
+) -> None:
+    # Scrapes keep failing, but too few to call the engines unhealthy: their snapshots only age.
+    stack = await make_stack(
+        telemetry=TelemetryConfig(
+            interval_s=0.1, timeout_s=0.09, stale_after_s=0.6, unhealthy_after_failures=10_000
+        )
+    )
     for name in stack.names:
-        await stack.faults(name, metrics_frozen=True)
+        await stack.faults(name, metrics_status=500)
 
     async def all_stale() -> bool:
-        await _served_by(stack, f"work {asyncio.get_running_loop().time()}")
         rows = await stack.admin()
         return all(row["health"] == "stale" for row in rows.values())
 

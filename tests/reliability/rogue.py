@@ -28,8 +28,12 @@ class Behaviour:
     metrics_body: bytes = HEALTHY_METRICS.encode()
     metrics_status: int = 200
     metrics_headers: dict[str, str] = field(default_factory=dict)
-    # Completions: "ok" answers normally, "hang" never answers, "status" answers
-    # ``completion_status`` with ``completion_headers`` and an empty body.
+    # When > 0: ``/metrics`` streams ``metrics_body`` padded with comment lines to this many bytes,
+    # chunked (no Content-Length), and records in ``metrics_bytes_sent`` how much it got out.
+    metrics_stream_bytes: int = 0
+    # Completions: "ok" answers normally, "hang" never answers, "hold" answers normally once
+    # ``RogueEngine.release`` is set, "status" answers ``completion_status`` with
+    # ``completion_headers`` and an empty body.
     completions: str = "ok"
     completion_status: int = 200
     completion_headers: dict[str, str] = field(default_factory=dict)
@@ -53,6 +57,8 @@ class RogueEngine:
         self.seen: list[Seen] = []
         # Streams that ended before their last chunk was written (the proxy hung up).
         self.streams_cut = 0
+        self.release = asyncio.Event()
+        self.metrics_bytes_sent: list[int] = []
         self._runner: web.AppRunner | None = None
         self.port = 0
 
@@ -87,10 +93,33 @@ class RogueEngine:
     async def _metrics(self, request: web.Request) -> web.Response:
         await self._record(request)
         b = self.behaviour
+        if b.metrics_stream_bytes > 0:
+            return await self._metrics_stream(request)
         return web.Response(
             body=b.metrics_body, status=b.metrics_status, headers=b.metrics_headers,
             content_type="text/plain",
         )
+
+    async def _metrics_stream(self, request: web.Request) -> web.StreamResponse:
+        b = self.behaviour
+        out = web.StreamResponse(status=b.metrics_status, headers=b.metrics_headers)
+        out.content_type = "text/plain"
+        out.enable_chunked_encoding()
+        await out.prepare(request)
+        pad = b"# " + b"x" * 1021 + b"\n"
+        sent = 0
+        self.metrics_bytes_sent.append(0)
+        try:
+            chunk = b.metrics_body
+            while sent < b.metrics_stream_bytes:
+                await out.write(chunk)
+                sent += len(chunk)
+                self.metrics_bytes_sent[-1] = sent
+                chunk = pad * 64
+            await out.write_eof()
+        except (ConnectionError, RuntimeError):
+            pass  # the scraper hung up: what it refused is what the test is about
+        return out
 
     async def _other(self, request: web.Request) -> web.Response:
         await self._record(request)
@@ -101,6 +130,8 @@ class RogueEngine:
         b = self.behaviour
         if b.completions == "hang":
             await asyncio.Event().wait()
+        if b.completions == "hold":
+            await self.release.wait()
         if b.completions == "status":
             return web.Response(status=b.completion_status, headers=b.completion_headers)
         body = orjson.loads(self.seen[-1].body or b"{}")
