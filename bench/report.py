@@ -23,6 +23,7 @@ from bench.markdown import fmt, footer_text, num
 from bench.report_noise import noise_markdown
 from bench.report_overhead import overhead_markdown, overhead_ratios
 from bench.report_routing import calibration_markdown, routing_markdown
+from bench.report_soak import soak_markdown
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
@@ -61,6 +62,15 @@ def write_overhead(results: Path) -> str | None:
     return text
 
 
+def write_soak(results: Path) -> str | None:
+    path = results / "soak.json"
+    if not path.exists():
+        return None
+    text = soak_markdown(read_json(path))
+    (results / "soak.md").write_text(text)
+    return text
+
+
 def _figure(draw: object, path: Path) -> str | None:
     if plots.available() is not None:
         return None
@@ -83,9 +93,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     routing = write_routing(args.results)
     overhead = write_overhead(args.results)
+    soak = write_soak(args.results)
     args.docs.parent.mkdir(parents=True, exist_ok=True)
     args.docs.write_text(benchmarks_doc(routing, overhead, args.results, args.docs, now_utc(),
-                                        plots.available()))
+                                        plots.available(), soak=soak))
     print(f"wrote {args.docs} and reports under {args.results}")
     return 0
 

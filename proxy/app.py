@@ -31,6 +31,7 @@ from proxy.door_config import DoorConfig
 from proxy.errors import KvproxyError
 from proxy.fleet import Engine, Fleet
 from proxy.frontdoor import DOOR, FrontDoor
+from proxy.isolation import TenantSalts
 from proxy.keys import REQUEST_ID, SCRAPER_TASK, SHELL
 from proxy.metrics import ProxyMetrics
 from proxy.routing import make_policy
@@ -58,6 +59,10 @@ def build_app(
     app[SHELL] = _context(cfg, engines_override, clock)
     door_cfg = door if door is not None else DoorConfig.of(cfg)
     app[DOOR] = FrontDoor(door_cfg, registry=app[SHELL].metrics.registry)
+    auth = door_cfg.auth
+    app[SHELL].salts = TenantSalts(
+        door_cfg.cache.secret, tenants_known=bool(auth.tenants) or auth.redis_keys
+    )
     app.cleanup_ctx.append(_upstream_sessions)
     app.cleanup_ctx.append(_scraper)
     app.cleanup_ctx.append(_front_door)

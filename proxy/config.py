@@ -24,6 +24,7 @@ from proxy.cache_key import CacheConfig
 from proxy.configload import build, parse_scalar, scalar_paths, set_path
 from proxy.door_config import AuthConfig, LimitsConfig, RedisConfig
 from proxy.errors import ConfigError
+from proxy.isolation import ISOLATION_MODES
 
 PoolName = Literal["draft", "target"]
 POOL_NAMES: tuple[str, ...] = ("draft", "target")
@@ -248,9 +249,17 @@ class PoolConfig:
     model: str
     engines: tuple[EngineConfig, ...]
     priority_scheduling: bool = False
+    # "tenant": each tenant's requests carry their own engine cache_salt (no shared KV blocks
+    # across tenants); "none": the engines' prefix cache is shared, as without kvproxy.
+    isolation: str = "tenant"
 
     def __post_init__(self) -> None:
         _require(self.name in POOL_NAMES, "name", "must be 'draft' or 'target'")
+        _require(
+            self.isolation in ISOLATION_MODES,
+            "isolation",
+            f"must be one of {', '.join(ISOLATION_MODES)}",
+        )
         _require(bool(self.model.strip()), "model", "must not be empty")
         _require(len(self.engines) > 0, "engines", "must list at least one engine")
 

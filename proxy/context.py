@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import aiohttp
 
@@ -20,6 +20,7 @@ from proxy.admission import Admission
 from proxy.config import Config
 from proxy.errors import NoCapacity
 from proxy.fleet import Fleet
+from proxy.isolation import TenantSalts
 from proxy.metrics import ProxyMetrics
 from proxy.routing import Policy
 
@@ -95,6 +96,8 @@ class ShellContext:
     started_at: float
     data_session: aiohttp.ClientSession | None = None
     scrape_session: aiohttp.ClientSession | None = None
+    # Engine cache salts per tenant; ``build_app`` sets them from the front door's settings.
+    salts: TenantSalts = field(default_factory=lambda: TenantSalts("", tenants_known=False))
 
     @property
     def session(self) -> aiohttp.ClientSession:

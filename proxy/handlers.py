@@ -26,6 +26,7 @@ from proxy.errors import BadRequest, KvproxyError, NoCapacity, PayloadTooLarge, 
 from proxy.fleet import HEALTH_STATES
 from proxy.frontdoor import DOOR, replay, wants_usage
 from proxy.inbound import Endpoint, Inbound, accept, rewrite
+from proxy.isolation import Salting, client_salt
 from proxy.keys import REQUEST_ID, SHELL
 from proxy.metrics import CONTENT_TYPE
 from proxy.pools import PoolPlan, model_names, resolve_model, upstream_model
@@ -80,6 +81,7 @@ async def _serve(
     server = ctx.cfg.server
     raw = await _read_body(request, server.max_body_bytes, server.body_timeout_s)
     inbound = accept(raw, endpoint, max_depth=server.max_json_depth)
+    salt = client_salt(inbound.body)
     priority = parse_priority(request.headers.get("X-Priority"), inbound.body.get("priority"))
     job.cls = priority.value
     job.stream = inbound.stream
@@ -103,9 +105,13 @@ async def _serve(
         if job.pool != plan.pool:
             visit.discard()  # another pool's answer is not the answer for the model asked for
         model = upstream_model(ctx.cfg, job.pool)
-        ranked = _rank(ctx, job, model, inbound, priority, tenant=tenant)
+        salting = _isolate(ctx, job.pool, tenant, salt)
+        ranked = _rank(ctx, job, model, inbound, priority, salting=salting, tenant=tenant)
         job.body = rewrite(
-            inbound.body, model=model, priority=_engine_priority(ctx, job.pool, priority)
+            inbound.body,
+            model=model,
+            priority=_engine_priority(ctx, job.pool, priority),
+            cache_salt=salting.salt,
         )
         job.headers = request_headers(request.headers, job.request_id)
         return await Relay(ctx, request, job).run(ranked)
@@ -176,15 +182,29 @@ def _admitted(ctx: ShellContext, pool: str, decision: Admit) -> str:
     return pool
 
 
+def _isolate(ctx: ShellContext, pool: str, tenant: str, client: str | None) -> Salting:
+    config = ctx.cfg.pool(pool)
+    mode = "none" if config is None else config.isolation
+    return ctx.salts.salting(mode, tenant, client)
+
+
 def _rank(
-    ctx: ShellContext, job: Job, model: str, inbound: Inbound, priority: Priority, *, tenant: str
+    ctx: ShellContext,
+    job: Job,
+    model: str,
+    inbound: Inbound,
+    priority: Priority,
+    *,
+    salting: Salting,
+    tenant: str,
 ) -> tuple[str, ...]:
     pool = job.pool
     routing = ctx.cfg.routing
+    # Seeded by the isolation scope: requests that can share no engine blocks share no key.
     chain = prefix_chain(
         inbound.prompt_text,
         model=model,
-        tenant=tenant,
+        tenant=salting.scope,
         block_chars=routing.block_chars,
         max_blocks=routing.max_blocks,
     )

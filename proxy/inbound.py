@@ -89,14 +89,19 @@ def accept(raw: bytes, endpoint: Endpoint, *, max_depth: int = DEFAULT_MAX_DEPTH
     return Inbound(endpoint, body, model, _flag(body, "stream"), prompt_text)
 
 
-def rewrite(body: Mapping[str, Any], *, model: str, priority: int | None) -> bytes:
-    """The upstream body: the client's, with the pool's served model and, if set, the priority."""
+def rewrite(
+    body: Mapping[str, Any], *, model: str, priority: int | None, cache_salt: str | None = None
+) -> bytes:
+    """The upstream body: the client's, with the pool's served model and, if set, the priority
+    and the engine cache salt (which replaces the client's: see ``proxy.isolation``)."""
     out = dict(body)
     out["model"] = model
     if priority is None:
         out.pop("priority", None)
     else:
         out["priority"] = priority
+    if cache_salt is not None:
+        out["cache_salt"] = cache_salt
     return orjson.dumps(out)
 
 

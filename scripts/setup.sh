@@ -1,18 +1,22 @@
 #!/usr/bin/env bash
 # Creates .venv with kvproxy and pinned packages. Idempotent; safe to run again.
-#   scripts/setup.sh             proxy + simulator + test tools (requirements-ci.txt, as CI)
-#   scripts/setup.sh --runtime   proxy + simulator only (requirements-runtime.txt): the demo's needs
-#   scripts/setup.sh --redis     also installs redis-server from Debian when it is missing
+#   scripts/setup.sh               proxy + simulator + test tools (requirements-ci.txt, as CI)
+#   scripts/setup.sh --runtime     proxy + simulator only (requirements-runtime.txt): the demo's needs
+#   scripts/setup.sh --redis       also installs redis-server from Debian when it is missing
+#   scripts/setup.sh --prometheus  also installs Debian's prometheus (for promtool) when missing
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 requirements=requirements-ci.txt
-redis=""
+# Debian packages the tests need, installed only when missing: redis-server (--redis) and
+# Prometheus' promtool, which checks and unit-tests the alert rules (--prometheus).
+packages=()
 for arg in "$@"; do
   case "$arg" in
     --runtime) requirements=requirements-runtime.txt ;;
-    --redis) redis=1 ;;
-    *) echo "setup.sh: unknown option $arg (--runtime, --redis)" >&2; exit 2 ;;
+    --redis) command -v redis-server >/dev/null 2>&1 || packages+=(redis-server) ;;
+    --prometheus) command -v promtool >/dev/null 2>&1 || packages+=(prometheus) ;;
+    *) echo "setup.sh: unknown option $arg (--runtime, --redis, --prometheus)" >&2; exit 2 ;;
   esac
 done
 
@@ -25,9 +29,11 @@ pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 "${pip[@]}" -r "$requirements"
 "${pip[@]}" --no-deps -e .
 
-if [ -n "$redis" ] && ! command -v redis-server >/dev/null 2>&1; then
+if [ "${#packages[@]}" -gt 0 ]; then
   sudo_cmd=""
   [ "$(id -u)" = 0 ] || sudo_cmd="sudo"
   $sudo_cmd apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq redis-server >/dev/null
+  # No recommends: promtool needs nothing else, and the server itself is never started here.
+  DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq --no-install-recommends \
+    "${packages[@]}" >/dev/null
 fi

@@ -23,7 +23,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from engine_sidecar.sim.config import FaultConfig, SimEngineConfig
-from engine_sidecar.sim.kvcache import BlockPool
+from engine_sidecar.sim.kvcache import BlockPool, salted_root
 from engine_sidecar.sim.metrics import EngineReading, LatencyMetrics, render
 from engine_sidecar.sim.profiles import PROFILES
 from engine_sidecar.sim.scheduler import FinishReason, Scheduler, SimRequest, Status, StepOutput
@@ -39,6 +39,7 @@ class Sampling:
     seed: int | None = None
     priority: int = 0
     ignore_eos: bool = False
+    cache_salt: str | None = None
 
 
 class RequestStream:
@@ -175,7 +176,7 @@ class SimEngine:
         req = SimRequest(
             request_id=public_id, token_ids=array("I", prompt_ids), prompt_len=len(prompt_ids),
             target_len=target, finish_reason=reason, priority=sampling.priority, seq=self._seq,
-            words=WordStream(seed),
+            words=WordStream(seed), root=salted_root(sampling.cache_salt),
         )
         stream = RequestStream(self, req, public_id, client_id or public_id, self.sim_time())
         self._streams[req] = stream

@@ -6,7 +6,8 @@ Rules:
 - A full block of a request's tokens gets a chained hash, ``blake2b(parent_hash || token ids)``,
   so a block hash names its whole prefix. Hashed blocks stay in the lookup table after their
   requests release them, and are reused by a later request with the same prefix (a prefix-cache
-  hit).
+  hit). A request's ``cache_salt`` changes the root of its chain (vLLM hashes it into the first
+  block), so requests with different salts never share a block.
 - Free blocks sit in one LRU queue: released blocks are appended (a request's tail first, so its
   head, the most shareable part, is evicted last); allocation takes from the front and evicts the
   block's hash if it had one. A hit on a free cached block takes it out of the queue.
@@ -20,6 +21,13 @@ from array import array
 from collections import OrderedDict
 
 ROOT_HASH = b"kvproxy-sim-root"
+
+
+def salted_root(cache_salt: str | None) -> bytes:
+    """The parent hash of a request's first block: the plain root, or one keyed by its salt."""
+    if not cache_salt:
+        return ROOT_HASH
+    return hashlib.blake2b(ROOT_HASH + cache_salt.encode(), digest_size=16).digest()
 
 
 def block_hash(parent: bytes, ids: array[int]) -> bytes:

@@ -56,6 +56,7 @@ class SimRequest:
     num_registered: int = 0
     blocks: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
+    root: bytes = ROOT_HASH  # parent of the first block's hash (salted by ``cache_salt``)
     status: Status = Status.WAITING
     num_cached_tokens: int = -1
     num_preemptions: int = 0
@@ -129,7 +130,7 @@ class Scheduler:
         return bool(self.running) or self.num_waiting > 0
 
     def add(self, req: SimRequest) -> None:
-        req.block_hashes = self.pool.chain(req.token_ids)
+        req.block_hashes = self.pool.chain(req.token_ids, req.root)
         self._push_waiting(req, front=False)
 
     def _push_waiting(self, req: SimRequest, *, front: bool) -> None:
@@ -334,5 +335,5 @@ class Scheduler:
     def _extend_hashes(self, req: SimRequest) -> None:
         have = len(req.block_hashes)
         if req.num_tokens // self.pool.block_size > have:
-            parent = req.block_hashes[-1] if have else ROOT_HASH
+            parent = req.block_hashes[-1] if have else req.root
             req.block_hashes.extend(self.pool.chain(req.token_ids, parent, start_block=have))

@@ -114,7 +114,8 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
     ident = Identity(kind=kind, response_id=prefix + base_id, created=int(time.time()),
                      model=engine.model, logprobs=parsed.logprobs)
     sampling = Sampling(max_tokens=parsed.max_tokens, temperature=parsed.temperature,
-                        seed=parsed.seed, priority=parsed.priority, ignore_eos=parsed.ignore_eos)
+                        seed=parsed.seed, priority=parsed.priority, ignore_eos=parsed.ignore_eos,
+                        cache_salt=parsed.cache_salt)
     stream = engine.submit(ident.response_id, parsed.prompt_ids, sampling, client_id=base_id)
     engine.in_flight += 1
     try:
