@@ -68,10 +68,11 @@ def with_usage(body: Mapping[str, Any]) -> tuple[dict[str, Any], bool]:
     """The body asking the engine for a final usage chunk; True if the client had not asked."""
     out = dict(body)
     options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        return out, False  # malformed: the engine's own 400 says so
     if isinstance(options, dict) and options.get("include_usage") is True:
         return out, False
-    given = options if isinstance(options, dict) else {}
-    out["stream_options"] = {**given, "include_usage": True}
+    out["stream_options"] = {**(options or {}), "include_usage": True}
     return out, True
 
 

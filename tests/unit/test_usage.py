@@ -49,6 +49,8 @@ def test_plain_body_usage_and_asking_for_it() -> None:
     assert injected and asked["stream_options"] == {"x": 1, "include_usage": True}
     _, injected = with_usage({"stream_options": {"include_usage": True}})
     assert not injected
+    malformed, injected = with_usage({"stream_options": "yes"})
+    assert not injected and malformed["stream_options"] == "yes"
 
 
 def test_client_timeout_sources() -> None:
