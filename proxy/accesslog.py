@@ -27,6 +27,7 @@ import orjson
 from pythonjsonlogger.orjson import OrjsonFormatter
 
 from proxy.errors import ConfigError
+from proxy.usage import Usage
 
 ACCESS_LOGGER = "kvproxy.access"
 ACCESS_FORMATS: tuple[str, ...] = ("json", "logfmt")
@@ -84,12 +85,12 @@ class AccessJob(Protocol):
     shed_reason: str | None
     extra_headers: dict[str, str]
     retries: int
-    answer_tail: bytes
+    usage: Usage | None
 
 
 def access_fields(job: AccessJob, now: float) -> dict[str, Any]:
     """The access line of ``job``, ended at ``now`` (same clock as ``job.started_at``)."""
-    prompt_tokens, output_tokens = usage_from_tail(job.answer_tail)
+    usage = job.usage
     degraded_from = job.asked_pool if job.asked_pool not in (None, job.pool) else None
     ttft = None if job.first_byte_at is None else round(job.first_byte_at - job.started_at, 6)
     cached = job.engine == "cache"
@@ -108,8 +109,8 @@ def access_fields(job: AccessJob, now: float) -> dict[str, Any]:
         "degraded_from": degraded_from,
         "cache": "HIT" if cached else job.extra_headers.get("X-Cache"),
         "retries": job.retries,
-        "prompt_tokens": prompt_tokens,
-        "output_tokens": output_tokens,
+        "prompt_tokens": None if usage is None else usage.prompt,
+        "output_tokens": None if usage is None else usage.completion,
         "ttft_s": ttft,
         "duration_s": round(now - job.started_at, 6),
     }
@@ -130,46 +131,6 @@ def emit(fields: Mapping[str, Any]) -> None:
         fields["engine"],
         extra=dict(fields),
     )
-
-
-# --- usage from the relayed bytes ---------------------------------------------------------------
-
-
-def usage_from_tail(tail: bytes) -> tuple[int | None, int | None]:
-    """(prompt, completion) tokens from the engine's ``usage`` in the last bytes relayed.
-
-    ``tail`` is a whole JSON answer, or the end of an SSE stream (``usage`` rides on the last
-    chunk when the client asked for ``stream_options.include_usage``). Anything else: unknown.
-    """
-    if tail.lstrip()[:1] == b"{":
-        return _usage_of(_loads(tail))
-    for event in reversed(tail.replace(b"\r\n", b"\n").split(b"\n\n")):
-        if b'"usage"' not in event:
-            continue
-        for line in event.split(b"\n"):
-            if line.startswith(b"data:"):
-                found = _usage_of(_loads(line[5:]))
-                if found != (None, None):
-                    return found
-    return None, None
-
-
-def _loads(data: bytes) -> object:
-    try:
-        return orjson.loads(data)
-    except orjson.JSONDecodeError:
-        return None
-
-
-def _usage_of(doc: object) -> tuple[int | None, int | None]:
-    usage = doc.get("usage") if isinstance(doc, dict) else None
-    if not isinstance(usage, dict):
-        return None, None
-    return _count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens"))
-
-
-def _count(value: object) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
 
 
 # --- formatting and wiring ----------------------------------------------------------------------

@@ -27,6 +27,7 @@ from proxy.admission import Admission
 from proxy.config import Config
 from proxy.connections import SERVER_NAME
 from proxy.context import Drain, ShellContext
+from proxy.discovery import MODELS, make_discovery, model_discovery
 from proxy.door_config import DoorConfig
 from proxy.errors import KvproxyError
 from proxy.fleet import Engine, Fleet
@@ -63,8 +64,13 @@ def build_app(
     app[SHELL].salts = TenantSalts(
         door_cfg.cache.secret, tenants_known=bool(auth.tenants) or auth.redis_keys
     )
+    app[SHELL].metrics.tenant_labels.know(
+        [door_cfg.auth.default_tenant, *(t.name for t in door_cfg.auth.tenants)]
+    )
+    app[MODELS] = make_discovery(app[SHELL])
     app.cleanup_ctx.append(_upstream_sessions)
     app.cleanup_ctx.append(_scraper)
+    app.cleanup_ctx.append(model_discovery)
     app.cleanup_ctx.append(_front_door)
     app.on_response_prepare.append(_server_header)
     _routes(app)
@@ -98,6 +104,7 @@ def _routes(app: web.Application) -> None:
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)
     app.router.add_post("/v1/completions", handlers.completions)
     app.router.add_get("/v1/models", handlers.models)
+    app.router.add_get("/v1/models/{model:.+}", handlers.model)
     app.router.add_get("/health", handlers.health)
     app.router.add_get("/ready", handlers.ready)
     app.router.add_get("/metrics", handlers.metrics)

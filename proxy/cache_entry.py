@@ -207,7 +207,8 @@ def _merge_fields(into: dict[str, Any], delta: dict[str, Any]) -> bool:
 
 
 class Recorder(Protocol):
-    """What the relay tells a recorder: the engine's status and shape, then every byte relayed."""
+    """What the relay tells a recorder: the engine's status and shape, then every byte the engine
+    sent (the final usage event included, even when it is stripped from the client's stream)."""
 
     def start(self, status: int, *, streamed: bool) -> None: ...
 
@@ -231,7 +232,8 @@ class Recording:
         self.streamed = streamed
 
     def feed(self, data: bytes) -> None:
-        """Bytes exactly as relayed to the client, in order."""
+        """The engine's bytes in order, as relayed to the client except that a usage event the
+        proxy asked for on the client's behalf is seen here though the client never gets it."""
         self.bytes_seen += len(data)
         if self.status != 200 or self.streamed is None:
             return

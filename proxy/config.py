@@ -14,10 +14,11 @@ Rules:
 
 from __future__ import annotations
 
+import re
 import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from proxy.accesslog import LogConfig
 from proxy.cache_key import CacheConfig
@@ -26,8 +27,10 @@ from proxy.door_config import AuthConfig, LimitsConfig, RedisConfig
 from proxy.errors import ConfigError
 from proxy.isolation import ISOLATION_MODES
 
-PoolName = Literal["draft", "target"]
-POOL_NAMES: tuple[str, ...] = ("draft", "target")
+# The pool that ``tiering = true`` degrades to: the one meaning the old two-pool layout gave a name.
+DRAFT_POOL = "draft"
+# Pool names appear in metrics labels, headers and logs: short, plain and printable.
+POOL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 POLICIES: tuple[str, ...] = ("round_robin", "least_load", "prefix_affinity")
 PLACE_NEW: tuple[str, ...] = ("least_load", "prefill", "rendezvous")
 ENV_PREFIX = "KVPROXY_"
@@ -245,34 +248,83 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class PoolConfig:
+    """A pool of engines serving the same model names. ``model`` is the pool's own (primary)
+    name; ``models`` lists every name its engines serve (LoRA adapters, aliases set with vLLM's
+    ``--served-model-name``). Either may be given; ``model`` defaults to the first of ``models``."""
+
     name: str
-    model: str
-    engines: tuple[EngineConfig, ...]
+    model: str = ""
+    engines: tuple[EngineConfig, ...] = ()
     priority_scheduling: bool = False
+    models: tuple[str, ...] = ()
     # "tenant": each tenant's requests carry their own engine cache_salt (no shared KV blocks
     # across tenants); "none": the engines' prefix cache is shared, as without kvproxy.
     isolation: str = "tenant"
 
     def __post_init__(self) -> None:
-        _require(self.name in POOL_NAMES, "name", "must be 'draft' or 'target'")
+        _require(
+            POOL_NAME.fullmatch(self.name) is not None,
+            "name",
+            "must be 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit",
+        )
         _require(
             self.isolation in ISOLATION_MODES,
             "isolation",
             f"must be one of {', '.join(ISOLATION_MODES)}",
         )
-        _require(bool(self.model.strip()), "model", "must not be empty")
+        _require(
+            bool(self.model.strip()) or bool(self.models),
+            "model",
+            "is required (or list the names the engines serve in models = [...])",
+        )
+        for i, name in enumerate(self.models):
+            _require(bool(name.strip()), f"models[{i}]", "must not be empty")
+            _require(name not in self.models[:i], f"models[{i}]", f"duplicate model {name!r}")
+        if not self.model.strip():
+            object.__setattr__(self, "model", self.models[0])
         _require(len(self.engines) > 0, "engines", "must list at least one engine")
+
+    @property
+    def served(self) -> tuple[str, ...]:
+        """Every model name the pool serves, its own ``model`` first."""
+        return (self.model, *(m for m in self.models if m != self.model))
 
 
 @dataclass(frozen=True)
 class AliasConfig:
+    """A public model name for one pool (``pool``) or for a tier chain (``pools``, in degrade
+    order). ``tiering = true`` on a single-pool alias is the two-pool form of a chain: it adds
+    the pool called ``draft``."""
+
     name: str
-    pool: str
+    pool: str = ""
     tiering: bool = False
+    pools: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         _require(bool(self.name.strip()), "name", "must not be empty")
-        _require(self.pool in POOL_NAMES, "pool", "must be 'draft' or 'target'")
+        _require(
+            bool(self.pool) != bool(self.pools),
+            "pool" if not self.pools else "pools",
+            'give either pool = "name" or pools = ["first", "next", ...], not both'
+            if self.pools
+            else "is required (or give a tier chain as pools = [...])",
+        )
+        _require(
+            not (self.tiering and self.pools),
+            "tiering",
+            "a pools = [...] chain already says where to degrade; remove tiering",
+        )
+        for i, pool in enumerate(self.pools):
+            _require(pool not in self.pools[:i], f"pools[{i}]", f"{pool!r} is listed twice")
+
+    def chain(self, configured: Sequence[str]) -> tuple[str, ...]:
+        """The pools in degrade order, ``configured`` being the pool names that exist."""
+        if self.pools:
+            return self.pools
+        if self.tiering and self.pool != DRAFT_POOL and DRAFT_POOL in configured:
+            return (self.pool, DRAFT_POOL)
+        return (self.pool,)
 
 
 @dataclass(frozen=True)
@@ -318,24 +370,49 @@ def _check_pools(pools: tuple[PoolConfig, ...]) -> None:
                 f"duplicate engine name {engine.name!r}",
             )
             seen_engines.add(engine.name)
-    if len(pools) == 2:
-        _require(pools[0].model != pools[1].model, "pools[1].model", "both pools serve one model")
+
+
+def _servers(pools: tuple[PoolConfig, ...]) -> dict[str, list[str]]:
+    """Model name -> the pools serving it, in configuration order."""
+    out: dict[str, list[str]] = {}
+    for pool in pools:
+        for model in pool.served:
+            out.setdefault(model, []).append(pool.name)
+    return out
 
 
 def _check_aliases(aliases: tuple[AliasConfig, ...], pools: tuple[PoolConfig, ...]) -> None:
-    models = {p.model for p in pools}
-    pool_names = {p.name for p in pools}
+    servers = _servers(pools)
+    pool_names = [p.name for p in pools]
+    names = {a.name for a in aliases}
     seen: set[str] = set()
     for i, alias in enumerate(aliases):
         where = f"aliases[{i}]"
-        _require(alias.name not in models, f"{where}.name", "collides with a pool's model name")
+        # A model name several pools serve is routed by an alias of that name (it says the
+        # order); one that a single pool serves needs none, so an alias there is a collision.
+        _require(
+            len(servers.get(alias.name, ())) != 1,
+            f"{where}.name",
+            "collides with a pool's model name",
+        )
         _require(alias.name not in seen, f"{where}.name", f"duplicate alias {alias.name!r}")
-        _require(alias.pool in pool_names, f"{where}.pool", f"no pool {alias.pool!r} configured")
         seen.add(alias.name)
-        if alias.tiering:
-            _require(
-                "draft" in pool_names, f"{where}.tiering", "tiering needs a draft pool configured"
-            )
+        for j, pool in enumerate(alias.pools or (alias.pool,)):
+            field_name = f"{where}.pools[{j}]" if alias.pools else f"{where}.pool"
+            _require(pool in pool_names, field_name, f"no pool {pool!r} configured")
+        _require(
+            not alias.tiering or DRAFT_POOL in pool_names,
+            f"{where}.tiering",
+            f"needs a pool named {DRAFT_POOL!r} to degrade to; with other pool names write "
+            f'pools = ["{alias.pool}", "<smaller pool>"] instead of tiering = true',
+        )
+    for model, serving in servers.items():
+        _require(
+            len(serving) == 1 or model in names,
+            "aliases",
+            f"model {model!r} is served by pools {', '.join(serving)}: add an alias named "
+            f"{model!r} with pools = [...] in the order to use them",
+        )
 
 
 # --- loading -------------------------------------------------------------------------------------

@@ -6,13 +6,16 @@ rendered by the app's error middleware, before any byte of a response. Each prox
 counted for drain, and observed in metrics exactly once, whatever way it ends. Every answer to a
 proxied request, errors included, carries ``X-Cache`` (``BYPASS`` when the request never reached
 the cache) and ``X-Request-Id``. The body is read within ``server.max_body_bytes`` and
-``server.body_timeout_s`` (else 413 / 408, and the connection is closed).
+``server.body_timeout_s`` (else 413 / 408, and the connection is closed), its tenant's request and
+token counters included.
 """
 
 from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import Mapping
+from typing import Any
 
 import orjson
 from aiohttp import web
@@ -22,18 +25,30 @@ from proxy import accesslog
 from proxy.admission import REASON_NO_ENGINE, Admit, Priority, engine_priority, parse_priority
 from proxy.cache_entry import CachedResponse
 from proxy.context import ShellContext
-from proxy.errors import BadRequest, KvproxyError, NoCapacity, PayloadTooLarge, RequestTimeout
+from proxy.deadline import FIELD as TIMEOUT_FIELD
+from proxy.deadline import HEADER as TIMEOUT_HEADER
+from proxy.deadline import client_timeout
+from proxy.discovery import MODELS
+from proxy.errors import (
+    BadRequest,
+    KvproxyError,
+    NoCapacity,
+    NotFound,
+    PayloadTooLarge,
+    RequestTimeout,
+)
 from proxy.fleet import HEALTH_STATES
 from proxy.frontdoor import DOOR, replay, wants_usage
 from proxy.inbound import Endpoint, Inbound, accept, rewrite
 from proxy.isolation import Salting, client_salt
 from proxy.keys import REQUEST_ID, SHELL
 from proxy.metrics import CONTENT_TYPE
-from proxy.pools import PoolPlan, model_names, resolve_model, upstream_model
+from proxy.pools import ModelEntry, PoolPlan, find_model, model_names, resolve_model, upstream_model
 from proxy.prefix import prefix_chain
 from proxy.relay import CLIENT_CLOSED, REASON_CONNECTIONS_FULL, Job, Relay
 from proxy.routing import EngineView, RouteKey
 from proxy.upstream import request_headers
+from proxy.usage import usage_of_body, with_usage
 
 
 def request_id(request: web.Request) -> str:
@@ -78,9 +93,11 @@ async def _serve(
 ) -> web.StreamResponse:
     door = request.app[DOOR]
     tenant = await door.identify(request.headers)
+    job.tenant = tenant
     server = ctx.cfg.server
     raw = await _read_body(request, server.max_body_bytes, server.body_timeout_s)
     inbound = accept(raw, endpoint, max_depth=server.max_json_depth)
+    _deadline(job, client_timeout(request.headers.get(TIMEOUT_HEADER), inbound.body))
     salt = client_salt(inbound.body)
     priority = parse_priority(request.headers.get("X-Priority"), inbound.body.get("priority"))
     job.cls = priority.value
@@ -104,11 +121,11 @@ async def _serve(
         job.pool = _admit(ctx, plan, priority)
         if job.pool != plan.pool:
             visit.discard()  # another pool's answer is not the answer for the model asked for
-        model = upstream_model(ctx.cfg, job.pool)
+        model = upstream_model(ctx.cfg, job.pool, inbound.model)
         salting = _isolate(ctx, job.pool, tenant, salt)
         ranked = _rank(ctx, job, model, inbound, priority, salting=salting, tenant=tenant)
         job.body = rewrite(
-            inbound.body,
+            _upstream_body(job, inbound.body),
             model=model,
             priority=_engine_priority(ctx, job.pool, priority),
             cache_salt=salting.salt,
@@ -117,12 +134,27 @@ async def _serve(
         return await Relay(ctx, request, job).run(ranked)
 
 
+def _deadline(job: Job, timeout_s: float | None) -> None:
+    if timeout_s is not None:
+        job.timeout_s = timeout_s
+        job.deadline = asyncio.get_running_loop().time() + timeout_s
+
+
+def _upstream_body(job: Job, body: Mapping[str, Any]) -> dict[str, Any]:
+    """The client's body minus what is the proxy's (``timeout``), asking a stream for its usage
+    (stripped again from the client's stream when the client did not ask for it)."""
+    out = {k: v for k, v in body.items() if k != TIMEOUT_FIELD}
+    if job.stream:
+        out, job.strip_usage = with_usage(out)
+    return out
+
+
 async def _from_cache(
     request: web.Request, job: Job, inbound: Inbound, entry: CachedResponse
 ) -> web.StreamResponse:
     """Answer from the response cache (no engine involved; ``X-Engine: cache``)."""
     job.engine, job.status = "cache", 200
-    job.answer_tail = entry.json_body()  # the cached answer's usage, for the access log
+    job.usage = usage_of_body(entry.json_body())  # the cached answer's, for the access log
     job.first_byte_at = request.app[SHELL].clock()
     usage = wants_usage(inbound.body)
     headers = job.client_headers()
@@ -156,8 +188,7 @@ def _admit(ctx: ShellContext, plan: PoolPlan, priority: Priority) -> str:
     decision = ctx.admission.decide(plan.pool, priority, ctx.fleet.views(plan.pool, now))
     if isinstance(decision, Admit):
         return _admitted(ctx, plan.pool, decision)
-    fallback = _fallback(ctx, plan, priority)
-    if fallback is not None:
+    for fallback in _fallbacks(plan, priority):
         second = ctx.admission.decide(fallback, priority, ctx.fleet.views(fallback, now))
         if isinstance(second, Admit):
             ctx.metrics.degraded.labels(plan.pool, fallback).inc()
@@ -169,11 +200,10 @@ def _admit(ctx: ShellContext, plan: PoolPlan, priority: Priority) -> str:
     )
 
 
-def _fallback(ctx: ShellContext, plan: PoolPlan, priority: Priority) -> str | None:
-    """Where a request the pool would shed may go instead: only sheddable tiering traffic."""
-    if priority is Priority.SHEDDABLE and ctx.cfg.admission.degrade_to_draft:
-        return plan.fallback
-    return None
+def _fallbacks(plan: PoolPlan, priority: Priority) -> tuple[str, ...]:
+    """Where a request the first pool would shed may go instead, in order: only sheddable work
+    for a tier chain (``resolve_model`` already cut chains to one pool without degrading)."""
+    return plan.fallbacks if priority is Priority.SHEDDABLE else ()
 
 
 def _admitted(ctx: ShellContext, pool: str, decision: Admit) -> str:
@@ -259,8 +289,21 @@ def _observe(ctx: ShellContext, job: Job) -> None:
     m.duration.labels(job.pool, status).observe(now - job.started_at)
     if job.first_byte_at is not None:
         m.ttft.labels(job.pool).observe(job.first_byte_at - job.started_at)
+    _account(ctx, job, status)
     if ctx.cfg.log.access:
         accesslog.emit(accesslog.access_fields(job, now))
+
+
+def _account(ctx: ShellContext, job: Job, status: str) -> None:
+    m = ctx.metrics
+    tenant = m.tenant_labels(job.tenant or "")  # refused before it was identified: "other"
+    m.tenant_requests.labels(tenant, job.pool, status).inc()
+    usage = job.usage
+    # A cache hit cost the engines nothing: its answer's usage was counted when it was generated.
+    if usage is not None and job.engine != "cache":
+        m.tenant_tokens.labels(tenant, job.pool, "prompt").inc(usage.prompt)
+        m.tenant_tokens.labels(tenant, job.pool, "completion").inc(usage.completion)
+        m.tenant_tokens.labels(tenant, job.pool, "cached").inc(usage.cached)
 
 
 # --- the proxy's own endpoints -------------------------------------------------------------------
@@ -268,12 +311,28 @@ def _observe(ctx: ShellContext, job: Job) -> None:
 
 async def models(request: web.Request) -> web.Response:
     ctx = request.app[SHELL]
-    created = int(ctx.started_at)
-    data = [
-        {"id": name, "object": "model", "created": created, "owned_by": "kvproxy", "pool": pool}
-        for name, pool in model_names(ctx.cfg)
-    ]
+    data = [_model_card(ctx, entry) for entry in model_names(ctx.cfg)]
     return _json({"object": "list", "data": data})
+
+
+async def model(request: web.Request) -> web.Response:
+    ctx = request.app[SHELL]
+    name = request.match_info["model"]
+    entry = find_model(ctx.cfg, name)
+    if entry is None:
+        raise NotFound(f"The model {name!r} does not exist", param="model")
+    return _json(_model_card(ctx, entry))
+
+
+def _model_card(ctx: ShellContext, entry: ModelEntry) -> dict[str, Any]:
+    return {
+        "id": entry.id,
+        "object": "model",
+        "created": int(ctx.started_at),
+        "owned_by": "kvproxy",
+        "pool": entry.pools[0],
+        "pools": list(entry.pools),
+    }
 
 
 async def health(request: web.Request) -> web.Response:
@@ -298,7 +357,11 @@ async def metrics(request: web.Request) -> web.Response:
 async def admin_engines(request: web.Request) -> web.Response:
     request.app[DOOR].tenants.check_admin(request.headers.get("Authorization"))
     ctx = request.app[SHELL]
-    return _json({"engines": ctx.fleet.admin_view(ctx.clock()), "draining": ctx.drain.draining})
+    rows = ctx.fleet.admin_view(ctx.clock())
+    discovery = request.app[MODELS]
+    for row in rows:
+        row["models"] = discovery.view(row["name"])
+    return _json({"engines": rows, "draining": ctx.drain.draining})
 
 
 def _json(data: object, status: int = 200) -> web.Response:

@@ -3,7 +3,9 @@
 Rules: every series is named ``kvproxy_*`` (never ``vllm:*``, never ``kvproxy_sidecar_*``) and lives
 in this process's own ``CollectorRegistry``, so several proxies in one test process never collide.
 Per-engine gauges are refreshed from the engine states right before each exposition, so snapshot
-ages are true at the moment Prometheus reads them.
+ages are true at the moment Prometheus reads them. Every label set is bounded: tenant labels are the
+configured tenants plus at most ``MAX_DYNAMIC_TENANTS`` more (from Redis); anything else is
+``other``.
 """
 
 from __future__ import annotations
@@ -14,7 +16,10 @@ from dataclasses import dataclass
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-__all__ = ["CONTENT_TYPE", "EngineGaugeRow", "ProxyMetrics"]
+__all__ = ["CONTENT_TYPE", "EngineGaugeRow", "ProxyMetrics", "TenantLabels"]
+
+MAX_DYNAMIC_TENANTS = 200
+OTHER_TENANT = "other"
 
 _LATENCY_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
@@ -39,6 +44,27 @@ class EngineGaugeRow:
     breaker: str
     health: str
     outlier: str = "active"
+
+
+class TenantLabels:
+    """The tenant label for a tenant name: configured names as they are, the first
+    ``MAX_DYNAMIC_TENANTS`` others (tenants known only to Redis) too, then ``other``."""
+
+    def __init__(self, max_dynamic: int = MAX_DYNAMIC_TENANTS) -> None:
+        self._known: set[str] = set()
+        self._dynamic: set[str] = set()
+        self._max_dynamic = max_dynamic
+
+    def know(self, names: Iterable[str]) -> None:
+        self._known.update(names)
+
+    def __call__(self, tenant: str) -> str:
+        if tenant in self._known or tenant in self._dynamic:
+            return tenant
+        if not tenant or len(self._dynamic) >= self._max_dynamic:
+            return OTHER_TENANT
+        self._dynamic.add(tenant)
+        return tenant
 
 
 class ProxyMetrics:
@@ -101,6 +127,20 @@ class ProxyMetrics:
             "kvproxy_draining", "1 while the proxy drains for shutdown", registry=r
         )
         self._engine_gauges(r)
+        self._tenant_counters(r)
+
+    def _tenant_counters(self, r: CollectorRegistry) -> None:
+        self.tenant_labels = TenantLabels()
+        self.tenant_requests = Counter(
+            "kvproxy_tenant_requests", "Proxied requests, by tenant, pool and status",
+            ["tenant", "pool", "status"], registry=r,
+        )  # fmt: skip
+        self.tenant_tokens = Counter(
+            "kvproxy_tenant_tokens",
+            "Tokens engines reported in usage, by tenant, pool and kind (prompt, completion, "
+            "cached: prompt tokens served from the prefix cache)",
+            ["tenant", "pool", "kind"], registry=r,
+        )  # fmt: skip
 
     def _engine_gauges(self, r: CollectorRegistry) -> None:
         labels = ["engine", "pool"]

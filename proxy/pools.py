@@ -1,10 +1,14 @@
-"""Pools: which pool a requested model goes to, and where it may fall back under pressure.
+"""Pools: which pools a requested model may be served by, in order, and under which model name.
 
 Rules:
-- A pool's own model name selects that pool; a configured alias selects its pool.
-- A tiering alias that points at the target pool has the draft pool as fallback: under target
-  pressure ``sheddable`` requests are served by the draft pool instead of being shed (the caller
-  decides when, using admission; this module only says where).
+- An alias is looked up first, then the pools' model names: an alias is how a model name that
+  several pools serve is routed (config validation makes sure one exists).
+- A plan is a tier chain: its first pool serves the request; under pressure, ``sheddable``
+  requests may go to the next pool of the chain that admits them instead of being shed (the
+  caller decides when, using admission; this module only says where). ``admission.degrade_to_draft
+  = false`` turns every chain into its first pool.
+- The engines get the model name asked for when their pool serves that name (a LoRA adapter, the
+  same model on another GPU type), else the pool's own model (an alias, a degraded request).
 - An unknown model is ``NotFound`` (404, code ``model_not_found``).
 - Pure: the answers depend on the configuration only.
 """
@@ -19,38 +23,62 @@ from proxy.errors import NotFound
 
 @dataclass(frozen=True)
 class PoolPlan:
-    pool: str
-    fallback: str | None = None  # the draft pool for a tiering alias
+    pools: tuple[str, ...]  # degrade order; the first serves unless it would shed
+
+    @property
+    def pool(self) -> str:
+        return self.pools[0]
+
+    @property
+    def fallbacks(self) -> tuple[str, ...]:
+        return self.pools[1:]
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """One public model name, as ``/v1/models`` lists it."""
+
+    id: str
+    pools: tuple[str, ...]
+    alias: bool
 
 
 def resolve_model(cfg: Config, model: str) -> PoolPlan:
-    """The pool (and fallback) serving requests for ``model``."""
-    for pool in cfg.pools:
-        if pool.model == model:
-            return PoolPlan(pool.name)
+    """The pools (in degrade order) serving requests for ``model``."""
+    entry = find_model(cfg, model)
+    if entry is None:
+        raise NotFound(f"The model {model!r} does not exist", param="model")
+    pools = entry.pools if cfg.admission.degrade_to_draft else entry.pools[:1]
+    return PoolPlan(pools)
+
+
+def find_model(cfg: Config, model: str) -> ModelEntry | None:
+    names = [p.name for p in cfg.pools]
     for alias in cfg.aliases:
         if alias.name == model:
-            fallback = _fallback(cfg, alias.pool) if alias.tiering else None
-            return PoolPlan(alias.pool, fallback)
-    raise NotFound(f"The model {model!r} does not exist", param="model")
+            return ModelEntry(model, alias.chain(names), alias=True)
+    for pool in cfg.pools:
+        if model in pool.served:
+            return ModelEntry(model, (pool.name,), alias=False)
+    return None
 
 
-def _fallback(cfg: Config, pool: str) -> str | None:
-    if pool == "draft" or not cfg.admission.degrade_to_draft or cfg.pool("draft") is None:
-        return None
-    return "draft"
-
-
-def upstream_model(cfg: Config, pool: str) -> str:
-    """The model name the engines of ``pool`` serve (written into the upstream body)."""
+def upstream_model(cfg: Config, pool: str, asked: str) -> str:
+    """The model name written into the body sent to the engines of ``pool``."""
     found = cfg.pool(pool)
     if found is None:
         raise NotFound(f"No pool {pool!r} is configured", param="model")
-    return found.model
+    return asked if asked in found.served else found.model
 
 
-def model_names(cfg: Config) -> list[tuple[str, str]]:
-    """(model name, pool) for every pool model and alias, as ``/v1/models`` lists them."""
-    names = [(p.model, p.name) for p in cfg.pools]
-    names.extend((a.name, a.pool) for a in cfg.aliases)
-    return names
+def model_names(cfg: Config) -> list[ModelEntry]:
+    """Every public model name: the pools' served names, then the aliases."""
+    entries: dict[str, ModelEntry] = {}
+    for pool in cfg.pools:
+        for model in pool.served:
+            entries.setdefault(model, ModelEntry(model, (pool.name,), alias=False))
+    names = [p.name for p in cfg.pools]
+    for alias in cfg.aliases:
+        # An alias named like a model several pools serve replaces that model's entry.
+        entries[alias.name] = ModelEntry(alias.name, alias.chain(names), alias=True)
+    return list(entries.values())

@@ -10,6 +10,12 @@ Rules:
   error event, no ``[DONE]``, and the engine's connection closed so it aborts.
 - Timeouts: connect (retryable), first byte (504, not retried: the engine may just be busy), and
   between chunks. A failure after the first byte ends the stream with one SSE error event.
+- A client deadline (``Job.deadline``) caps the first-byte budget and the whole stream; when it is
+  what ran out, the answer is a 504 (or the SSE error event) naming the deadline, and the engine's
+  breaker is not charged: the engine was not at fault.
+- Token usage is read from the engine's bytes once the answer is over (``proxy.usage``); a usage
+  event the proxy asked for on the client's behalf is stripped from the client's stream. The
+  recorder sees the engine's bytes as they came, usage event included.
 - The upstream response is always closed (``close``, not ``release``) when the exchange ends early,
   so the engine sees the disconnect and aborts the generation; cancellation by a client disconnect
   goes through the same ``finally``. ``CancelledError`` is re-raised, always.
@@ -24,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -46,13 +51,13 @@ from proxy.upstream import (
     retryable_status,
     translate,
 )
+from proxy.usage import StreamTail, Usage, UsageStrip, usage_of_body
 
 log = logging.getLogger(__name__)
 
 REASON_CONNECTIONS_FULL = "engine_connections_full"
 
 CLIENT_CLOSED = 499  # nginx's convention for "client went away", used as a metrics label only
-_TAIL_CHUNKS = 4  # the engine's usage chunk and [DONE], even when a read splits them
 
 
 @dataclass
@@ -76,19 +81,32 @@ class Job:
     shed_reason: str | None = None
     # Per engine name: prompt blocks it is expected to compute for this request (routing's view).
     prefill: dict[str, float] = field(default_factory=dict)
-    # For the access log: who asked for what, retries made, and the last bytes relayed (where the
-    # engine's ``usage`` is; the whole body of a plain answer).
+    # For the access log and accounting: who asked for what, retries made, the engine's usage.
     tenant: str | None = None
     model: str | None = None
     asked_pool: str | None = None
     retries: int = 0
-    answer_tail: bytes = b""
     # The whole stream reached the client: a disconnect after that is not an abort (499).
     delivered: bool = False
+    # The client's own limit: seconds it gave, and when that ends on the event loop's clock.
+    timeout_s: float | None = None
+    deadline: float | None = None
+    strip_usage: bool = False  # the engine was asked for usage the client did not ask for
+    usage: Usage | None = None
 
     def client_headers(self) -> dict[str, str]:
         ids = {"X-Request-Id": self.request_id, "X-Engine": self.engine, "X-Served-By": self.pool}
         return ids | self.extra_headers
+
+
+class DeadlinePassed(TimeoutError):
+    """The client's deadline, not one of the proxy's own limits, ran out."""
+
+
+def deadline_error(job: Job) -> UpstreamTimeout:
+    return UpstreamTimeout(
+        f"the request's deadline of {job.timeout_s:g} s passed before the answer was complete"
+    )
 
 
 class _Retry(Exception):
@@ -110,6 +128,7 @@ class Relay:
         self._ticket = 0
         self._first_byte_deadline = 0.0
         self._sent_at: float | None = None
+        self._deadline_binds = False
 
     async def run(self, ranked: Sequence[str]) -> web.StreamResponse:
         """Try ranked engines in order (at most ``1 + retries``), first good one answers."""
@@ -183,6 +202,8 @@ class Relay:
         wait = self._up.first_byte_timeout_s if job.stream else self._up.response_timeout_s
         budget = self._up.connect_timeout_s + wait
         self._first_byte_deadline = asyncio.get_running_loop().time() + budget
+        if job.deadline is not None and job.deadline <= self._first_byte_deadline:
+            self._first_byte_deadline, self._deadline_binds = job.deadline, True
         try:
             async with asyncio.timeout_at(self._first_byte_deadline):
                 headers = job.headers | engine.auth if engine.auth else job.headers
@@ -233,6 +254,9 @@ class Relay:
 
     def _failed(self, engine: Engine, exc: BaseException, phase: str) -> KvproxyError:
         timed_out = isinstance(exc, TimeoutError)
+        if isinstance(exc, DeadlinePassed) or (timed_out and self._deadline_binds):
+            self._outcome(engine, Outcome.CLIENT_ERROR, None)
+            return deadline_error(self._job)
         # An engine slow to start answering is queueing work, not broken: that timeout is
         # backpressure, or a hot fleet would be ejected engine by engine. Dead engines still fail
         # to connect and to answer their scrapes.
@@ -267,6 +291,8 @@ class Relay:
         deadline = asyncio.get_running_loop().time() + self._up.idle_timeout_s
         if not self._job.stream:
             deadline = self._first_byte_deadline
+        elif self._job.deadline is not None and self._job.deadline <= deadline:
+            deadline, self._deadline_binds = self._job.deadline, True
         try:
             async with asyncio.timeout_at(deadline):
                 body = await resp.read()
@@ -277,7 +303,9 @@ class Relay:
             engine.state.on_complete(self._ticket, self._ctx.clock())
         self._job.first_byte_at = self._ctx.clock()
         engine.state.on_first_byte(self._ticket)
-        self._job.status, self._job.answer_tail = resp.status, body
+        self._job.status = resp.status
+        if resp.status == 200:
+            self._job.usage = usage_of_body(body)
         if self._job.recorder is not None:
             self._job.recorder.start(resp.status, streamed=False)
             self._job.recorder.feed(body)
@@ -301,10 +329,15 @@ class Relay:
         recorder = self._job.recorder
         if recorder is not None:
             recorder.start(resp.status, streamed=True)
-        pump = _Pump(out, self._up.idle_timeout_s, None if recorder is None else recorder.feed)
+        pump = _Pump(
+            out,
+            self._up.idle_timeout_s,
+            None if recorder is None else recorder.feed,
+            strip=UsageStrip() if self._job.strip_usage else None,
+            deadline=self._job.deadline,
+        )
         with self._ctx.drain.cuttable(pump.cut):
             failure = await pump.run(chunks) if await pump.write(first) else None
-        self._job.answer_tail = b"".join(pump.tail)
         self._job.delivered = not pump.client_gone
         self._settle_stream(engine, pump, failure)
         return out
@@ -315,12 +348,16 @@ class Relay:
         elif pump.was_cut:
             # The proxy's own shutdown ended it: no verdict on the engine.
             log.warning("stream from %s cut off by the drain timeout", engine.name)
+        elif isinstance(failure, DeadlinePassed):
+            self._outcome(engine, Outcome.CLIENT_ERROR, None)
+            log.info("stream from %s cut at the client's deadline", engine.name)
         elif failure is not None:
             self._failed(engine, failure, "mid_stream")
             log.warning("stream from %s broke after the first byte: %r", engine.name, failure)
         else:
             self._outcome(engine, Outcome.SUCCESS, None)
             engine.state.on_complete(self._ticket, self._ctx.clock())
+            self._job.usage = pump.tail.usage()
 
 
 class _Pump:
@@ -328,6 +365,7 @@ class _Pump:
 
     Reading from the engine and writing to the client fail differently and are guarded apart:
     an engine failure is reported to the client, a client failure ends the relay silently.
+    ``tap`` and ``tail`` see the engine's bytes; the client gets them through ``strip``, if set.
     """
 
     def __init__(
@@ -335,15 +373,20 @@ class _Pump:
         out: web.StreamResponse,
         idle_timeout_s: float,
         tap: Callable[[bytes], None] | None = None,
+        *,
+        strip: UsageStrip | None = None,
+        deadline: float | None = None,
     ) -> None:
         self._out = out
         self._tap = tap
+        self._strip = strip
         self._idle = idle_timeout_s
+        self._deadline = deadline
         self._at_event_boundary = True
         self._waiting: asyncio.Timeout | None = None
         self.client_gone = False
         self.was_cut = False
-        self.tail: deque[bytes] = deque(maxlen=_TAIL_CHUNKS)  # references only: no copies
+        self.tail = StreamTail()
 
     def cut(self) -> None:
         """End the stream now (drain timeout): the pending read gives up, the client is told."""
@@ -353,28 +396,43 @@ class _Pump:
 
     async def write(self, chunk: bytes) -> bool:
         """Send ``chunk``; False once the client is gone."""
+        sent = chunk if self._strip is None else self._strip(chunk)
+        if sent and not await self._send(sent):
+            return False
+        self.tail.feed(chunk)
+        if self._tap is not None:
+            self._tap(chunk)
+        return True
+
+    async def _send(self, data: bytes) -> bool:
         try:
-            await self._out.write(chunk)
+            await self._out.write(data)
         except ConnectionResetError:
             self.client_gone = True
             return False
-        if self._tap is not None:
-            self._tap(chunk)
-        self.tail.append(chunk)
-        self._at_event_boundary = chunk.endswith(b"\n\n")
+        self._at_event_boundary = data.endswith(b"\n\n")
         return True
+
+    def _read_deadline(self) -> tuple[float, bool]:
+        """When the next read must have arrived, and whether that is the client's deadline."""
+        idle_end = asyncio.get_running_loop().time() + self._idle
+        if self._deadline is not None and self._deadline <= idle_end:
+            return self._deadline, True
+        return idle_end, False
 
     async def run(self, chunks: AsyncIterator[bytes]) -> BaseException | None:
         """Relay until the engine's EOF; return the engine failure that cut the stream, if any."""
         while not self.was_cut:
+            until, is_deadline = self._read_deadline()
             try:
-                async with asyncio.timeout(self._idle) as self._waiting:
+                async with asyncio.timeout_at(until) as self._waiting:
                     chunk = await anext(chunks, b"")
             except (TimeoutError, aiohttp.ClientError, OSError) as exc:
                 if self.was_cut:
                     break
-                await self._error_event(exc)
-                return exc
+                failure = DeadlinePassed() if is_deadline and isinstance(exc, TimeoutError) else exc
+                await self._error_event(failure)
+                return failure
             finally:
                 self._waiting = None
             if not chunk:
@@ -382,12 +440,10 @@ class _Pump:
             if not await self.write(chunk):
                 return None
         if self.was_cut:
-            await self._send_error(
-                NoCapacity(
-                    "the proxy is shutting down; the answer is incomplete",
-                    reason="draining",
-                )
+            draining = NoCapacity(
+                "the proxy is shutting down; the answer is incomplete", reason="draining"
             )
+            await self._send_error(draining)
             return None
         await self._finish()
         return None
@@ -395,15 +451,23 @@ class _Pump:
     async def _error_event(self, exc: BaseException) -> None:
         error = UpstreamTimeout if isinstance(exc, TimeoutError) else UpstreamError
         kind = "stalled between chunks" if isinstance(exc, TimeoutError) else "broke off"
-        await self._send_error(error(f"the engine's stream {kind}; the answer is incomplete"))
+        event = error(f"the engine's stream {kind}; the answer is incomplete")
+        if isinstance(exc, DeadlinePassed):
+            event = UpstreamTimeout("the request's deadline passed; the answer is incomplete")
+        await self._send_error(event)
 
     async def _send_error(self, event: KvproxyError) -> None:
+        if self._strip is not None:
+            self._strip.flush()  # a held-back partial event: incomplete, never sent
         # A cut mid-event would glue our event onto a partial line; end that event first.
         lead = b"" if self._at_event_boundary else b"\n\n"
         if await self.write(lead + b"data: " + event.body() + b"\n\n"):
             await self._finish()
 
     async def _finish(self) -> None:
+        rest = b"" if self._strip is None else self._strip.flush()
+        if rest and not await self._send(rest):
+            return
         try:
             await self._out.write_eof()
         except ConnectionResetError:

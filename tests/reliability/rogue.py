@@ -69,6 +69,7 @@ class RogueEngine:
     async def start(self) -> None:
         app = web.Application()
         app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/chat/completions", self._complete)
         app.router.add_post("/v1/completions", self._complete)
         app.router.add_route("*", "/{tail:.*}", self._other)
@@ -120,6 +121,10 @@ class RogueEngine:
         except (ConnectionError, RuntimeError):
             pass  # the scraper hung up: what it refused is what the test is about
         return out
+
+    async def _models(self, request: web.Request) -> web.Response:
+        listed = {"object": "list", "data": [{"id": self.model, "object": "model"}]}
+        return web.Response(body=orjson.dumps(listed), content_type="application/json")
 
     async def _other(self, request: web.Request) -> web.Response:
         await self._record(request)

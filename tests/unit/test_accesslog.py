@@ -10,52 +10,11 @@ import orjson
 import pytest
 
 from proxy import accesslog
-from proxy.accesslog import LogConfig, access_fields, usage_from_tail
+from proxy.accesslog import LogConfig, access_fields
 from proxy.config import load_config
 from proxy.errors import ConfigError
 from proxy.relay import Job
-
-USAGE = {"prompt_tokens": 12, "completion_tokens": 5, "total_tokens": 17}
-
-
-def sse(*objs: object) -> bytes:
-    return b"".join(b"data: " + orjson.dumps(o) + b"\n\n" for o in objs) + b"data: [DONE]\n\n"
-
-
-def test_usage_from_a_plain_json_answer() -> None:
-    body = orjson.dumps({"choices": [{"message": {"content": "hi"}}], "usage": USAGE})
-    assert usage_from_tail(body) == (12, 5)
-    assert usage_from_tail(b"  \n" + body) == (12, 5)
-
-
-def test_usage_from_the_end_of_a_stream_is_the_last_one_sent() -> None:
-    chunk = {"choices": [{"delta": {"content": "a"}}]}
-    running = {"choices": [{"delta": {"content": "b"}}], "usage": {**USAGE, "completion_tokens": 1}}
-    final = {"choices": [], "usage": USAGE}
-    assert usage_from_tail(sse(chunk, running, final)) == (12, 5)
-    assert usage_from_tail(sse(chunk, running, final).replace(b"\n", b"\r\n")) == (12, 5)
-
-
-def test_usage_split_across_reads_is_found_once_joined() -> None:
-    tail = sse({"choices": [], "usage": USAGE})
-    parts = [tail[:10], tail[10:40], tail[40:]]
-    assert usage_from_tail(b"".join(parts)) == (12, 5)
-
-
-@pytest.mark.parametrize(
-    "tail",
-    [
-        b"",
-        sse({"choices": [{"delta": {"content": "no usage asked"}}]}),
-        b'{"error": {"message": "bad"}}',
-        b"{not json",
-        b'data: {"usage": 5}\n\n',
-        orjson.dumps({"usage": {"prompt_tokens": True, "completion_tokens": -1}}),
-        b'data: {"usage": {"prompt_tokens": 3\n\n',  # the usage event itself was cut off
-    ],
-)
-def test_no_usage_is_null_never_a_guess(tail: bytes) -> None:
-    assert usage_from_tail(tail) == (None, None)
+from proxy.usage import Usage
 
 
 def _job(**kw: object) -> Job:
@@ -68,7 +27,7 @@ def _job(**kw: object) -> Job:
 def test_fields_of_a_request_served_by_the_pool_it_asked_for() -> None:
     job = _job(
         tenant="acme", model="m", pool="target", asked_pool="target", engine="t0", status=200,
-        first_byte_at=100.25, retries=1, answer_tail=orjson.dumps({"usage": USAGE}),
+        first_byte_at=100.25, retries=1, usage=Usage(12, 5),
         extra_headers={"X-Cache": "MISS"},
     )  # fmt: skip
     fields = access_fields(job, now=101.5)
