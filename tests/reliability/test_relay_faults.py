@@ -7,10 +7,9 @@ import asyncio
 import openai
 import orjson
 import pytest
+from integration.stack import TARGET_MODEL, Stack, StackFactory, chat_body
 
 from proxy.config import TelemetryConfig, UpstreamConfig
-
-from .stack import TARGET_MODEL, Stack, StackFactory, chat_body
 
 SLOW = {"time_scale": 1.0, "stop_len_range": (2000, 2000)}
 
