@@ -144,6 +144,19 @@ class NoCapacity(KvproxyError):
         }
 
 
+class NoEngine(NoCapacity):
+    """Every engine of the pool is down (unreachable, failing, ejected): not a busy fleet but a
+    broken one, and the message says so."""
+
+    err_type = "service_unavailable"
+    default_code = "no_engine_reachable"
+
+    def __init__(self, pool: str, *, reason: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(
+            f"no engine of pool {pool} is reachable", reason=reason, retry_after_s=retry_after_s
+        )
+
+
 class UpstreamError(KvproxyError):
     """The engine failed (connection refused or reset, 5xx, malformed answer)."""
 

@@ -33,6 +33,7 @@ from proxy.errors import (
     BadRequest,
     KvproxyError,
     NoCapacity,
+    NoEngine,
     NotFound,
     PayloadTooLarge,
     RequestTimeout,
@@ -193,6 +194,8 @@ def _admit(ctx: ShellContext, plan: PoolPlan, priority: Priority) -> str:
         if isinstance(second, Admit):
             ctx.metrics.degraded.labels(plan.pool, fallback).inc()
             return _admitted(ctx, fallback, second)
+    if decision.reason == REASON_NO_ENGINE:
+        raise NoEngine(plan.pool, reason=decision.reason, retry_after_s=decision.retry_after_s)
     raise NoCapacity(
         f"{plan.pool} pool is overloaded for {priority.value} requests ({decision.reason})",
         reason=decision.reason,
@@ -243,7 +246,7 @@ def _rank(
     views = ctx.admission.eligible(priority, _with_room(ctx, pool))
     ranked = policy.rank(key, views)
     if not ranked:
-        raise NoCapacity(f"no routable engine in the {pool} pool", reason=REASON_NO_ENGINE)
+        raise NoEngine(pool, reason=REASON_NO_ENGINE, retry_after_s=ctx.cfg.admission.retry_after_s)
     # The prompt work each engine that may get the request would do, counted while it waits
     # for its first byte (asked before ``observe`` records the pick as holding the prompt).
     job.prefill = {

@@ -242,3 +242,17 @@ async def test_non_streamed_answer_past_its_budget_is_504(make_stack: StackFacto
     resp = await stack.post("/v1/chat/completions", chat_body("slow", model=TARGET_MODEL))
     assert resp.status == 504
     assert (await resp.json())["error"]["type"] == "timeout"
+
+
+async def test_a_pool_with_every_engine_down_says_so(stack: Stack) -> None:
+    for name in stack.names:
+        await stack.faults(name, metrics_status=500)
+    for name in stack.names:
+        await stack.wait_health(name, "unhealthy")
+    resp = await stack.post("/v1/chat/completions", chat_body("anyone there?"))
+    assert resp.status == 503
+    error = (await resp.json())["error"]
+    assert error["message"] == "no engine of pool target is reachable"
+    assert (error["type"], error["code"]) == ("service_unavailable", "no_engine_reachable")
+    assert resp.headers["X-Kvproxy-Shed-Reason"] == "no_routable_engine"
+    assert "Retry-After" in resp.headers
