@@ -213,3 +213,15 @@ async def test_no_line_when_the_access_log_is_off(stack: Stack, access: AccessLi
     await asyncio.sleep(0.05)
     assert access.of("quiet") == []
 
+
+
+async def test_deadline_line_is_504(make_stack: StackFactory, access: AccessLines) -> None:
+    stack = await make_stack(engine_kw=SLOW, **ON)
+    headers = {"X-Request-Timeout": "0.3", "X-Request-Id": "deadline"}
+    body = chat_body("take your time", max_tokens=2000)
+    resp = await stack.post("/v1/chat/completions", body, **headers)
+    assert resp.status == 504
+    line = await access.one("deadline")
+    assert (line["status"], line["model"], line["pool"]) == (504, TARGET_MODEL, "target")
+    assert line["engine"] in stack.names and line["ttft_s"] is None
+    assert 0.3 <= line["duration_s"] < 5
