@@ -10,6 +10,11 @@ Rules:
 - Stale telemetry never sheds on its own: when every routable engine is stale, critical and standard
   requests fail open (``Admit(stale_fail_open=True)``); sheddable requests are shed, reason
   ``telemetry_stale``.
+- KV overcommit guard (``proxy.pressure``): an engine under pressure is closed to sheddable work,
+  then to standard work too; never to critical work. Closed engines are left out of the KV figure
+  and of ``eligible``; when every fresh engine of the pool is closed to the class, it is shed with
+  the pressure's reason (``preempting`` when any of them preempts, else ``kv_overcommit``), and
+  the caller may degrade it to the draft pool as for ``kv_pressure``.
 - Pure: no clock, no I/O. The only state is the per-(pool, class) shedding flag.
 """
 
@@ -21,6 +26,7 @@ from enum import Enum
 
 from proxy.config import AdmissionConfig, ClassThreshold
 from proxy.errors import BadRequest
+from proxy.pressure import REASON_OVERCOMMIT, REASON_PREEMPTING, Level, Pressure
 from proxy.routing import EngineView
 
 REASON_KV = "kv_pressure"
@@ -75,6 +81,21 @@ def parse_priority(header: str | None, body_value: object) -> Priority:
     )
 
 
+# The lowest pressure level that closes an engine to each class; critical is never closed by it.
+_CLOSED_AT = {Priority.SHEDDABLE: Level.SHEDDABLE, Priority.STANDARD: Level.STANDARD}
+
+
+def closed_to(pressure: Pressure, cls: Priority) -> bool:
+    """Whether an engine under ``pressure`` takes no more ``cls`` work."""
+    at = _CLOSED_AT.get(cls)
+    return at is not None and pressure.level >= at
+
+
+def _pressure_reason(engines: Sequence[EngineView]) -> str:
+    preempting = any(e.pressure.reason == REASON_PREEMPTING for e in engines)
+    return REASON_PREEMPTING if preempting else REASON_OVERCOMMIT
+
+
 def engine_priority(p: Priority) -> int:
     """The ``priority`` written into the upstream body for engines with priority scheduling."""
     return _ENGINE_PRIORITY[p]
@@ -119,7 +140,10 @@ class Admission:
             if cls is Priority.SHEDDABLE:
                 return Shed(REASON_STALE, self.cfg.retry_after_s)
             return Admit(stale_fail_open=True)
-        best_kv = min(e.kv_usage for e in fresh)
+        usable = [e for e in fresh if not closed_to(e.pressure, cls)]
+        if not usable:
+            return Shed(_pressure_reason(fresh), self.cfg.retry_after_s)
+        best_kv = min(e.kv_usage for e in usable)
         if self._update(pool, cls, best_kv):
             return Shed(REASON_KV, self.cfg.retry_after_s)
         return Admit()
@@ -137,8 +161,10 @@ class Admission:
 
     def eligible(self, cls: Priority, engines: Sequence[EngineView]) -> list[EngineView]:
         """The engines a request of ``cls`` should be routed among: fresh ones above the class's
-        ``shed_above`` are left out (stale ones are kept, their KV figure is unknown). Never
-        returns an empty list when ``engines`` holds a routable engine: then all are returned."""
+        ``shed_above`` are left out (stale ones are kept, their KV figure is unknown), and so are
+        those the overcommit guard closed to ``cls``. Never returns an empty list when ``engines``
+        holds a routable engine: then all are returned."""
         limit = self.threshold(cls).shed_above
-        keep = [e for e in engines if not (e.fresh and e.kv_usage > limit)]
+        keep = [e for e in engines
+                if not (e.fresh and e.kv_usage > limit) and not closed_to(e.pressure, cls)]
         return keep if any(e.routable for e in keep) else list(engines)

@@ -133,6 +133,29 @@ class AdmissionConfig:
 
 
 @dataclass(frozen=True)
+class PressureConfig:
+    """The KV overcommit guard (``proxy.pressure``); counts are in scrape intervals."""
+
+    enabled: bool = True
+    # KV usage is projected this many scrape intervals ahead at its current growth rate.
+    horizon_scrapes: float = 3.0
+    # Growth and preemptions are measured over this many of the latest scrape intervals.
+    window_scrapes: int = 5
+    # Preemptions in this many intervals of the window close the engine to standard work too.
+    escalate_scrapes: int = 2
+    # A closing caused by preemptions lasts this many intervals after the last preemption.
+    hold_scrapes: int = 10
+
+    def __post_init__(self) -> None:
+        _require(self.horizon_scrapes >= 0, "horizon_scrapes", "must be >= 0")
+        _require(self.window_scrapes >= 2, "window_scrapes", "must be >= 2")
+        _require(self.escalate_scrapes >= 1, "escalate_scrapes", "must be >= 1")
+        _require(self.escalate_scrapes <= self.window_scrapes, "escalate_scrapes",
+                 "must be <= pressure.window_scrapes")
+        _require(self.hold_scrapes >= 0, "hold_scrapes", "must be >= 0")
+
+
+@dataclass(frozen=True)
 class UpstreamConfig:
     connect_timeout_s: float = 2.0
     first_byte_timeout_s: float = 60.0
@@ -217,6 +240,7 @@ class Config:
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    pressure: PressureConfig = field(default_factory=PressureConfig)
     upstream: UpstreamConfig = field(default_factory=UpstreamConfig)
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
     pools: tuple[PoolConfig, ...] = ()
@@ -279,6 +303,7 @@ SCALAR_SECTIONS: tuple[str, ...] = (
     "telemetry",
     "routing",
     "admission",
+    "pressure",
     "upstream",
     "breaker",
     "auth",

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from proxy.breaker import Breaker, BreakerState, Outcome
 from proxy.config import Config, EngineConfig
 from proxy.errors import ConfigError
 from proxy.metrics import EngineGaugeRow
+from proxy.pressure import NO_PRESSURE, Pressure, PressureTracker
 from proxy.routing import EngineView
 from proxy.telemetry import EngineState, Health
 
@@ -32,6 +33,8 @@ class Engine:
     completed: int = 0
     # Sent with every data-path request to this engine (its API key); never logged or shown.
     auth: dict[str, str] = field(default_factory=dict, repr=False)
+    # The KV overcommit guard's judgement of this engine; None: the guard is off.
+    pressure: PressureTracker | None = field(default=None, repr=False)
 
     @property
     def name(self) -> str:
@@ -43,7 +46,18 @@ class Engine:
 
     def view(self, now: float) -> EngineView:
         # peek: a view must not take a half-open probe slot; dispatch does that.
-        return self.state.view(now, self.breaker.peek(now))
+        view = self.state.view(now, self.breaker.peek(now))
+        pressure = self.judge_pressure(now)
+        return view if pressure is NO_PRESSURE else replace(view, pressure=pressure)
+
+    def judge_pressure(self, now: float) -> Pressure:
+        """Feed the guard the latest snapshot (once each) and return the level in force."""
+        if self.pressure is None:
+            return NO_PRESSURE
+        snap = self.state.snapshot
+        if snap is not None:
+            self.pressure.observe(snap.taken_at, snap.kv_usage, snap.preemptions)
+        return self.pressure.pressure(now)
 
     def record(self, outcome: Outcome, now: float) -> None:
         self.breaker.record(outcome, now)
@@ -104,6 +118,7 @@ class Fleet:
     def tick(self, now: float, stale_after_s: float) -> None:
         for engine in self:
             engine.state.tick(now, stale_after_s)
+            engine.judge_pressure(now)  # every snapshot, not only those a request happens to see
 
     def any_routable(self, now: float) -> bool:
         return any(e.view(now).routable for e in self)
@@ -130,7 +145,15 @@ def _engine(cfg: Config, pool: str, engine: EngineConfig) -> Engine:
         stale_after_s=cfg.telemetry.stale_after_s,
         unhealthy_after_failures=cfg.telemetry.unhealthy_after_failures,
     )
-    return Engine(engine, pool, state, Breaker(cfg.breaker), auth=auth)
+    return Engine(engine, pool, state, Breaker(cfg.breaker), auth=auth, pressure=_tracker(cfg))
+
+
+def _tracker(cfg: Config) -> PressureTracker | None:
+    if not cfg.pressure.enabled:
+        return None
+    return PressureTracker(cfg.pressure, sheddable=cfg.admission.sheddable,
+                           standard=cfg.admission.standard, interval_s=cfg.telemetry.interval_s,
+                           stale_after_s=cfg.telemetry.stale_after_s)
 
 
 def _admin_row(engine: Engine, now: float) -> dict[str, Any]:
@@ -151,6 +174,7 @@ def _admin_row(engine: Engine, now: float) -> dict[str, Any]:
         "dispatched_since_snapshot": state.dispatched_since_snapshot,
         "consecutive_scrape_failures": state.consecutive_failures,
         "last_error": state.last_error,
+        "pressure": _pressure_dict(view.pressure),
         "snapshot_age_s": None if snap is None else round(max(0.0, now - snap.taken_at), 3),
         "snapshot": None if snap is None else _snapshot_dict(snap),
     }
@@ -169,7 +193,15 @@ def _gauge_row(engine: Engine, now: float) -> EngineGaugeRow:
         inflight=state.open_requests,
         breaker=_breaker_name(engine.breaker.state),
         health=state.health.name.lower(),
+        pressure=int(engine.judge_pressure(now).level),
     )
+
+
+def _pressure_dict(p: Pressure) -> dict[str, Any]:
+    closed = {0: [], 1: ["sheddable"], 2: ["sheddable", "standard"]}[int(p.level)]
+    return {"level": p.level.name.lower(), "closed_to": closed, "reason": p.reason,
+            "projected_kv": p.projected_kv, "preemptions_per_s": p.preemptions_per_s,
+            "from_other_replica": p.remote}
 
 
 def _snapshot_dict(snap: object) -> dict[str, Any]:

@@ -37,6 +37,7 @@ class EngineGaugeRow:
     inflight: int
     breaker: str
     health: str
+    pressure: int = 0  # KV overcommit guard: 0 open, 1 closed to sheddable, 2 to standard too
 
 
 class ProxyMetrics:
@@ -119,6 +120,11 @@ class ProxyMetrics:
             "kvproxy_breaker_state", "Circuit breaker: 0 closed, 1 half-open, 2 open", labels,
             registry=r,
         )  # fmt: skip
+        self.pressure = Gauge(
+            "kvproxy_engine_pressure",
+            "KV overcommit guard: 0 open, 1 closed to sheddable, 2 to standard and sheddable",
+            labels, registry=r,
+        )  # fmt: skip
         self.health = Gauge(
             "kvproxy_engine_health", "1 for the engine's current health state", [*labels, "state"],
             registry=r,
@@ -134,6 +140,7 @@ class ProxyMetrics:
             _set_optional(self.snapshot_age, key, row.snapshot_age_s)
             self.engine_inflight.labels(*key).set(row.inflight)
             self.breaker.labels(*key).set(BREAKER_VALUES.get(row.breaker, -1.0))
+            self.pressure.labels(*key).set(row.pressure)
             for state in states:
                 self.health.labels(*key, state).set(1.0 if state == row.health else 0.0)
 
