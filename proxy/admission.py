@@ -12,9 +12,10 @@ Rules:
   ``telemetry_stale``.
 - KV overcommit guard (``proxy.pressure``): an engine under pressure is closed to sheddable work,
   then to standard work too; never to critical work. Closed engines are left out of the KV figure
-  and of ``eligible``; when every fresh engine of the pool is closed to the class, it is shed with
-  the pressure's reason (``preempting`` when any of them preempts, else ``kv_overcommit``), and
-  the caller may degrade it to the draft pool as for ``kv_pressure``.
+  and of ``eligible``; when every fresh engine of the pool is closed to the class, it is shed:
+  ``preempting`` when any of them preempts, ``kv_pressure`` when KV usage is already past the
+  class's threshold, else ``kv_overcommit`` (projected to cross it); the caller may degrade it to
+  the draft pool as for ``kv_pressure``.
 - Pure: no clock, no I/O. The only state is the per-(pool, class) shedding flag.
 """
 
@@ -91,11 +92,6 @@ def closed_to(pressure: Pressure, cls: Priority) -> bool:
     return at is not None and pressure.level >= at
 
 
-def _pressure_reason(engines: Sequence[EngineView]) -> str:
-    preempting = any(e.pressure.reason == REASON_PREEMPTING for e in engines)
-    return REASON_PREEMPTING if preempting else REASON_OVERCOMMIT
-
-
 def engine_priority(p: Priority) -> int:
     """The ``priority`` written into the upstream body for engines with priority scheduling."""
     return _ENGINE_PRIORITY[p]
@@ -142,11 +138,20 @@ class Admission:
             return Admit(stale_fail_open=True)
         usable = [e for e in fresh if not closed_to(e.pressure, cls)]
         if not usable:
-            return Shed(_pressure_reason(fresh), self.cfg.retry_after_s)
+            return Shed(self._closed_reason(pool, cls, fresh), self.cfg.retry_after_s)
         best_kv = min(e.kv_usage for e in usable)
         if self._update(pool, cls, best_kv):
             return Shed(REASON_KV, self.cfg.retry_after_s)
         return Admit()
+
+    def _closed_reason(self, pool: str, cls: Priority, fresh: Sequence[EngineView]) -> str:
+        """Why a class every fresh engine is closed to is shed: preemptions first; then the KV
+        threshold when usage is already past it (today's reason); else the projection."""
+        if any(e.pressure.reason == REASON_PREEMPTING for e in fresh):
+            return REASON_PREEMPTING
+        if self._update(pool, cls, min(e.kv_usage for e in fresh)):
+            return REASON_KV
+        return REASON_OVERCOMMIT
 
     def _update(self, pool: str, cls: Priority, kv: float) -> bool:
         """Move the hysteresis state for ``kv`` and return whether to shed."""
