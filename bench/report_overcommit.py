@@ -13,6 +13,18 @@ from pathlib import Path
 from bench.machine import read_json
 from bench.markdown import fmt, ms, num, stamp, table
 
+READING = (
+    "Reading the figures: the guard can only stop *new* work. An engine admits a request on its "
+    "prompt's KV blocks; the blocks its output needs come later, while the request runs. A burst "
+    "admitted at low usage therefore grows into preemptions after any signal the router sees "
+    "(usage, its growth, preemptions), and closing the engine then keeps only later arrivals "
+    "away. Where the preemptions come from committed outputs, as in this mix of long outputs, "
+    "the guard mostly shortens the critical queue (it keeps sheddable and standard work off "
+    "preempting engines) and sheds more; preventing those preemptions needs the outputs' KV "
+    "reserved at admission (the proxy knows each request's `max_tokens` and the engine's block "
+    "count), which this guard does not do."
+)
+
 ARM_TEXT = {
     "guard": "overcommit guard (default config)",
     "threshold": "KV thresholds only (`pressure.enabled = false`)",
@@ -74,6 +86,7 @@ def overcommit_markdown(data: Mapping[str, object]) -> str:
         "Same seeded arrival schedule for every arm; each arm on a fresh engine process and a "
         "fresh proxy. Latencies are wall-clock at the client (the engines run "
         f"{num(_fleet(settings).get('time_scale')):g}x faster than the modelled GPU).", "",
+        READING, "",
     ])
 
 
