@@ -145,6 +145,14 @@ class PressureConfig:
     escalate_scrapes: int = 2
     # A closing caused by preemptions lasts this many intervals after the last preemption.
     hold_scrapes: int = 10
+    # Count the KV this proxy's in-flight requests will still take (prompt not yet computed and
+    # output still to come) on top of the engine's reported usage (``proxy.commitment``).
+    reserve_output: bool = True
+    # A pool's expected answer length: the mean completion tokens of its last ``output_window``
+    # answers; ``prior_output_tokens`` until ``output_min_samples`` answers are known.
+    output_window: int = 256
+    output_min_samples: int = 16
+    prior_output_tokens: int = 512
 
     def __post_init__(self) -> None:
         _require(self.horizon_scrapes >= 0, "horizon_scrapes", "must be >= 0")
@@ -153,6 +161,10 @@ class PressureConfig:
         _require(self.escalate_scrapes <= self.window_scrapes, "escalate_scrapes",
                  "must be <= pressure.window_scrapes")
         _require(self.hold_scrapes >= 0, "hold_scrapes", "must be >= 0")
+        _require(self.output_window >= 1, "output_window", "must be >= 1")
+        _require(1 <= self.output_min_samples <= self.output_window, "output_min_samples",
+                 "must be in 1..pressure.output_window")
+        _require(self.prior_output_tokens >= 1, "prior_output_tokens", "must be >= 1")
 
 
 @dataclass(frozen=True)

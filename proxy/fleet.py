@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from proxy.breaker import Breaker, BreakerState, Outcome
+from proxy.commitment import Commitments, OutputEstimate, projected_usage
 from proxy.config import Config, EngineConfig
 from proxy.errors import ConfigError
 from proxy.metrics import EngineGaugeRow
@@ -35,6 +36,10 @@ class Engine:
     auth: dict[str, str] = field(default_factory=dict, repr=False)
     # The KV overcommit guard's judgement of this engine; None: the guard is off.
     pressure: PressureTracker | None = field(default=None, repr=False)
+    # What this proxy's requests in flight here still owe the engine's KV cache, and the pool's
+    # learned answer length (set by the fleet); None: commitments are not counted.
+    commitments: Commitments = field(default_factory=Commitments, repr=False)
+    estimate: OutputEstimate | None = field(default=None, repr=False)
 
     @property
     def name(self) -> str:
@@ -57,7 +62,18 @@ class Engine:
         snap = self.state.snapshot
         if snap is not None:
             self.pressure.observe(snap.taken_at, snap.kv_usage, snap.preemptions)
+            self.pressure.commit(*self.committed())
         return self.pressure.pressure(now)
+
+    def committed(self) -> tuple[float | None, int | None]:
+        """(reported usage + what in-flight requests owe, capacity in tokens); None: unknown."""
+        snap = self.state.snapshot
+        if snap is None or self.estimate is None or not snap.block_size:
+            return None, None
+        blocks, size = snap.num_gpu_blocks, snap.block_size
+        owed = self.commitments.owed_blocks(size, self.estimate.bytes_per_token)
+        committed = projected_usage(snap.kv_usage, owed, size, blocks)
+        return (None, None) if committed is None or blocks is None else (committed, size * blocks)
 
     def record(self, outcome: Outcome, now: float) -> None:
         self.breaker.record(outcome, now)
@@ -74,8 +90,21 @@ class Fleet:
             engines = [_engine(cfg, pool.name, e) for pool in cfg.pools for e in pool.engines]
         self._engines: dict[str, Engine] = {e.name: e for e in engines}
         self._pools: dict[str, list[Engine]] = {}
+        self._estimates: dict[str, OutputEstimate] = {}
         for engine in engines:
             self._pools.setdefault(engine.pool, []).append(engine)
+            self._attach(engine)
+
+    def _attach(self, engine: Engine) -> None:
+        if engine.pressure is not None and self._cfg.pressure.reserve_output:
+            engine.estimate = self.estimate(engine.pool)
+
+    def estimate(self, pool: str) -> OutputEstimate:
+        """The pool's learned answer length (one per pool: its engines serve the same model)."""
+        found = self._estimates.get(pool)
+        if found is None:
+            found = self._estimates[pool] = OutputEstimate(self._cfg.pressure)
+        return found
 
     def __iter__(self) -> Iterator[Engine]:
         return iter(self._engines.values())
@@ -88,6 +117,7 @@ class Fleet:
         self._removed.pop(added.name, None)
         self._engines[added.name] = added
         self._pools.setdefault(pool, []).append(added)
+        self._attach(added)
 
     def remove(self, name: str) -> None:
         """Stop routing to an engine; requests already sent to it finish normally."""
@@ -200,7 +230,8 @@ def _gauge_row(engine: Engine, now: float) -> EngineGaugeRow:
 def _pressure_dict(p: Pressure) -> dict[str, Any]:
     closed = {0: [], 1: ["sheddable"], 2: ["sheddable", "standard"]}[int(p.level)]
     return {"level": p.level.name.lower(), "closed_to": closed, "reason": p.reason,
-            "projected_kv": p.projected_kv, "preemptions_per_s": p.preemptions_per_s,
+            "projected_kv": p.projected_kv, "committed_kv": p.committed_kv,
+            "preemptions_per_s": p.preemptions_per_s,
             "from_other_replica": p.remote}
 
 

@@ -23,6 +23,10 @@ Rules:
   sheddable; preemptions in ``escalate_scrapes`` intervals of the window close standard too.
 - Hysteresis: a KV closing opens again only when projected KV falls below the class's
   ``admit_below``; a preemption closing lasts ``hold_scrapes`` intervals after the last preemption.
+- Commitments (``proxy.commitment``): the engine's reported usage plus the KV its requests in
+  flight from this proxy will still take (``commit``, judged again on every dispatch, not only per
+  snapshot). A class closes when that committed usage reaches the class's ``shed_above``, reason
+  ``kv_committed``, and opens again below ``admit_below``. None (capacity unknown): no such signal.
 - Stale: when the last snapshot is older than ``stale_after_s`` the engine's own level is OPEN;
   stale figures never count as pressure.
 - Remote levels (another proxy replica's, through Redis) merge by maximum until they expire.
@@ -31,13 +35,14 @@ Rules:
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import IntEnum
 
 from proxy.config import ClassThreshold, PressureConfig
 
 REASON_PREEMPTING = "preempting"
 REASON_OVERCOMMIT = "kv_overcommit"
+REASON_COMMITTED = "kv_committed"
 
 
 class Level(IntEnum):
@@ -57,6 +62,10 @@ class Pressure:
     projected_kv: float | None = None
     preemptions_per_s: float = 0.0
     remote: bool = False  # the level comes from another replica
+    # Reported usage plus what this proxy's in-flight requests still owe (None: unknown), and the
+    # engine's KV capacity in tokens, so that admission can tell whether one more would cross.
+    committed_kv: float | None = None
+    capacity_tokens: int | None = None
 
 
 NO_PRESSURE = Pressure()
@@ -106,8 +115,10 @@ class PressureTracker:
         self._samples: deque[_Sample] = deque(maxlen=max(2, 4 * cfg.window_scrapes))
         self._last: tuple[float, float] | None = None  # (taken_at, preemption counter)
         self._kv_closed = {Level.SHEDDABLE: False, Level.STANDARD: False}
+        self._commit_closed = {Level.SHEDDABLE: False, Level.STANDARD: False}
         self._preempt_until = {Level.SHEDDABLE: float("-inf"), Level.STANDARD: float("-inf")}
         self._state = NO_PRESSURE
+        self._committed: tuple[float, int | None] | None = None  # committed usage, capacity
         self._remote: tuple[Level, str, float] | None = None  # level, reason, expires at
 
     # -- feeding
@@ -142,11 +153,24 @@ class PressureTracker:
                 self._kv_closed[level] = True
             elif projected < limits.admit_below:
                 self._kv_closed[level] = False
-        level, reason = self._level(now)
         span = self._samples[-1].at - self._samples[0].at
         rate = sum(s.preempted for s in self._samples) - self._samples[0].preempted
         rate = rate / span if span > 0 else 0.0
-        return Pressure(level, reason, round(projected, 4), round(rate, 3))
+        return Pressure(projected_kv=round(projected, 4), preemptions_per_s=round(rate, 3))
+
+    def commit(self, committed_kv: float | None, capacity_tokens: int | None = None) -> None:
+        """What this proxy's in-flight requests commit the engine to (``proxy.commitment``):
+        reported usage plus the growth they still owe, a fraction of capacity; None: unknown."""
+        if committed_kv is None:
+            self._committed = None
+            self._commit_closed = {Level.SHEDDABLE: False, Level.STANDARD: False}
+            return
+        self._committed = (committed_kv, capacity_tokens)
+        for level, limits in self._limits.items():
+            if committed_kv >= limits.shed_above:
+                self._commit_closed[level] = True
+            elif committed_kv < limits.admit_below:
+                self._commit_closed[level] = False
 
     def _level(self, now: float) -> tuple[Level, str | None]:
         for level in (Level.STANDARD, Level.SHEDDABLE):
@@ -154,6 +178,8 @@ class PressureTracker:
                 return level, REASON_PREEMPTING
             if self._kv_closed[level]:
                 return level, REASON_OVERCOMMIT
+            if self._commit_closed[level]:
+                return level, REASON_COMMITTED
         return Level.OPEN, None
 
     # -- reading
@@ -162,12 +188,12 @@ class PressureTracker:
         """This replica's own judgement; OPEN when the last snapshot is stale or missing."""
         if self._last is None or now - self._last[0] > self._stale_after_s:
             return NO_PRESSURE
-        state = self._state
-        if state.reason == REASON_PREEMPTING and self._preempt_until[state.level] <= now:
-            # The hold ran out between snapshots; re-judge the level without new figures.
-            level, reason = self._level(now)
-            state = Pressure(level, reason, state.projected_kv, state.preemptions_per_s)
-        return state
+        # Judged at every read: preemption holds run out and commitments change between snapshots.
+        level, reason = self._level(now)
+        committed, capacity = self._committed or (None, None)
+        return replace(self._state, level=level, reason=reason,
+                       committed_kv=None if committed is None else round(committed, 4),
+                       capacity_tokens=capacity)
 
     def pressure(self, now: float) -> Pressure:
         """The level in force: this replica's, or another replica's when that one is higher."""
@@ -175,7 +201,7 @@ class PressureTracker:
         remote = self._remote
         if remote is None or remote[2] <= now or remote[0] <= own.level:
             return own
-        return Pressure(remote[0], remote[1], own.projected_kv, own.preemptions_per_s, remote=True)
+        return replace(own, level=remote[0], reason=remote[1], remote=True)
 
     def apply_remote(self, level: Level, reason: str, expires_at: float) -> None:
         """Another replica judged this engine at ``level``; it holds until ``expires_at``."""

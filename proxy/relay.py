@@ -11,6 +11,9 @@ Rules:
   so the engine sees the disconnect and aborts the generation; cancellation by a client disconnect
   goes through the same ``finally``. ``CancelledError`` is re-raised, always.
 - Every dispatch is settled exactly once and every engine exchange reports one breaker outcome.
+- KV commitments (``proxy.commitment``): each dispatch is booked as a flight on its engine until
+  it settles; the pump adds each chunk's length to it (nothing more per chunk) and keeps the last
+  two chunks, from which a complete answer's ``usage`` is learned once, at its end.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from aiohttp import web
 from proxy.admission import REASON_NO_ENGINE
 from proxy.breaker import Outcome, classify_status
 from proxy.cache_entry import Recorder
+from proxy.commitment import TAIL_BYTES, Flight
 from proxy.context import ShellContext
 from proxy.errors import KvproxyError, NoCapacity, UpstreamError, UpstreamTimeout
 from proxy.fleet import Engine
@@ -58,6 +62,9 @@ class Job:
     shed_reason: str | None = None
     # Per engine name: prompt blocks it is expected to compute for this request (routing's view).
     prefill: dict[str, float] = field(default_factory=dict)
+    # Per engine name: prompt tokens it does not hold yet; the client's output cap (KV commitments).
+    prompt_tokens: dict[str, float] = field(default_factory=dict)
+    max_tokens: int | None = None
 
     def client_headers(self) -> dict[str, str]:
         ids = {"X-Request-Id": self.request_id, "X-Engine": self.engine, "X-Served-By": self.pool}
@@ -81,6 +88,7 @@ class Relay:
         self._job = job
         self._recorded = False
         self._ticket = 0
+        self._flight = Flight(0.0, 0.0)
         self._first_byte_deadline = 0.0
 
     async def run(self, ranked: Sequence[str]) -> web.StreamResponse:
@@ -119,14 +127,30 @@ class Relay:
         self._ticket = ticket
         self._recorded = False
         self._first_byte_deadline = 0.0
+        self._flight = self._book(engine, ticket)
         try:
             yield
         finally:
             engine.state.on_settle(ticket)
+            engine.commitments.settle(ticket)
             if not self._recorded:
                 # Ended without a verdict (client gone, cancelled): neutral for the breaker, but
                 # it frees a half-open probe slot.
                 engine.record(Outcome.CLIENT_ERROR, self._ctx.clock())
+
+    def _book(self, engine: Engine, ticket: int) -> Flight:
+        """The flight of this dispatch, counted in the engine's commitments when they are kept."""
+        job = self._job
+        if engine.estimate is None:
+            return Flight(0.0, 0.0)
+        flight = Flight(job.prompt_tokens.get(engine.name, 0.0),
+                        engine.estimate.expected(job.max_tokens))
+        return engine.commitments.dispatch(ticket, flight)
+
+    def _answered(self, engine: Engine) -> None:
+        self._job.first_byte_at = self._ctx.clock()
+        engine.state.on_first_byte(self._ticket)
+        engine.commitments.first_byte(self._ticket)
 
     async def _open(self, engine: Engine) -> aiohttp.ClientResponse:
         """Send the request and wait for the response head; raise ``_Retry`` where allowed."""
@@ -208,8 +232,9 @@ class Relay:
         self._outcome(engine, classify_status(resp.status), f"http_{resp.status}")
         if resp.status < 300:
             engine.completed += 1
-        self._job.first_byte_at = self._ctx.clock()
-        engine.state.on_first_byte(self._ticket)
+            if engine.estimate is not None:
+                engine.estimate.learn_tail(body[-TAIL_BYTES:], None)
+        self._answered(engine)
         self._job.status = resp.status
         if self._job.recorder is not None:
             self._job.recorder.start(resp.status, streamed=False)
@@ -229,12 +254,12 @@ class Relay:
         )
         await out.prepare(self._request)
         self._job.status = resp.status
-        self._job.first_byte_at = self._ctx.clock()
-        engine.state.on_first_byte(self._ticket)
+        self._answered(engine)
         recorder = self._job.recorder
         if recorder is not None:
             recorder.start(resp.status, streamed=True)
-        pump = _Pump(out, self._up.idle_timeout_s, None if recorder is None else recorder.feed)
+        tap = None if recorder is None else recorder.feed
+        pump = _Pump(out, self._up.idle_timeout_s, tap, self._flight)
         failure = await pump.run(chunks) if await pump.write(first) else None
         self._settle_stream(engine, pump, failure)
         return out
@@ -248,6 +273,8 @@ class Relay:
         else:
             self._outcome(engine, Outcome.SUCCESS, None)
             engine.completed += 1
+            if engine.estimate is not None:
+                engine.estimate.learn_tail(pump.tail(), self._flight.relayed)
 
 
 class _Pump:
@@ -262,9 +289,12 @@ class _Pump:
         out: web.StreamResponse,
         idle_timeout_s: float,
         tap: Callable[[bytes], None] | None = None,
+        flight: Flight | None = None,
     ) -> None:
         self._out = out
         self._tap = tap
+        self._flight = flight if flight is not None else Flight(0.0, 0.0)
+        self._last = (b"", b"")
         self._idle = idle_timeout_s
         self._at_event_boundary = True
         self.client_gone = False
@@ -278,8 +308,14 @@ class _Pump:
             return False
         if self._tap is not None:
             self._tap(chunk)
+        self._flight.relayed += len(chunk)
+        self._last = (self._last[1], chunk)
         self._at_event_boundary = chunk.endswith(b"\n\n")
         return True
+
+    def tail(self) -> bytes:
+        """The last bytes relayed (where a stream's ``usage`` event is)."""
+        return (self._last[0][-TAIL_BYTES:] + self._last[1])[-TAIL_BYTES:]
 
     async def run(self, chunks: AsyncIterator[bytes]) -> BaseException | None:
         """Relay until the engine's EOF; return the engine failure that cut the stream, if any."""
