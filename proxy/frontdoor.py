@@ -31,14 +31,8 @@ from proxy.cache_entry import CachedResponse, Recording, replay_sse, usage_token
 from proxy.door_config import DoorConfig
 from proxy.ratelimit import RequestGate
 from proxy.redis_link import RedisLink
-from proxy.shared_state import (
-    EngineRecord,
-    HasBreaker,
-    HasPressure,
-    RegistryWatcher,
-    SharedBreakers,
-    SharedPressure,
-)
+from proxy.shared_pressure import HasPressure, SharedPressure
+from proxy.shared_state import EngineRecord, HasBreaker, RegistryWatcher, SharedBreakers
 from proxy.tenants import TenantDirectory
 
 CHARS_PER_TOKEN = 4

@@ -1,4 +1,4 @@
-"""State that proxy replicas share through Redis: breaker openings, engine pressure, the registry.
+"""State that proxy replicas share through Redis: breaker openings and the engine registry.
 
 Rules:
 - Breakers: when a replica's breaker for an engine opens, it writes a short-lived key (TTL = the
@@ -7,12 +7,7 @@ Rules:
   opening it has not seen yet, by reporting failures to it through its ordinary ``record`` API. An
   opening applied from Redis is never published again, so replicas do not echo each other. Each
   replica still probes a half-open engine itself.
-- Pressure (KV overcommit guard): every ``poll_s`` a replica writes, for each engine its own
-  tracker closes, the key ``<prefix>pressure:<engine>:<level>`` (value: the reason and the
-  replica) with a TTL of the guard's hold time, and reads every engine's keys in one MGET. A key of
-  another replica's applies its level for two poll intervals, renewed on each read while the key
-  lives, merged by maximum with the local level; only local judgements are written, so replicas
-  never echo each other, and one key per level means a lower level never overwrites a higher one.
+- Pressure (KV overcommit guard) is shared the same way, in ``proxy.shared_pressure``.
 - Registry: a sidecar writes its engine's record to ``<prefix>engine:<pool>:<url>`` with a TTL and
   renews it every third of the TTL (the vLLM sidecar's heartbeat writes the same key and fields).
   An engine that stops heartbeating disappears with its key; readers find the live ones by SCAN.
@@ -26,7 +21,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -36,7 +31,6 @@ from proxy.breaker import Breaker, BreakerState, Outcome
 from proxy.config import EngineConfig
 from proxy.errors import ConfigError
 from proxy.periodic import every
-from proxy.pressure import REASON_OVERCOMMIT, REASON_PREEMPTING, Level, PressureTracker
 from proxy.redis_link import RedisClient, RedisLink, RedisUnavailable
 
 log = logging.getLogger("kvproxy.shared")
@@ -134,109 +128,6 @@ class SharedBreakers:
     async def run(self) -> None:
         """The polling loop; run it as one named task owned by the app."""
         await every(self.poll_s, self.sync, "sharing breaker state")
-
-
-class HasPressure(Protocol):
-    @property
-    def name(self) -> str: ...
-
-    pressure: PressureTracker | None
-
-
-_LEVELS = (Level.SHEDDABLE, Level.STANDARD)
-_REASONS = (REASON_OVERCOMMIT, REASON_PREEMPTING)  # a value from Redis is shown only if known
-
-
-class SharedPressure:
-    """Publishes this replica's engine pressure levels and applies the other replicas' ones."""
-
-    def __init__(
-        self,
-        link: RedisLink,
-        engines: Callable[[], Iterable[HasPressure]],
-        *,
-        hold_s: float,
-        clock: Callable[[], float],
-        poll_s: float = 0.25,
-    ) -> None:
-        self._link = link
-        self._engines = engines
-        # At least two polls, so a living judgement never lapses between two writes.
-        self._ttl_ms = max(1, int(max(hold_s, 2 * poll_s) * 1000))
-        self._clock = clock
-        self.poll_s = poll_s
-        self.replica = uuid.uuid4().hex[:12]
-        self.published = 0
-        self.applied = 0
-
-    def _key(self, engine: str, level: Level) -> str:
-        return self._link.key("pressure", engine, level.name.lower())
-
-    async def sync(self) -> None:
-        """One round: publish local levels, then apply remote ones."""
-        engines = [e for e in self._engines() if e.pressure is not None]
-        try:
-            await self._publish(engines)
-            await self._apply(engines)
-        except RedisUnavailable:
-            return
-
-    async def _publish(self, engines: list[HasPressure]) -> None:
-        now = self._clock()
-        writes: list[tuple[str, bytes]] = []
-        for engine in engines:
-            assert engine.pressure is not None
-            own = engine.pressure.local(now)
-            if own.level > Level.OPEN:
-                value = orjson.dumps({"reason": own.reason, "replica": self.replica})
-                writes.append((self._key(engine.name, own.level), value))
-        if not writes:
-            return
-        px = self._ttl_ms
-
-        async def write(r: RedisClient) -> None:
-            async with r.pipeline(transaction=False) as pipe:
-                for key, value in writes:
-                    pipe.set(key, value, px=px)
-                await pipe.execute()
-
-        await self._link.run("pressure_publish", write)
-        self.published += len(writes)
-
-    async def _apply(self, engines: list[HasPressure]) -> None:
-        if not engines:
-            return
-        keys = [self._key(e.name, level) for e in engines for level in _LEVELS]
-        values = await self._link.run("pressure_poll", lambda r: r.mget(keys))
-        expires = self._clock() + 2 * self.poll_s
-        for i, engine in enumerate(engines):
-            assert engine.pressure is not None
-            level, reason = self._remote(values[2 * i : 2 * i + 2])
-            engine.pressure.apply_remote(level, reason, expires)
-            self.applied += level > Level.OPEN
-
-    def _remote(self, values: Sequence[object]) -> tuple[Level, str]:
-        """The highest level another replica wrote among one engine's keys."""
-        found, why = Level.OPEN, ""
-        for level, raw in zip(_LEVELS, values, strict=True):
-            doc = _decode(raw)
-            if doc is not None and doc.get("replica") != self.replica:
-                reason = doc.get("reason")
-                found, why = level, reason if reason in _REASONS else REASON_OVERCOMMIT
-        return found, why
-
-    async def run(self) -> None:
-        await every(self.poll_s, self.sync, "sharing engine pressure")
-
-
-def _decode(raw: object) -> dict[str, object] | None:
-    if not isinstance(raw, bytes) or len(raw) > 1024:
-        return None
-    try:
-        doc = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        return None
-    return doc if isinstance(doc, dict) else None
 
 
 # --- engine registry ------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from proxy.door_config import RedisConfig
 from proxy.fleet import Fleet
 from proxy.pressure import Level
 from proxy.redis_link import RedisLink
-from proxy.shared_state import SharedPressure
+from proxy.shared_pressure import SharedPressure
 from proxy.telemetry import EngineSnapshot
 
 POOL = PoolConfig("target", "m", (EngineConfig("e0", "http://127.0.0.1:9"),

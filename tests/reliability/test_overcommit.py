@@ -131,3 +131,68 @@ async def test_guard_off_keeps_routing_to_a_preempting_engine(make_stack: StackF
     engines = {engine for _, engine, _ in await send(stack, "sheddable", 12)}
     assert "t0" in engines
     assert (await stack.admin())["t0"]["pressure"]["level"] == "open"
+
+
+# --- commitments: a burst is held back by what it will take, before the engine reports it -------
+
+KV = "vllm:kv_cache_usage_perc"
+LONG = {"max_tokens": 400, "ignore_eos": True}  # 400 + a few prompt tokens: 1/8 of the cache
+
+
+async def burst(stack: Stack, cls: str, n: int) -> list[tuple[int, str | None]]:
+    """(status, shed reason) of ``n`` concurrent long-output requests of class ``cls``."""
+
+    async def one(i: int) -> tuple[int, str | None]:
+        resp = await stack.post("/v1/chat/completions", chat_body(f"{cls} {i}", **LONG),
+                                **{"X-Priority": cls})
+        await resp.read()
+        return resp.status, resp.headers.get("X-Kvproxy-Shed-Reason")
+
+    return list(await asyncio.gather(*(one(i) for i in range(n))))
+
+
+async def reporting_low_usage(stack: Stack, **pressure: object) -> Stack:
+    """One engine of 200 blocks x 16 tokens whose answers stall after their first tokens (so a
+    burst stays in flight) and whose reported KV usage stays at 5 %: the burst's output is still
+    to come, as it is right after an engine admitted it on its prompts."""
+    for name in stack.names:
+        await stack.faults(name, metric_overrides={KV: 0.05}, stall_after_tokens=2, stall_s=1.5)
+
+    async def judged() -> bool:
+        return all(r["snapshot"]["kv_usage"] == 0.05 for r in (await stack.admin()).values())
+
+    await stack.wait_for(judged)
+    return stack
+
+
+async def test_a_long_output_burst_is_held_back_by_what_it_will_take(
+    make_stack: StackFactory,
+) -> None:
+    stack = await reporting_low_usage(
+        await make_stack(targets=1, pressure=GUARD, engine_kw={"num_gpu_blocks": 200}))
+    sheddable, critical = await asyncio.gather(burst(stack, "sheddable", 12),
+                                               burst(stack, "critical", 1))
+    admitted = [s for s, _ in sheddable if s == 200]
+    shed = [reason for s, reason in sheddable if s == 503]
+    # 0.05 reported + six requests of ~0.127 each = 0.81; a seventh would cross 0.85.
+    assert len(admitted) == 6
+    assert shed and set(shed) == {"kv_committed"}
+    assert critical == [(200, None)]  # never closed by commitments (7 x 26 blocks fit in 200)
+    assert await stack.metric("kvproxy_shed_total", reason="kv_committed",
+                              **{"class": "sheddable"}) == len(shed)
+
+    async def settled() -> bool:
+        pressure = (await stack.admin())["t0"]["pressure"]
+        return bool(pressure["committed_kv"] == 0.05 and pressure["level"] == "open")
+
+    await stack.wait_for(settled)  # answered: nothing owed any more, the engine opens again
+    assert all(s == 200 for s, _ in await burst(stack, "sheddable", 3))
+
+
+async def test_without_reservation_the_same_burst_is_all_admitted(
+    make_stack: StackFactory,
+) -> None:
+    off = PressureConfig(hold_scrapes=50, reserve_output=False)
+    stack = await reporting_low_usage(
+        await make_stack(targets=1, pressure=off, engine_kw={"num_gpu_blocks": 200}))
+    assert all(s == 200 for s, _ in await burst(stack, "sheddable", 12))
