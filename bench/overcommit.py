@@ -1,7 +1,8 @@
 """Overcommit benchmark: the KV overcommit guard vs KV thresholds only vs no admission control.
 
-Usage: ``python -m bench.overcommit [--duration-s 40] [options]`` (see ``--help``); writes
-``bench/results/overcommit.json`` and ``overcommit.md``, then regenerates the benchmarks page.
+Usage: ``python -m bench.overcommit [--duration-s 40] [--repeat 3] [options]`` (see ``--help``);
+writes ``bench/results/overcommit.json`` and ``overcommit.md``, then regenerates the benchmarks
+page.
 
 Rules:
 - Engines: simulated, profile ``llama70b-h100`` (70B FP8 on one H100 at 0.95 memory
@@ -9,9 +10,15 @@ Rules:
   on their prompt's blocks alone and runs out of KV as their outputs grow: it preempts, as vLLM
   does when overcommitted. FCFS scheduling (vLLM's default): a preemption hits whoever came last.
 - Traffic: open loop, one schedule from ``--seed`` for every arm: a base Poisson rate with
-  periodic bursts, each request critical / standard / sheddable by the given mix, its prompt and
-  output length drawn from the same generator (outputs forced with ``min_tokens``).
-- Arms, one after the other, each with a fresh engine process and a fresh proxy: ``guard``
+  periodic bursts, each request critical / standard / sheddable by the given mix, its prompt drawn
+  from the same generator. Clients do not know how long the answer will be: each sends a
+  ``max_tokens`` cap drawn from ``--max-tokens`` ("none": omitted), and the engine ends the answer
+  at its natural length (greedy, so the same prompt gives the same length in every arm), drawn
+  uniformly from ``--output-tokens``. ``--exact-max-tokens`` sends the answer's exact length as
+  ``max_tokens`` instead (forced with ``ignore_eos``), which hands the proxy a perfect forecast.
+- Rounds: ``--repeat`` rounds, each running every arm once, one after the other (arms interleaved
+  across rounds, so slow drift of the machine hits every arm alike). Each arm run has a fresh
+  engine process and a fresh proxy: ``guard``
   (default config), ``threshold`` (``pressure.enabled = false``: today's KV thresholds only) and
   ``none`` (guard off, thresholds above any usage: no shedding at all).
 - Figures: preemptions from the engines' own ``vllm:num_preemptions_total``; TTFT per class of
@@ -28,6 +35,8 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import orjson
 
 from bench import machine
 from bench.fleet import Fleet, FleetSpec
@@ -51,7 +60,9 @@ class Arrival:
     at: float
     cls: str
     prompt: str
-    output_tokens: int
+    output_tokens: int  # the natural length with --exact-max-tokens; else set by the engine
+    max_tokens: int | None  # the client's cap (None: not sent)
+    forced: bool = False  # --exact-max-tokens: the answer is forced to ``output_tokens``
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,7 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--period-s", type=float, default=10.0, help="one burst per period")
     p.add_argument("--mix", default="0.2,0.4,0.4", help="critical,standard,sheddable shares")
     p.add_argument("--prompt-tokens", default="256,1024")
-    p.add_argument("--output-tokens", default="256,768")
+    p.add_argument("--output-tokens", default="256,768",
+                   help="MIN,MAX of the answers' natural length (the engines' --output-len)")
+    p.add_argument("--max-tokens", default="none,1024,2048",
+                   help="caps the clients send, one drawn per request ('none': omitted)")
+    p.add_argument("--exact-max-tokens", action="store_true",
+                   help="send each answer's exact length as max_tokens (a perfect forecast)")
+    p.add_argument("--repeat", type=int, default=1, help="rounds of all arms, interleaved")
     p.add_argument("--timeout-s", type=float, default=120.0)
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--arms", default=",".join(ARMS))
@@ -80,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
 def schedule(args: argparse.Namespace) -> list[Arrival]:
     """The arrivals of one run: Poisson at the base rate, at the burst rate during bursts."""
     rng = random.Random(args.seed)
+    # Caps come from a generator of their own: arrivals, classes and prompts stay those of the seed.
+    caps_rng = random.Random(f"{args.seed}-max-tokens")
+    caps = [None if c.strip() == "none" else int(c) for c in args.max_tokens.split(",")]
     shares = [float(x) for x in args.mix.split(",")]
     p_lo, p_hi = (int(x) for x in args.prompt_tokens.split(","))
     o_lo, o_hi = (int(x) for x in args.output_tokens.split(","))
@@ -92,7 +112,9 @@ def schedule(args: argparse.Namespace) -> list[Arrival]:
             return out
         cls = rng.choices(CLASSES, weights=shares)[0]
         prompt = random_tokens(rng, rng.randint(p_lo, p_hi))
-        out.append(Arrival(t, cls, prompt, rng.randint(o_lo, o_hi)))
+        length = rng.randint(o_lo, o_hi)
+        cap = length if args.exact_max_tokens else caps_rng.choice(caps)
+        out.append(Arrival(t, cls, prompt, length, cap, forced=args.exact_max_tokens))
 
 
 def proxy_toml(arm: str, urls: list[str], model: str, port: int) -> str:
@@ -112,7 +134,7 @@ async def drive(url: str, model: str, arrivals: list[Arrival],
 
         async def one(i: int, a: Arrival) -> tuple[str, RequestRecord]:
             await asyncio.sleep(max(0.0, start + a.at - time.perf_counter()))
-            body = request_body(endpoint, a.prompt, a.output_tokens)
+            body = client_body(endpoint, a)
             rec = await send_one(session, endpoint, body, index=i, run_start=start,
                                  timeout_s=timeout_s, headers={"X-Priority": a.cls})
             return a.cls, rec
@@ -120,6 +142,18 @@ async def drive(url: str, model: str, arrivals: list[Arrival],
         done = await asyncio.gather(*(one(i, a) for i, a in enumerate(arrivals)))
         span = max((r.sent_at + (r.e2e or 0.0) for _, r in done), default=0.0)
     return list(done), span
+
+
+def client_body(endpoint: Endpoint, a: Arrival) -> bytes:
+    """The request as a chat client sends it: a cap on the answer, not its length."""
+    if a.forced:
+        return request_body(endpoint, a.prompt, a.output_tokens)  # forced to exactly this length
+    body = orjson.loads(request_body(endpoint, a.prompt, 1))
+    for key in ("min_tokens", "ignore_eos", "max_tokens"):
+        body.pop(key)
+    if a.max_tokens is not None:
+        body["max_tokens"] = a.max_tokens
+    return bytes(orjson.dumps(body))
 
 
 def run_arm(arm: str, spec: FleetSpec, arrivals: list[Arrival], args: argparse.Namespace,
@@ -171,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     arms = [a for a in args.arms.split(",") if a]
     spec = FleetSpec(engines=args.engines, profile=args.profile, model="llama-70b",
                      time_scale=args.time_scale, num_gpu_blocks=args.num_gpu_blocks,
-                     max_num_seqs=512, max_model_len=4096)
+                     max_num_seqs=512, max_model_len=4096,
+                     extra_args=("--output-len", args.output_tokens))
     arrivals = schedule(args)
     result: dict[str, object] = {
         "benchmark": "overcommit", "command": machine.command_line(),
@@ -180,12 +215,16 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {"fleet": spec.settings(), **{k: v for k, v in vars(args).items()
                                                   if k not in ("out", "no_report")},
                      "requests": len(arrivals), "scheduling_policy": "fcfs"},
-        "arms": {},
+        "rounds": [],
     }
     work = args.out / "raw" / "overcommit"
-    for arm in arms:
-        print(f"arm {arm}: {len(arrivals)} requests over {args.duration_s:g} s", flush=True)
-        result["arms"][arm] = run_arm(arm, spec, arrivals, args, work)  # type: ignore[index]
+    for n in range(args.repeat):
+        done: dict[str, object] = {}
+        for arm in arms:
+            print(f"round {n + 1}/{args.repeat}, arm {arm}: {len(arrivals)} requests over "
+                  f"{args.duration_s:g} s", flush=True)
+            done[arm] = run_arm(arm, spec, arrivals, args, work)
+        result["rounds"].append(done)  # type: ignore[attr-defined]
     result["finished_at"] = machine.now_utc()
     machine.write_json(args.out / "overcommit.json", result)
     from bench.report_overcommit import write_overcommit  # noqa: PLC0415
