@@ -79,8 +79,8 @@ def _spread(values: list[float], digits: int, unit: str = "") -> str:
     ordered = sorted(values)
     mid = ordered[len(ordered) // 2]
     each = ", ".join(f"{fmt(v, digits)}{unit}" for v in values)
-    return f"{fmt(mid, digits)}{unit} (rounds: {each}; min {fmt(ordered[0], digits)}{unit})" \
-        if len(values) > 1 else f"{fmt(mid, digits)}{unit}"
+    return f"{fmt(mid, digits)}{unit} (rounds: {each})" if len(values) > 1 \
+        else f"{fmt(mid, digits)}{unit}"
 
 
 def _targets(rounds: list[Mapping[str, Mapping[str, object]]]) -> str:

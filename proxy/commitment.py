@@ -98,13 +98,20 @@ class OutputEstimate:
                 old = self.bytes_per_token
                 self.bytes_per_token = ratio if old is None else old + (ratio - old) / 32
 
-    def learn_tail(self, tail: bytes, relayed: int | None) -> None:
-        """Learn from an answer's last bytes: its usage when present, else the bytes relayed."""
+    def learn_tail(
+        self, tail: bytes, size: int, *, streamed: bool, max_tokens: int | None = None
+    ) -> None:
+        """Learn from a complete answer of ``size`` bytes ending in ``tail``: its usage when
+        present, else (a stream) its size over the learned bytes per token. An engine's figure is
+        believed only up to what the answer could hold: its size in bytes and ``max_tokens``."""
         tokens = completion_tokens(tail)
-        if tokens is not None:
-            self.learn(tokens, relayed)
-        elif relayed is not None and self.bytes_per_token:
-            self.learn(int(relayed / self.bytes_per_token))
+        from_usage = tokens is not None
+        if tokens is None:
+            if not (streamed and self.bytes_per_token):
+                return
+            tokens = int(size / self.bytes_per_token)
+        bound = size if max_tokens is None else min(size, max_tokens)
+        self.learn(min(tokens, bound), size if streamed and from_usage else None)
 
 
 class Commitments:

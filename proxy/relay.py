@@ -233,7 +233,8 @@ class Relay:
         if resp.status < 300:
             engine.completed += 1
             if engine.estimate is not None:
-                engine.estimate.learn_tail(body[-TAIL_BYTES:], None)
+                engine.estimate.learn_tail(body[-TAIL_BYTES:], len(body), streamed=False,
+                                           max_tokens=self._job.max_tokens)
         self._answered(engine)
         self._job.status = resp.status
         if self._job.recorder is not None:
@@ -274,7 +275,8 @@ class Relay:
             self._outcome(engine, Outcome.SUCCESS, None)
             engine.completed += 1
             if engine.estimate is not None:
-                engine.estimate.learn_tail(pump.tail(), self._flight.relayed)
+                engine.estimate.learn_tail(pump.tail(), self._flight.relayed, streamed=True,
+                                           max_tokens=self._job.max_tokens)
 
 
 class _Pump:
@@ -294,7 +296,7 @@ class _Pump:
         self._out = out
         self._tap = tap
         self._flight = flight if flight is not None else Flight(0.0, 0.0)
-        self._last = (b"", b"")
+        self._prev = self._chunk = b""  # the last two chunks: where a stream's usage is
         self._idle = idle_timeout_s
         self._at_event_boundary = True
         self.client_gone = False
@@ -309,13 +311,13 @@ class _Pump:
         if self._tap is not None:
             self._tap(chunk)
         self._flight.relayed += len(chunk)
-        self._last = (self._last[1], chunk)
+        self._prev, self._chunk = self._chunk, chunk
         self._at_event_boundary = chunk.endswith(b"\n\n")
         return True
 
     def tail(self) -> bytes:
         """The last bytes relayed (where a stream's ``usage`` event is)."""
-        return (self._last[0][-TAIL_BYTES:] + self._last[1])[-TAIL_BYTES:]
+        return (self._prev[-TAIL_BYTES:] + self._chunk)[-TAIL_BYTES:]
 
     async def run(self, chunks: AsyncIterator[bytes]) -> BaseException | None:
         """Relay until the engine's EOF; return the engine failure that cut the stream, if any."""

@@ -170,8 +170,14 @@ async def test_a_long_output_burst_is_held_back_by_what_it_will_take(
 ) -> None:
     stack = await reporting_low_usage(
         await make_stack(targets=1, pressure=GUARD, engine_kw={"num_gpu_blocks": 200}))
-    sheddable, critical = await asyncio.gather(burst(stack, "sheddable", 12),
-                                               burst(stack, "critical", 1))
+    sending = asyncio.create_task(burst(stack, "sheddable", 12))
+
+    async def six_in_flight() -> bool:
+        return bool((await stack.admin())["t0"]["inflight"] == 6)
+
+    await stack.wait_for(six_in_flight)  # the rest are refused at once; these six stall
+    critical = await burst(stack, "critical", 1)
+    sheddable = await sending
     admitted = [s for s, _ in sheddable if s == 200]
     shed = [reason for s, reason in sheddable if s == 503]
     # 0.05 reported + six requests of ~0.127 each = 0.81; a seventh would cross 0.85.

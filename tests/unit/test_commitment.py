@@ -70,15 +70,24 @@ def test_usage_and_bytes_per_token_are_learned_from_the_tail_of_an_answer() -> N
             b'"completion_tokens":100}}\n\ndata: [DONE]\n\n')
     assert completion_tokens(tail) == 100
     assert completion_tokens(b"data: [DONE]\n\n") is None
-    est.learn_tail(tail, relayed=20_000)
+    est.learn_tail(tail, 20_000, streamed=True)
     assert est.mean() == 100
     assert est.bytes_per_token == pytest.approx(200.0)
-    est.learn_tail(b"data: [DONE]\n\n", relayed=40_000)  # no usage: counted from the bytes
+    est.learn_tail(b"data: [DONE]\n\n", 40_000, streamed=True)  # no usage: from the bytes
     assert est.mean() == pytest.approx(150)
-    est.learn_tail(b"data: [DONE]\n\n", relayed=None)  # nothing to learn from
+    est.learn_tail(b'{"choices":[]}', 900, streamed=False)  # a JSON answer without usage
     assert est.samples == 2
     est.learn(10, relayed=1)  # an absurd ratio is not learned
     assert est.bytes_per_token == pytest.approx(200.0)
+
+
+def test_an_engines_usage_is_believed_only_up_to_what_the_answer_could_hold() -> None:
+    est = OutputEstimate(PressureConfig(output_min_samples=1))
+    lie = b'{"usage":{"completion_tokens":999999999}}'
+    est.learn_tail(lie, 4000, streamed=False, max_tokens=300)
+    assert est.mean() == 300
+    est.learn_tail(lie, 4000, streamed=False)
+    assert est.mean() == pytest.approx((300 + 4000) / 2)
 
 
 def test_unknown_capacity_gives_no_commitment_signal() -> None:
