@@ -21,6 +21,7 @@ from bench.docs import benchmarks_doc
 from bench.machine import now_utc, read_json
 from bench.markdown import fmt, footer_text, num
 from bench.report_noise import noise_markdown
+from bench.report_overcommit import write_overcommit
 from bench.report_overhead import overhead_markdown, overhead_ratios
 from bench.report_routing import calibration_markdown, routing_markdown
 from bench.report_soak import soak_markdown
@@ -95,8 +96,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     overhead = write_overhead(args.results)
     soak = write_soak(args.results)
     args.docs.parent.mkdir(parents=True, exist_ok=True)
-    args.docs.write_text(benchmarks_doc(routing, overhead, args.results, args.docs, now_utc(),
-                                        plots.available(), soak=soak))
+    page = benchmarks_doc(routing, overhead, args.results, args.docs, now_utc(),
+                          plots.available(), soak=soak)
+    overcommit = write_overcommit(args.results)
+    if overcommit is not None:
+        page += "\n" + "\n".join("##" + ln if ln.startswith("#") else ln
+                                   for ln in overcommit.splitlines()) + "\n"
+    args.docs.write_text(page)
     print(f"wrote {args.docs} and reports under {args.results}")
     return 0
 

@@ -10,6 +10,15 @@ Rules:
 - Stale telemetry never sheds on its own: when every routable engine is stale, critical and standard
   requests fail open (``Admit(stale_fail_open=True)``); sheddable requests are shed, reason
   ``telemetry_stale``.
+- KV overcommit guard (``proxy.pressure``): an engine under pressure is closed to sheddable work,
+  then to standard work too; never to critical work. Closed engines are left out of the KV figure
+  and of ``eligible``; when every fresh engine of the pool is closed to the class, it is shed:
+  ``preempting`` when any of them preempts, ``kv_pressure`` when KV usage is already past the
+  class's threshold, ``kv_overcommit`` when its growth is projected to cross it, else
+  ``kv_committed``; the caller may degrade it to the draft pool as for ``kv_pressure``.
+- Commitments: an engine is also closed to a sheddable or standard request that would itself take
+  the engine's committed KV (reported usage plus what the proxy's in-flight requests still owe) to
+  the class's ``shed_above`` (``need_tokens``: its prompt plus its expected output).
 - Pure: no clock, no I/O. The only state is the per-(pool, class) shedding flag.
 """
 
@@ -21,6 +30,13 @@ from enum import Enum
 
 from proxy.config import AdmissionConfig, ClassThreshold
 from proxy.errors import BadRequest
+from proxy.pressure import (
+    REASON_COMMITTED,
+    REASON_OVERCOMMIT,
+    REASON_PREEMPTING,
+    Level,
+    Pressure,
+)
 from proxy.routing import EngineView
 
 REASON_KV = "kv_pressure"
@@ -75,6 +91,16 @@ def parse_priority(header: str | None, body_value: object) -> Priority:
     )
 
 
+# The lowest pressure level that closes an engine to each class; critical is never closed by it.
+_CLOSED_AT = {Priority.SHEDDABLE: Level.SHEDDABLE, Priority.STANDARD: Level.STANDARD}
+
+
+def closed_to(pressure: Pressure, cls: Priority) -> bool:
+    """Whether an engine under ``pressure`` takes no more ``cls`` work."""
+    at = _CLOSED_AT.get(cls)
+    return at is not None and pressure.level >= at
+
+
 def engine_priority(p: Priority) -> int:
     """The ``priority`` written into the upstream body for engines with priority scheduling."""
     return _ENGINE_PRIORITY[p]
@@ -110,7 +136,18 @@ class Admission:
         """Whether (pool, class) is currently in its shedding state."""
         return self._shedding.get((pool, cls), False)
 
-    def decide(self, pool: str, cls: Priority, engines: Sequence[EngineView]) -> Decision:
+    def closed(self, engine: EngineView, cls: Priority, need_tokens: float = 0.0) -> bool:
+        """Whether ``engine`` takes no ``cls`` request needing ``need_tokens`` of KV: closed by the
+        guard, or the request would take its committed KV to the class's threshold."""
+        p = engine.pressure
+        if closed_to(p, cls):
+            return True
+        if cls is Priority.CRITICAL or p.committed_kv is None or not p.capacity_tokens:
+            return False
+        return p.committed_kv + need_tokens / p.capacity_tokens >= self.threshold(cls).shed_above
+
+    def decide(self, pool: str, cls: Priority, engines: Sequence[EngineView],
+               need_tokens: float = 0.0) -> Decision:
         routable = [e for e in engines if e.routable]
         if not routable:
             return Shed(REASON_NO_ENGINE, self.cfg.retry_after_s)
@@ -119,10 +156,24 @@ class Admission:
             if cls is Priority.SHEDDABLE:
                 return Shed(REASON_STALE, self.cfg.retry_after_s)
             return Admit(stale_fail_open=True)
-        best_kv = min(e.kv_usage for e in fresh)
+        usable = [e for e in fresh if not self.closed(e, cls, need_tokens)]
+        if not usable:
+            return Shed(self._closed_reason(pool, cls, fresh), self.cfg.retry_after_s)
+        best_kv = min(e.kv_usage for e in usable)
         if self._update(pool, cls, best_kv):
             return Shed(REASON_KV, self.cfg.retry_after_s)
         return Admit()
+
+    def _closed_reason(self, pool: str, cls: Priority, fresh: Sequence[EngineView]) -> str:
+        """Why a class every fresh engine is closed to is shed: preemptions first; then the KV
+        threshold when usage is already past it (today's reason); else the projection."""
+        if any(e.pressure.reason == REASON_PREEMPTING for e in fresh):
+            return REASON_PREEMPTING
+        if self._update(pool, cls, min(e.kv_usage for e in fresh)):
+            return REASON_KV
+        if any(e.pressure.reason == REASON_OVERCOMMIT for e in fresh):
+            return REASON_OVERCOMMIT
+        return REASON_COMMITTED
 
     def _update(self, pool: str, cls: Priority, kv: float) -> bool:
         """Move the hysteresis state for ``kv`` and return whether to shed."""
@@ -135,10 +186,13 @@ class Admission:
         self._shedding[(pool, cls)] = shedding
         return shedding
 
-    def eligible(self, cls: Priority, engines: Sequence[EngineView]) -> list[EngineView]:
+    def eligible(self, cls: Priority, engines: Sequence[EngineView],
+                 need_tokens: float = 0.0) -> list[EngineView]:
         """The engines a request of ``cls`` should be routed among: fresh ones above the class's
-        ``shed_above`` are left out (stale ones are kept, their KV figure is unknown). Never
-        returns an empty list when ``engines`` holds a routable engine: then all are returned."""
+        ``shed_above`` are left out (stale ones are kept, their KV figure is unknown), and so are
+        those the overcommit guard closed to ``cls``. Never returns an empty list when ``engines``
+        holds a routable engine: then all are returned."""
         limit = self.threshold(cls).shed_above
-        keep = [e for e in engines if not (e.fresh and e.kv_usage > limit)]
+        keep = [e for e in engines
+                if not (e.fresh and e.kv_usage > limit) and not self.closed(e, cls, need_tokens)]
         return keep if any(e.routable for e in keep) else list(engines)

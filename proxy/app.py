@@ -140,11 +140,14 @@ async def _front_door(app: web.Application) -> AsyncIterator[None]:
     ctx = app[SHELL]
     door = app[DOOR]
     pools = {pool.name: pool.model for pool in ctx.cfg.pools}
+    guard = ctx.cfg.pressure
     door.start(
         lambda: ctx.fleet,
         open_s=ctx.cfg.breaker.open_s,
         clock=ctx.clock,
         on_registry=RegistrySync(ctx.fleet, pools),
+        pressure=(lambda: ctx.fleet) if guard.enabled else None,
+        pressure_hold_s=guard.hold_scrapes * ctx.cfg.telemetry.interval_s,
     )
     try:
         yield

@@ -154,6 +154,41 @@ class AdmissionConfig:
 
 
 @dataclass(frozen=True)
+class PressureConfig:
+    """The KV overcommit guard (``proxy.pressure``); counts are in scrape intervals."""
+
+    enabled: bool = True
+    # KV usage is projected this many scrape intervals ahead at its current growth rate.
+    horizon_scrapes: float = 3.0
+    # Growth and preemptions are measured over this many of the latest scrape intervals.
+    window_scrapes: int = 5
+    # Preemptions in this many intervals of the window close the engine to standard work too.
+    escalate_scrapes: int = 2
+    # A closing caused by preemptions lasts this many intervals after the last preemption.
+    hold_scrapes: int = 10
+    # Count the KV this proxy's in-flight requests will still take (prompt not yet computed and
+    # output still to come) on top of the engine's reported usage (``proxy.commitment``).
+    reserve_output: bool = True
+    # A pool's expected answer length: the mean completion tokens of its last ``output_window``
+    # answers; ``prior_output_tokens`` until ``output_min_samples`` answers are known.
+    output_window: int = 256
+    output_min_samples: int = 16
+    prior_output_tokens: int = 512
+
+    def __post_init__(self) -> None:
+        _require(self.horizon_scrapes >= 0, "horizon_scrapes", "must be >= 0")
+        _require(self.window_scrapes >= 2, "window_scrapes", "must be >= 2")
+        _require(self.escalate_scrapes >= 1, "escalate_scrapes", "must be >= 1")
+        _require(self.escalate_scrapes <= self.window_scrapes, "escalate_scrapes",
+                 "must be <= pressure.window_scrapes")
+        _require(self.hold_scrapes >= 0, "hold_scrapes", "must be >= 0")
+        _require(self.output_window >= 1, "output_window", "must be >= 1")
+        _require(1 <= self.output_min_samples <= self.output_window, "output_min_samples",
+                 "must be in 1..pressure.output_window")
+        _require(self.prior_output_tokens >= 1, "prior_output_tokens", "must be >= 1")
+
+
+@dataclass(frozen=True)
 class UpstreamConfig:
     connect_timeout_s: float = 2.0
     first_byte_timeout_s: float = 60.0
@@ -333,6 +368,7 @@ class Config:
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    pressure: PressureConfig = field(default_factory=PressureConfig)
     upstream: UpstreamConfig = field(default_factory=UpstreamConfig)
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
     outlier: OutlierConfig = field(default_factory=OutlierConfig)
@@ -422,6 +458,7 @@ SCALAR_SECTIONS: tuple[str, ...] = (
     "telemetry",
     "routing",
     "admission",
+    "pressure",
     "upstream",
     "breaker",
     "outlier",

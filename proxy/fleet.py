@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from proxy.breaker import Breaker, BreakerState, Outcome
+from proxy.commitment import Commitments, OutputEstimate, projected_usage
 from proxy.config import Config, EngineConfig, OutlierConfig
 from proxy.errors import ConfigError
 from proxy.metrics import EngineGaugeRow
 from proxy.outlier import Ejection, OutlierDetector, Result
+from proxy.pressure import NO_PRESSURE, Pressure, PressureTracker
 from proxy.routing import EngineView
 from proxy.telemetry import EngineState, Health
 
@@ -38,6 +40,12 @@ class Engine:
     outliers: OutlierDetector = field(
         default_factory=lambda: OutlierDetector(OutlierConfig()), repr=False
     )
+    # The KV overcommit guard's judgement of this engine; None: the guard is off.
+    pressure: PressureTracker | None = field(default=None, repr=False)
+    # What this proxy's requests in flight here still owe the engine's KV cache, and the pool's
+    # learned answer length (set by the fleet); None: commitments are not counted.
+    commitments: Commitments = field(default_factory=Commitments, repr=False)
+    estimate: OutputEstimate | None = field(default=None, repr=False)
 
     @property
     def name(self) -> str:
@@ -49,7 +57,29 @@ class Engine:
 
     def view(self, now: float) -> EngineView:
         # peek: a view must not take a half-open or probation probe slot; dispatch does that.
-        return self.state.view(now, self._lets_through(now))
+        view = self.state.view(now, self._lets_through(now))
+        pressure = self.judge_pressure(now)
+        return view if pressure is NO_PRESSURE else replace(view, pressure=pressure)
+
+    def judge_pressure(self, now: float) -> Pressure:
+        """Feed the guard the latest snapshot (once each) and return the level in force."""
+        if self.pressure is None:
+            return NO_PRESSURE
+        snap = self.state.snapshot
+        if snap is not None:
+            self.pressure.observe(snap.taken_at, snap.kv_usage, snap.preemptions)
+            self.pressure.commit(*self.committed())
+        return self.pressure.pressure(now)
+
+    def committed(self) -> tuple[float | None, int | None]:
+        """(reported usage + what in-flight requests owe, capacity in tokens); None: unknown."""
+        snap = self.state.snapshot
+        if snap is None or self.estimate is None or not snap.block_size:
+            return None, None
+        blocks, size = snap.num_gpu_blocks, snap.block_size
+        owed = self.commitments.owed_blocks(size, self.estimate.bytes_per_token)
+        committed = projected_usage(snap.kv_usage, owed, size, blocks)
+        return (None, None) if committed is None or blocks is None else (committed, size * blocks)
 
     def _lets_through(self, now: float) -> bool:
         return self.breaker.peek(now) and self.outliers.peek(self.name, now)
@@ -101,6 +131,7 @@ class Fleet:
             engines = [_engine(cfg, pool.name, e) for pool in cfg.pools for e in pool.engines]
         self._engines: dict[str, Engine] = {e.name: e for e in engines}
         self._pools: dict[str, list[Engine]] = {}
+        self._estimates: dict[str, OutputEstimate] = {}
         for engine in engines:
             self._pools.setdefault(engine.pool, []).append(engine)
             self._bind(engine)
@@ -124,6 +155,15 @@ class Fleet:
             detector = self._outliers[engine.pool] = OutlierDetector(self._cfg.outlier, engine.pool)
         detector.add(engine.name)
         engine.outliers = detector
+        if engine.pressure is not None and self._cfg.pressure.reserve_output:
+            engine.estimate = self.estimate(engine.pool)
+
+    def estimate(self, pool: str) -> OutputEstimate:
+        """The pool's learned answer length (one per pool: its engines serve the same model)."""
+        found = self._estimates.get(pool)
+        if found is None:
+            found = self._estimates[pool] = OutputEstimate(self._cfg.pressure)
+        return found
 
     def remove(self, name: str) -> None:
         """Stop routing to an engine; requests already sent to it finish normally."""
@@ -155,6 +195,7 @@ class Fleet:
     def tick(self, now: float, stale_after_s: float) -> None:
         for engine in self:
             engine.state.tick(now, stale_after_s)
+            engine.judge_pressure(now)  # every snapshot, not only those a request happens to see
 
     def any_routable(self, now: float) -> bool:
         return any(e.view(now).routable for e in self)
@@ -181,7 +222,15 @@ def _engine(cfg: Config, pool: str, engine: EngineConfig) -> Engine:
         stale_after_s=cfg.telemetry.stale_after_s,
         unhealthy_after_failures=cfg.telemetry.unhealthy_after_failures,
     )
-    return Engine(engine, pool, state, Breaker(cfg.breaker), auth=auth)
+    return Engine(engine, pool, state, Breaker(cfg.breaker), auth=auth, pressure=_tracker(cfg))
+
+
+def _tracker(cfg: Config) -> PressureTracker | None:
+    if not cfg.pressure.enabled:
+        return None
+    return PressureTracker(cfg.pressure, sheddable=cfg.admission.sheddable,
+                           standard=cfg.admission.standard, interval_s=cfg.telemetry.interval_s,
+                           stale_after_s=cfg.telemetry.stale_after_s)
 
 
 def _admin_row(engine: Engine, now: float) -> dict[str, Any]:
@@ -205,6 +254,7 @@ def _admin_row(engine: Engine, now: float) -> dict[str, Any]:
         "dispatched_since_snapshot": state.dispatched_since_snapshot,
         "consecutive_scrape_failures": state.consecutive_failures,
         "last_error": state.last_error,
+        "pressure": _pressure_dict(view.pressure),
         "snapshot_age_s": None if snap is None else round(max(0.0, now - snap.taken_at), 3),
         "snapshot": None if snap is None else _snapshot_dict(snap),
     }
@@ -224,7 +274,16 @@ def _gauge_row(engine: Engine, now: float) -> EngineGaugeRow:
         breaker=_breaker_name(engine.breaker.state),
         health=state.health.name.lower(),
         outlier=engine.outliers.state(engine.name, now).value,
+        pressure=int(engine.judge_pressure(now).level),
     )
+
+
+def _pressure_dict(p: Pressure) -> dict[str, Any]:
+    closed = {0: [], 1: ["sheddable"], 2: ["sheddable", "standard"]}[int(p.level)]
+    return {"level": p.level.name.lower(), "closed_to": closed, "reason": p.reason,
+            "projected_kv": p.projected_kv, "committed_kv": p.committed_kv,
+            "preemptions_per_s": p.preemptions_per_s,
+            "from_other_replica": p.remote}
 
 
 def _snapshot_dict(snap: object) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from proxy.cache_entry import CachedResponse, Recording, replay_sse, usage_token
 from proxy.door_config import DoorConfig
 from proxy.ratelimit import RequestGate
 from proxy.redis_link import RedisLink
+from proxy.shared_pressure import HasPressure, SharedPressure
 from proxy.shared_state import EngineRecord, HasBreaker, RegistryWatcher, SharedBreakers
 from proxy.tenants import TenantDirectory
 
@@ -77,6 +78,7 @@ class FrontDoor:
         self.gate = RequestGate(cfg.limits, self.link, registry=registry)
         self.cache: ResponseCache = make_cache(cfg.cache, self.link, registry=registry)
         self.shared: SharedBreakers | None = None
+        self.pressure: SharedPressure | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
     def start(
@@ -86,15 +88,21 @@ class FrontDoor:
         open_s: float,
         clock: Callable[[], float] = time.monotonic,
         on_registry: Callable[[list[EngineRecord]], None] | None = None,
+        pressure: Callable[[], Iterable[HasPressure]] | None = None,
+        pressure_hold_s: float = 2.0,
     ) -> None:
         """Start the background work (call from the app's startup, inside the event loop).
         ``on_registry`` receives the engines registered in Redis whenever they change (only with
-        ``redis.discover_engines``)."""
+        ``redis.discover_engines``); ``pressure``: the engines whose overcommit-guard levels are
+        shared with the other replicas (None: the guard is off)."""
         self.gate.start()
         if self.link is None:
             return
         self.shared = SharedBreakers(self.link, engines, open_s=open_s, clock=clock)
         self._spawn(self.shared.run(), "kvproxy-shared-breakers")
+        if pressure is not None:
+            self.pressure = SharedPressure(self.link, pressure, hold_s=pressure_hold_s, clock=clock)
+            self._spawn(self.pressure.run(), "kvproxy-shared-pressure")
         if on_registry is not None and self.cfg.redis.discover_engines:
             self._spawn(RegistryWatcher(self.link, on_registry).run(), "kvproxy-engine-registry")
 

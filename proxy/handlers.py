@@ -39,7 +39,7 @@ from proxy.errors import (
     RequestTimeout,
 )
 from proxy.fleet import HEALTH_STATES
-from proxy.frontdoor import DOOR, replay, wants_usage
+from proxy.frontdoor import CHARS_PER_TOKEN, DOOR, replay, wants_usage
 from proxy.inbound import Endpoint, Inbound, accept, rewrite
 from proxy.isolation import Salting, client_salt
 from proxy.keys import REQUEST_ID, SHELL
@@ -119,7 +119,8 @@ async def _serve(
             return await _from_cache(request, job, inbound, visit.entry)
         job.recorder = visit.recorder
         job.extra_headers["X-Cache"] = visit.x_cache
-        job.pool = _admit(ctx, plan, priority)
+        job.max_tokens = _max_tokens(inbound)
+        job.pool = _admit(ctx, plan, priority, inbound, job.max_tokens)
         if job.pool != plan.pool:
             visit.discard()  # another pool's answer is not the answer for the model asked for
         model = upstream_model(ctx.cfg, job.pool, inbound.model)
@@ -183,14 +184,33 @@ async def _read_body(request: web.Request, limit: int, timeout_s: float) -> byte
     return bytes(body)
 
 
-def _admit(ctx: ShellContext, plan: PoolPlan, priority: Priority) -> str:
+def _max_tokens(inbound: Inbound) -> int | None:
+    """The client's cap on the answer (validated by ``accept``), if it set one."""
+    for name in ("max_completion_tokens", "max_tokens"):
+        value = inbound.body.get(name)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def _need(ctx: ShellContext, pool: str, inbound: Inbound, max_tokens: int | None) -> float:
+    """KV tokens the request is expected to take: its prompt and its expected answer."""
+    prompt = len(inbound.prompt_text) / CHARS_PER_TOKEN
+    return prompt + ctx.fleet.estimate(pool).expected(max_tokens)
+
+
+def _admit(
+    ctx: ShellContext, plan: PoolPlan, priority: Priority, inbound: Inbound, max_tokens: int | None
+) -> str:
     """The pool that serves the request, or ``NoCapacity`` (shed) with the reason."""
     now = ctx.clock()
-    decision = ctx.admission.decide(plan.pool, priority, ctx.fleet.views(plan.pool, now))
+    need = _need(ctx, plan.pool, inbound, max_tokens)
+    decision = ctx.admission.decide(plan.pool, priority, ctx.fleet.views(plan.pool, now), need)
     if isinstance(decision, Admit):
         return _admitted(ctx, plan.pool, decision)
     for fallback in _fallbacks(plan, priority):
-        second = ctx.admission.decide(fallback, priority, ctx.fleet.views(fallback, now))
+        need = _need(ctx, fallback, inbound, max_tokens)
+        second = ctx.admission.decide(fallback, priority, ctx.fleet.views(fallback, now), need)
         if isinstance(second, Admit):
             ctx.metrics.degraded.labels(plan.pool, fallback).inc()
             return _admitted(ctx, fallback, second)
@@ -243,7 +263,8 @@ def _rank(
     )
     key = RouteKey(chain=chain, tenant=tenant, model=model)
     policy = ctx.policies[pool]
-    views = ctx.admission.eligible(priority, _with_room(ctx, pool))
+    need = _need(ctx, pool, inbound, job.max_tokens)
+    views = ctx.admission.eligible(priority, _with_room(ctx, pool), need)
     ranked = policy.rank(key, views)
     if not ranked:
         raise NoEngine(pool, reason=REASON_NO_ENGINE, retry_after_s=ctx.cfg.admission.retry_after_s)
@@ -252,6 +273,8 @@ def _rank(
     job.prefill = {
         name: float(policy.uncached(key, name)) for name in ranked[: 1 + ctx.cfg.upstream.retries]
     }
+    job.prompt_tokens = _uncached_tokens(len(inbound.prompt_text), len(chain), job.prefill,
+                                         routing.block_chars)
     policy.observe(key, ranked[0])
     return ranked
 
@@ -271,6 +294,14 @@ def _with_room(ctx: ShellContext, pool: str) -> list[EngineView]:
             retry_after_s=ctx.cfg.admission.retry_after_s,
         )
     return room
+
+
+def _uncached_tokens(
+    chars: int, chain: int, uncached: dict[str, float], block_chars: int
+) -> dict[str, float]:
+    """Per engine: prompt tokens it does not hold (the prompt less its cached chain blocks)."""
+    tokens, per_block = chars / CHARS_PER_TOKEN, block_chars / CHARS_PER_TOKEN
+    return {name: max(0.0, tokens - (chain - n) * per_block) for name, n in uncached.items()}
 
 
 def _engine_priority(ctx: ShellContext, pool: str, priority: Priority) -> int | None:

@@ -44,6 +44,7 @@ class EngineGaugeRow:
     breaker: str
     health: str
     outlier: str = "active"
+    pressure: int = 0  # KV overcommit guard: 0 open, 1 closed to sheddable, 2 to standard too
 
 
 class TenantLabels:
@@ -174,6 +175,11 @@ class ProxyMetrics:
             "Engines out of their pool by outlier detection (ejected or on probation)", ["pool"],
             registry=r,
         )  # fmt: skip
+        self.pressure = Gauge(
+            "kvproxy_engine_pressure",
+            "KV overcommit guard: 0 open, 1 closed to sheddable, 2 to standard and sheddable",
+            labels, registry=r,
+        )  # fmt: skip
         self.health = Gauge(
             "kvproxy_engine_health", "1 for the engine's current health state", [*labels, "state"],
             registry=r,
@@ -192,6 +198,7 @@ class ProxyMetrics:
             self.breaker.labels(*key).set(BREAKER_VALUES.get(row.breaker, -1.0))
             self.outlier.labels(*key).set(OUTLIER_VALUES.get(row.outlier, -1.0))
             out[row.pool] = out.get(row.pool, 0) + (row.outlier != "active")
+            self.pressure.labels(*key).set(row.pressure)
             for state in states:
                 self.health.labels(*key, state).set(1.0 if state == row.health else 0.0)
         for pool, count in out.items():

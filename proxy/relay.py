@@ -24,6 +24,9 @@ Rules:
   breaker but a failure for outlier detection, which judges an engine against its pool).
 - An engine with ``upstream.max_connections_per_engine`` requests open is not sent another (the
   retry target included): nothing ever queues inside the proxy's connection pool.
+- KV commitments (``proxy.commitment``): each dispatch is booked as a flight on its engine until
+  it settles; the pump adds each chunk's length to it (nothing more per chunk), and the answer's
+  length is learned once, at its end, from the engine's ``usage``.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from aiohttp import web
 from proxy.admission import REASON_NO_ENGINE
 from proxy.breaker import Outcome, classify_status
 from proxy.cache_entry import Recorder
+from proxy.commitment import Flight
 from proxy.context import ShellContext
 from proxy.errors import KvproxyError, NoCapacity, UpstreamError, UpstreamTimeout
 from proxy.fleet import Engine
@@ -93,6 +97,9 @@ class Job:
     deadline: float | None = None
     strip_usage: bool = False  # the engine was asked for usage the client did not ask for
     usage: Usage | None = None
+    # Per engine name: prompt tokens it does not hold yet; the client's output cap (KV commitments).
+    prompt_tokens: dict[str, float] = field(default_factory=dict)
+    max_tokens: int | None = None
 
     def client_headers(self) -> dict[str, str]:
         ids = {"X-Request-Id": self.request_id, "X-Engine": self.engine, "X-Served-By": self.pool}
@@ -126,6 +133,7 @@ class Relay:
         self._job = job
         self._recorded = False
         self._ticket = 0
+        self._flight = Flight(0.0, 0.0)
         self._first_byte_deadline = 0.0
         self._sent_at: float | None = None
         self._deadline_binds = False
@@ -181,14 +189,38 @@ class Relay:
         self._ticket = ticket
         self._recorded = False
         self._first_byte_deadline = 0.0
+        self._flight = self._book(engine, ticket)
         try:
             yield
         finally:
             engine.state.on_settle(ticket)
+            engine.commitments.settle(ticket)
             if not self._recorded:
                 # Ended without a verdict (client gone, cancelled): neutral for the breaker and
                 # outlier detection, but it frees a half-open or probation probe slot.
                 self._outcome(engine, Outcome.CLIENT_ERROR, None)
+
+    def _book(self, engine: Engine, ticket: int) -> Flight:
+        """The flight of this dispatch, counted in the engine's commitments when they are kept."""
+        job = self._job
+        if engine.estimate is None:
+            return Flight(0.0, 0.0)
+        flight = Flight(job.prompt_tokens.get(engine.name, 0.0),
+                        engine.estimate.expected(job.max_tokens))
+        return engine.commitments.dispatch(ticket, flight)
+
+    def _learn(self, engine: Engine, size: int, *, streamed: bool) -> None:
+        """Teach the pool's answer-length estimate from a complete answer of ``size`` bytes."""
+        if engine.estimate is not None:
+            usage = self._job.usage
+            tokens = None if usage is None else usage.completion
+            engine.estimate.learn_answer(tokens, size, streamed=streamed,
+                                         max_tokens=self._job.max_tokens)
+
+    def _answered(self, engine: Engine) -> None:
+        self._job.first_byte_at = self._ctx.clock()
+        engine.state.on_first_byte(self._ticket)
+        engine.commitments.first_byte(self._ticket)
 
     async def _open(self, engine: Engine) -> aiohttp.ClientResponse:
         """Send the request and wait for the response head; raise ``_Retry`` where allowed."""
@@ -301,11 +333,11 @@ class Relay:
         self._outcome(engine, classify_status(resp.status), f"http_{resp.status}")
         if resp.status < 300:
             engine.state.on_complete(self._ticket, self._ctx.clock())
-        self._job.first_byte_at = self._ctx.clock()
-        engine.state.on_first_byte(self._ticket)
+        self._answered(engine)
         self._job.status = resp.status
         if resp.status == 200:
             self._job.usage = usage_of_body(body)
+            self._learn(engine, len(body), streamed=False)
         if self._job.recorder is not None:
             self._job.recorder.start(resp.status, streamed=False)
             self._job.recorder.feed(body)
@@ -324,8 +356,7 @@ class Relay:
         )
         await out.prepare(self._request)
         self._job.status = resp.status
-        self._job.first_byte_at = self._ctx.clock()
-        engine.state.on_first_byte(self._ticket)
+        self._answered(engine)
         recorder = self._job.recorder
         if recorder is not None:
             recorder.start(resp.status, streamed=True)
@@ -335,6 +366,7 @@ class Relay:
             None if recorder is None else recorder.feed,
             strip=UsageStrip() if self._job.strip_usage else None,
             deadline=self._job.deadline,
+            flight=self._flight,
         )
         with self._ctx.drain.cuttable(pump.cut):
             failure = await pump.run(chunks) if await pump.write(first) else None
@@ -358,6 +390,7 @@ class Relay:
             self._outcome(engine, Outcome.SUCCESS, None)
             engine.state.on_complete(self._ticket, self._ctx.clock())
             self._job.usage = pump.tail.usage()
+            self._learn(engine, self._flight.relayed, streamed=True)
 
 
 class _Pump:
@@ -376,10 +409,12 @@ class _Pump:
         *,
         strip: UsageStrip | None = None,
         deadline: float | None = None,
+        flight: Flight | None = None,
     ) -> None:
         self._out = out
         self._tap = tap
         self._strip = strip
+        self._flight = flight if flight is not None else Flight(0.0, 0.0)
         self._idle = idle_timeout_s
         self._deadline = deadline
         self._at_event_boundary = True
@@ -400,6 +435,7 @@ class _Pump:
         if sent and not await self._send(sent):
             return False
         self.tail.feed(chunk)
+        self._flight.relayed += len(chunk)
         if self._tap is not None:
             self._tap(chunk)
         return True

@@ -28,6 +28,7 @@ from hashlib import blake2b
 from typing import Protocol
 
 from proxy.config import RoutingConfig
+from proxy.pressure import NO_PRESSURE, Pressure
 
 _MASK = (1 << 64) - 1
 
@@ -44,6 +45,8 @@ class EngineView:
     block_size: int | None = None
     # Prompt blocks this proxy sent the engine that it has not answered yet (its prefill backlog).
     prefill: float = 0.0
+    # KV overcommit guard: the classes this engine is closed to, and why (``proxy.pressure``).
+    pressure: Pressure = NO_PRESSURE
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ Rules:
   opening it has not seen yet, by reporting failures to it through its ordinary ``record`` API. An
   opening applied from Redis is never published again, so replicas do not echo each other. Each
   replica still probes a half-open engine itself.
+- Pressure (KV overcommit guard) is shared the same way, in ``proxy.shared_pressure``.
 - Registry: a sidecar writes its engine's record to ``<prefix>engine:<pool>:<url>`` with a TTL and
   renews it every third of the TTL (the vLLM sidecar's heartbeat writes the same key and fields).
   An engine that stops heartbeating disappears with its key; readers find the live ones by SCAN.

@@ -7,11 +7,13 @@ from proxy.admission import (
     Admit,
     Priority,
     Shed,
+    closed_to,
     engine_priority,
     parse_priority,
 )
 from proxy.config import AdmissionConfig
 from proxy.errors import BadRequest
+from proxy.pressure import Level, Pressure
 from proxy.routing import EngineView
 
 C, S, X = Priority.CRITICAL, Priority.STANDARD, Priority.SHEDDABLE
@@ -132,3 +134,53 @@ def test_eligible_drops_hot_fresh_engines() -> None:
     assert [e.name for e in adm.eligible(C, vs)] == ["a", "b", "c"]
     all_hot = [v("a", 0.9), v("b", 0.91)]
     assert adm.eligible(X, all_hot) == all_hot  # never empties a pool that has routable engines
+
+
+# --- KV overcommit guard ------------------------------------------------------------------------
+
+OPEN_P = Pressure()
+SOFT = Pressure(Level.SHEDDABLE, "kv_overcommit", 0.9)
+HARD = Pressure(Level.STANDARD, "preempting", 0.97, 3.0)
+
+
+def pv(name: str, kv: float, pressure: Pressure, *, fresh: bool = True) -> EngineView:
+    return EngineView(name=name, routable=True, fresh=fresh, load=0.0, kv_usage=kv,
+                      pressure=pressure)
+
+
+def test_closed_to_orders_the_classes() -> None:
+    assert [closed_to(OPEN_P, c) for c in (X, S, C)] == [False, False, False]
+    assert [closed_to(SOFT, c) for c in (X, S, C)] == [True, False, False]
+    assert [closed_to(HARD, c) for c in (X, S, C)] == [True, True, False]
+
+
+def test_pressure_sheds_sheddable_first_then_standard_never_critical() -> None:
+    adm = Admission(AdmissionConfig())
+    soft = [pv("a", 0.5, SOFT), pv("b", 0.4, SOFT)]
+    assert adm.decide("p", X, soft) == Shed("kv_overcommit", 2)
+    assert adm.decide("p", S, soft) == Admit()
+    hard = [pv("a", 0.5, HARD), pv("b", 0.4, SOFT)]
+    assert adm.decide("p", X, hard) == Shed("preempting", 2)  # one preempts: that is the reason
+    assert adm.decide("p", S, hard) == Admit()  # b is still open to standard work
+    all_hard = [pv("a", 0.5, HARD), pv("b", 0.4, HARD)]
+    assert adm.decide("p", S, all_hard) == Shed("preempting", 2)
+    assert adm.decide("p", C, all_hard) == Admit()
+
+
+def test_pressured_engine_is_left_out_of_the_kv_figure_and_of_eligibility() -> None:
+    adm = Admission(AdmissionConfig())
+    vs = [pv("a", 0.2, SOFT), pv("b", 0.9, OPEN_P)]
+    # The low KV of an engine closed to sheddable work does not admit sheddable work elsewhere.
+    assert adm.decide("p", X, vs) == Shed("kv_pressure", 2)
+    vs = [pv("a", 0.2, HARD), pv("b", 0.6, SOFT), pv("c", 0.7, OPEN_P)]
+    assert [e.name for e in adm.eligible(X, vs)] == ["c"]
+    assert [e.name for e in adm.eligible(S, vs)] == ["b", "c"]
+    assert [e.name for e in adm.eligible(C, vs)] == ["a", "b", "c"]
+    closed = [pv("a", 0.2, HARD), pv("b", 0.6, HARD)]
+    assert adm.eligible(S, closed) == closed  # never empties a pool that has routable engines
+
+
+def test_stale_engines_are_judged_by_staleness_not_pressure() -> None:
+    adm = Admission(AdmissionConfig())
+    stale = [pv("a", 0.5, OPEN_P, fresh=False)]
+    assert adm.decide("p", S, stale) == Admit(stale_fail_open=True)
