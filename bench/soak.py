@@ -39,7 +39,7 @@ from bench.report import RESULTS
 from bench.report_soak import soak_markdown
 from bench.stats import percentile
 
-KEEPALIVE_S = 30.0  # proxy.upstream's keep-alive timeout for idle engine connections
+KEEPALIVE_S = 30.0  # proxy.fleet.upstream's keep-alive timeout for idle engine connections
 MODEL = "soak-model"
 
 

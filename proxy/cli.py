@@ -19,11 +19,11 @@ from typing import Any
 
 import uvloop
 
-from proxy import accesslog
-from proxy.config import Config, load_config
+from proxy.core.config import Config, load_config
+from proxy.core.errors import ConfigError
 from proxy.demo import run_demo
-from proxy.errors import ConfigError
-from proxy.lifecycle import run_server
+from proxy.observe import accesslog
+from proxy.server.lifecycle import run_server
 
 EXIT_CONFIG = 2
 EXIT_START = 1

@@ -14,10 +14,10 @@ import aiohttp
 import pytest_asyncio
 
 from contract.client import Backend, metric, wait_until
-from proxy.cache_key import CacheConfig
-from proxy.config import Config, EngineConfig, PoolConfig, ServerConfig
-from proxy.door_config import AuthConfig, TenantConfig
-from proxy.lifecycle import ProxyServer
+from proxy.core.cache_key import CacheConfig
+from proxy.core.config import Config, EngineConfig, PoolConfig, ServerConfig
+from proxy.core.door_config import AuthConfig, TenantConfig
+from proxy.server.lifecycle import ProxyServer
 
 HITS = "vllm:prefix_cache_hits_total"
 KEYS = {"tenant-a": "sk-tenant-a-0123456789", "tenant-b": "sk-tenant-b-0123456789"}

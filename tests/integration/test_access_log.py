@@ -14,8 +14,8 @@ from typing import Any
 import orjson
 import pytest
 
-from proxy.accesslog import ACCESS_LOGGER, FIELDS, LogConfig
-from proxy.config import UpstreamConfig
+from proxy.core.config import LogConfig, UpstreamConfig
+from proxy.observe.accesslog import ACCESS_LOGGER, FIELDS
 
 from .stack import ALIAS, DRAFT_MODEL, TARGET_MODEL, Stack, StackFactory, chat_body
 

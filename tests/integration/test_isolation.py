@@ -15,9 +15,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine_sidecar.sim.cluster import start_cluster
-from proxy.door_config import AuthConfig, TenantConfig
-from proxy.keys import SHELL
-from proxy.lifecycle import ProxyServer
+from proxy.core.door_config import AuthConfig, TenantConfig
+from proxy.server.keys import SHELL
+from proxy.server.lifecycle import ProxyServer
 
 from .stack import TARGET_MODEL, proxy_config, sim
 

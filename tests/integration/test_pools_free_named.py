@@ -12,8 +12,8 @@ import openai
 import pytest
 
 from engine_sidecar.sim.cluster import start_cluster
-from proxy.config import AliasConfig, Config, EngineConfig, PoolConfig, PressureConfig
-from proxy.lifecycle import ProxyServer
+from proxy.core.config import AliasConfig, Config, EngineConfig, PoolConfig, PressureConfig
+from proxy.server.lifecycle import ProxyServer
 
 from .stack import Stack, proxy_config, sim
 
@@ -42,7 +42,7 @@ def _config(urls: list[str]) -> Config:
 
 @pytest.fixture
 async def fleet(caplog: pytest.LogCaptureFixture) -> AsyncIterator[Stack]:
-    caplog.set_level(logging.INFO, logger="proxy.discovery")
+    caplog.set_level(logging.INFO, logger="proxy.fleet.discovery")
     configs = [sim(model, name, seed=i) for i, (name, (_, model)) in enumerate(ENGINES.items())]
     cluster = await start_cluster(configs, host="127.0.0.1", port=0)
     server = ProxyServer(_config(cluster.urls))

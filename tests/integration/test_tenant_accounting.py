@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import openai
 
-from proxy.door_config import AuthConfig, TenantConfig
+from proxy.core.door_config import AuthConfig, TenantConfig
 
 from .stack import TARGET_MODEL, Stack, StackFactory
 

@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 from proxystack import MODEL, OTHER_MODEL, chat, door_config
 from redisproc import SLOW_OK, RedisServer
 
-from proxy.cache import CacheRequest, ResponseCache, make_cache
-from proxy.cache_key import CacheConfig, canonical_body
-from proxy.door_config import RedisConfig
-from proxy.redis_link import RedisLink
+from proxy.core.cache_key import CacheConfig, canonical_body
+from proxy.core.door_config import RedisConfig
+from proxy.tenancy.cache import CacheRequest, ResponseCache, make_cache
+from proxy.tenancy.redis_link import RedisLink
 
 CHAT = "/v1/chat/completions"
 TENANTS = st.sampled_from(["acme", "beta", "gamma", "a", "ab", "b"])

@@ -15,8 +15,8 @@ from typing import Any
 import aiohttp
 from integration.stack import proxy_config
 
-from proxy.config import ServerConfig
-from proxy.lifecycle import ProxyServer
+from proxy.core.config import ServerConfig
+from proxy.server.lifecycle import ProxyServer
 
 from .rogue import RogueEngine
 

@@ -8,7 +8,7 @@ import asyncio
 import aiohttp
 from integration.stack import Stack, StackFactory, chat_body
 
-from proxy.config import UpstreamConfig
+from proxy.core.config import UpstreamConfig
 
 LIMIT = 2
 ENGINES = 2

@@ -12,8 +12,8 @@ import pytest
 from integration.stack import TARGET_MODEL, Stack, StackFactory, chat_body, proxy_config, sim
 
 from engine_sidecar.sim.cluster import start_cluster
-from proxy.config import OutlierConfig, RoutingConfig, UpstreamConfig
-from proxy.lifecycle import ProxyServer
+from proxy.core.config import OutlierConfig, RoutingConfig, UpstreamConfig
+from proxy.server.lifecycle import ProxyServer
 
 from .rogue import RogueEngine
 

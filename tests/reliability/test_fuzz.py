@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from integration.stack import DRAFT_MODEL, TARGET_MODEL, proxy_config, sim
 
 from engine_sidecar.sim.cluster import SimCluster, start_cluster
-from proxy.lifecycle import ProxyServer
+from proxy.server.lifecycle import ProxyServer
 
 from .shell import CHAT, COMPLETIONS, server_config
 

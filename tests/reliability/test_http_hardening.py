@@ -14,9 +14,9 @@ import pytest
 from integration.stack import TARGET_MODEL, Stack, StackFactory, chat_body
 from multidict import CIMultiDict
 
-from proxy.cache_key import _normalise
-from proxy.config import TelemetryConfig, UpstreamConfig
-from proxy.door_config import LimitsConfig
+from proxy.core.cache_key import _normalise
+from proxy.core.config import TelemetryConfig, UpstreamConfig
+from proxy.core.door_config import LimitsConfig
 
 from .rogue import RogueEngine
 from .shell import CHAT, COMPLETIONS, chat, proxy_for, server_config

@@ -19,8 +19,8 @@ import pytest
 from integration.stack import TARGET_MODEL, chat_body, proxy_config
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.app import build_app
-from proxy.lifecycle import ProxyServer
+from proxy.server.app import build_app
+from proxy.server.lifecycle import ProxyServer
 
 from .conftest import RedisFactory, door_config
 from .procs import EngineProcess, start_engine

@@ -9,7 +9,7 @@ import orjson
 import pytest
 from integration.stack import TARGET_MODEL, Stack, StackFactory, chat_body
 
-from proxy.config import TelemetryConfig, UpstreamConfig
+from proxy.core.config import TelemetryConfig, UpstreamConfig
 
 SLOW = {"time_scale": 1.0, "stop_len_range": (2000, 2000)}
 

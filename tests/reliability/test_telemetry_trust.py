@@ -20,11 +20,11 @@ import pytest
 from integration.stack import TARGET_MODEL, Stack, chat_body, proxy_config, sim
 
 from engine_sidecar.sim.cluster import start_cluster
-from proxy.app import build_app
-from proxy.config import TelemetryConfig
-from proxy.keys import SCRAPER_TASK, SHELL
-from proxy.lifecycle import ProxyServer
-from proxy.scraper import Scraper
+from proxy.core.config import TelemetryConfig
+from proxy.fleet.scraper import Scraper
+from proxy.server.app import build_app
+from proxy.server.keys import SCRAPER_TASK, SHELL
+from proxy.server.lifecycle import ProxyServer
 
 from .rogue import HEALTHY_METRICS, RogueEngine
 

@@ -15,8 +15,8 @@ import pytest
 from integration.stack import TARGET_MODEL, chat_body, proxy_config, sim
 
 from engine_sidecar.sim.cluster import start_cluster
-from proxy.app import build_app
-from proxy.lifecycle import ProxyServer
+from proxy.server.app import build_app
+from proxy.server.lifecycle import ProxyServer
 
 from .conftest import door_config
 

@@ -9,12 +9,12 @@ from collections.abc import Iterator
 import orjson
 import pytest
 
-from proxy import accesslog
-from proxy.accesslog import LogConfig, access_fields
-from proxy.config import load_config
-from proxy.errors import ConfigError
-from proxy.relay import Job
-from proxy.usage import Usage
+from proxy.core.config import LogConfig, load_config
+from proxy.core.errors import ConfigError
+from proxy.core.usage import Usage
+from proxy.observe import accesslog
+from proxy.observe.accesslog import access_fields
+from proxy.server.relay import Job
 
 
 def _job(**kw: object) -> Job:

@@ -11,8 +11,8 @@ from importlib import metadata
 import orjson
 import pytest
 
-from proxy import accesslog
 from proxy.cli import EXIT_CONFIG, build_parser, main
+from proxy.observe import accesslog
 
 
 @pytest.mark.parametrize(
@@ -69,7 +69,8 @@ def test_version_prints_the_package_version(capsys: pytest.CaptureFixture[str]) 
 
 
 def test_json_process_log_lines() -> None:
-    record = logging.LogRecord("proxy.lifecycle", logging.WARNING, __file__, 1, "up %d", (3,), None)
+    name = "proxy.server.lifecycle"
+    record = logging.LogRecord(name, logging.WARNING, __file__, 1, "up %d", (3,), None)
     doc = orjson.loads(accesslog.json_formatter().format(record))
-    assert (doc["level"], doc["logger"], doc["message"]) == ("WARNING", "proxy.lifecycle", "up 3")
+    assert (doc["level"], doc["logger"], doc["message"]) == ("WARNING", name, "up 3")
     assert "time" in doc

@@ -3,18 +3,18 @@ overcommit guard (pure: no sockets, no clock)."""
 
 import pytest
 
-from proxy.admission import Admission, Priority
-from proxy.commitment import (
+from proxy.core.admission import Admission, Priority
+from proxy.core.commitment import (
     Commitments,
     Flight,
     OutputEstimate,
     owed,
     projected_usage,
 )
-from proxy.config import AdmissionConfig, Config, EngineConfig, PoolConfig, PressureConfig
-from proxy.fleet import Fleet
-from proxy.pressure import REASON_COMMITTED, Level, PressureTracker
-from proxy.telemetry import EngineSnapshot
+from proxy.core.config import AdmissionConfig, Config, EngineConfig, PoolConfig, PressureConfig
+from proxy.core.pressure import REASON_COMMITTED, Level, PressureTracker
+from proxy.core.telemetry import EngineSnapshot
+from proxy.fleet.engines import Fleet
 
 ADM = AdmissionConfig()  # sheddable 0.85/0.75, standard 0.95/0.90
 CFG = PressureConfig()

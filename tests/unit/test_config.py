@@ -3,9 +3,9 @@ from pathlib import Path
 
 import pytest
 
-from proxy.config import ENV_PREFIX, SCALAR_SECTIONS, ClassThreshold, Config, load_config
-from proxy.configload import scalar_paths
-from proxy.errors import ConfigError
+from proxy.core.config import ENV_PREFIX, SCALAR_SECTIONS, ClassThreshold, Config, load_config
+from proxy.core.configload import scalar_paths
+from proxy.core.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 

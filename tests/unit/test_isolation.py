@@ -5,11 +5,11 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from proxy.config import EngineConfig, PoolConfig
-from proxy.errors import BadRequest, ConfigError
-from proxy.inbound import rewrite
-from proxy.isolation import TenantSalts, client_salt
-from proxy.prefix import prefix_chain
+from proxy.core.config import EngineConfig, PoolConfig
+from proxy.core.errors import BadRequest, ConfigError
+from proxy.core.inbound import rewrite
+from proxy.core.isolation import TenantSalts, client_salt
+from proxy.core.prefix import prefix_chain
 
 SECRET = "s" * 32
 

@@ -6,11 +6,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.breaker import Breaker, Outcome
-from proxy.config import BreakerConfig, Config, EngineConfig, OutlierConfig, PoolConfig
-from proxy.errors import ConfigError
-from proxy.fleet import Fleet
-from proxy.outlier import (
+from proxy.core.breaker import Breaker, Outcome
+from proxy.core.config import BreakerConfig, Config, EngineConfig, OutlierConfig, PoolConfig
+from proxy.core.errors import ConfigError
+from proxy.core.outlier import (
     FAILURES,
     REASON_CONSECUTIVE,
     REASON_PROBE,
@@ -23,6 +22,7 @@ from proxy.outlier import (
     OutlierState,
     Result,
 )
+from proxy.fleet.engines import Fleet
 
 CFG = OutlierConfig(
     consecutive_failures=3,

@@ -1,8 +1,15 @@
 import pytest
 
-from proxy.config import AdmissionConfig, AliasConfig, Config, EngineConfig, PoolConfig
-from proxy.errors import NotFound
-from proxy.pools import ModelEntry, PoolPlan, find_model, model_names, resolve_model, upstream_model
+from proxy.core.config import AdmissionConfig, AliasConfig, Config, EngineConfig, PoolConfig
+from proxy.core.errors import NotFound
+from proxy.core.pools import (
+    ModelEntry,
+    PoolPlan,
+    find_model,
+    model_names,
+    resolve_model,
+    upstream_model,
+)
 
 
 def config(*, degrade: bool = True, draft: bool = True) -> Config:

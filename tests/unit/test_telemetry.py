@@ -4,9 +4,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.config import TelemetryConfig
-from proxy.errors import ConfigError
-from proxy.telemetry import (
+from proxy.core.config import TelemetryConfig
+from proxy.core.errors import ConfigError
+from proxy.core.telemetry import (
     TRANSITIONS,
     EngineSnapshot,
     EngineState,

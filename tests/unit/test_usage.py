@@ -1,11 +1,11 @@
 import orjson
 import pytest
 
-from proxy.deadline import client_timeout
-from proxy.discovery import ModelsError, missing_models, parse_models
-from proxy.errors import BadRequest
-from proxy.metrics import TenantLabels
-from proxy.usage import StreamTail, Usage, UsageStrip, usage_of_body, with_usage
+from proxy.core.deadline import client_timeout
+from proxy.core.errors import BadRequest
+from proxy.core.usage import StreamTail, Usage, UsageStrip, usage_of_body, with_usage
+from proxy.fleet.discovery import ModelsError, missing_models, parse_models
+from proxy.observe.metrics import TenantLabels
 
 CHUNK = b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'
 USAGE = (
