@@ -7,8 +7,11 @@ Rules:
 - The wire form is what vLLM's msgspec encoder writes: a batch is the array
   ``[ts, [event, ...], data_parallel_rank]`` (``array_like``); each event is a map tagged
   ``"type": <class name>`` whose fields without a default are always present and whose fields at
-  their default (``None``) are left out (``omit_defaults``). Hashes are raw bytes (msgpack bin),
-  the medium is ``"GPU"`` and the KV-cache group ``0``.
+  their default (``None``) are left out (``omit_defaults``). The medium is ``"GPU"``, the KV-cache
+  group ``0`` and its kind ``"full_attention"`` (vLLM's KV-cache manager annotates stored blocks).
+- A hash goes on the wire as vLLM 0.32 sends it by default (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``
+  on): the digest's last 8 bytes as an unsigned big-endian integer; with ``int_hashes`` off, the
+  whole 32-byte digest (msgpack bin).
 - A ZMQ message is ``[topic, seq (8-byte big-endian), payload]``; a replay request is
   ``[identity, b"", start_seq]`` on a ROUTER socket and is answered by every buffered message from
   ``start_seq`` on, then ``[identity, b"", b"", END_SEQ, b""]``.
@@ -19,12 +22,23 @@ Rules:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import msgpack
 
 MEDIUM_GPU = "GPU"
+SPEC_KIND = "full_attention"
+WireHash = Callable[[bytes], bytes | int]
+
+
+def int_hash(digest: bytes) -> int:
+    """vLLM's ``maybe_convert_block_hash`` with int hashes on: the low 64 bits, big endian."""
+    return int.from_bytes(digest, "big") & 0xFFFF_FFFF_FFFF_FFFF
+
+
+def bytes_hash(digest: bytes) -> bytes:
+    return digest
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 _SCHEMES = ("tcp://", "ipc://", "inproc://")
 
@@ -37,12 +51,14 @@ class BlockStored:
     block_size: int
     extra_keys: list[tuple[str, ...] | None]
 
-    def wire(self) -> dict[str, object]:
+    def wire(self, h: WireHash) -> dict[str, object]:
+        parent = self.parent_block_hash
         return {
-            "type": "BlockStored", "block_hashes": self.block_hashes,
-            "parent_block_hash": self.parent_block_hash, "token_ids": self.token_ids,
-            "block_size": self.block_size, "lora_id": None, "medium": MEDIUM_GPU,
-            "lora_name": None, "extra_keys": self.extra_keys, "group_idx": 0,
+            "type": "BlockStored", "block_hashes": [h(b) for b in self.block_hashes],
+            "parent_block_hash": None if parent is None else h(parent),
+            "token_ids": self.token_ids, "block_size": self.block_size, "lora_id": None,
+            "medium": MEDIUM_GPU, "lora_name": None, "extra_keys": self.extra_keys,
+            "group_idx": 0, "kv_cache_spec_kind": SPEC_KIND,
         }
 
 
@@ -50,23 +66,25 @@ class BlockStored:
 class BlockRemoved:
     block_hash: bytes
 
-    def wire(self) -> dict[str, object]:
-        return {"type": "BlockRemoved", "block_hashes": [self.block_hash], "medium": MEDIUM_GPU,
-                "group_idx": 0}
+    def wire(self, h: WireHash) -> dict[str, object]:
+        return {"type": "BlockRemoved", "block_hashes": [h(self.block_hash)],
+                "medium": MEDIUM_GPU, "group_idx": 0}
 
 
 @dataclass(frozen=True, slots=True)
 class AllBlocksCleared:
-    def wire(self) -> dict[str, object]:
+    def wire(self, h: WireHash) -> dict[str, object]:
         return {"type": "AllBlocksCleared"}
 
 
 KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
-def encode_batch(ts: float, events: Sequence[KvEvent], data_parallel_rank: int = 0) -> bytes:
+def encode_batch(ts: float, events: Sequence[KvEvent], data_parallel_rank: int = 0, *,
+                 int_hashes: bool = True) -> bytes:
     """The payload frame of one batch, byte for byte what vLLM's publisher sends."""
-    body = [ts, [e.wire() for e in events], data_parallel_rank]
+    h = int_hash if int_hashes else bytes_hash
+    body = [ts, [e.wire(h) for e in events], data_parallel_rank]
     return msgpack.packb(body, use_bin_type=True)  # type: ignore[no-any-return]
 
 
@@ -118,6 +136,7 @@ class KvEventsSettings:
     buffer_steps: int = 10_000
     max_queue_size: int = 100_000
     hwm: int = 100_000
+    int_hashes: bool = True  # vLLM's default; False: whole digests, as VLLM_KV_EVENTS_..._HASHES=0
 
     def __post_init__(self) -> None:
         if self.endpoint is not None:

@@ -103,7 +103,7 @@ class KvEventPublisher:
     async def _send_loop(self) -> None:
         while True:
             seq, ts, events = await self._queue.get()
-            payload = encode_batch(ts, events)
+            payload = encode_batch(ts, events, int_hashes=self.settings.int_hashes)
             frames = (self._topic, seq_bytes(seq), payload)
             # PUB drops at its high-water mark instead of blocking, so this completes at once.
             await self._pub.send_multipart(frames)

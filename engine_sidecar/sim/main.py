@@ -104,12 +104,17 @@ def _add_kv_event_arguments(parser: argparse.ArgumentParser) -> None:
     events.add_argument("--kv-events-topic", default="", help="topic frame of every message")
     events.add_argument("--kv-events-buffer-steps", type=int, default=10_000,
                         help="batches kept for replay (10000)")
+    events.add_argument("--kv-events-bytes-hashes", dest="kv_events_int_hashes",
+                        action="store_false",
+                        help="send whole 32-byte hashes, as vLLM with "
+                        "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0 (default: 64-bit integers)")
 
 
 def _kv_events(args: argparse.Namespace) -> KvEventsSettings:
     return KvEventsSettings(endpoint=args.kv_events_endpoint,
                             replay_endpoint=args.kv_events_replay_endpoint,
-                            topic=args.kv_events_topic, buffer_steps=args.kv_events_buffer_steps)
+                            topic=args.kv_events_topic, buffer_steps=args.kv_events_buffer_steps,
+                            int_hashes=args.kv_events_int_hashes)
 
 
 def _add_fault_arguments(parser: argparse.ArgumentParser) -> None:

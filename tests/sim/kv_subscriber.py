@@ -75,15 +75,39 @@ def prompt_hashes(tokens: Sequence[int], block_size: int, cache_salt: str | None
     return out
 
 
-def check_stored_chain(event: dict[str, Any]) -> None:
-    """An event's hashes are what its own token ids, parent and extra keys hash to."""
-    size, parent = event["block_size"], event["parent_block_hash"]
-    tokens, keys = event["token_ids"], event["extra_keys"]
-    assert len(tokens) == size * len(event["block_hashes"])
-    for i, got in enumerate(event["block_hashes"]):
-        salt = keys[i][0] if keys and keys[i] else None
-        parent = block_hash(parent, tokens[i * size:(i + 1) * size], salt)
-        assert got == parent, f"block {i} of a BlockStored event has a hash vLLM would not give"
+def on_wire(digest: bytes, int_hashes: bool = True) -> bytes | int:
+    """A hash as events carry it: by default (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``) the
+    digest's low 64 bits as an integer, else the digest."""
+    return int.from_bytes(digest[-8:], "big") if int_hashes else digest
+
+
+def prompt_keys(tokens: Sequence[int], block_size: int, cache_salt: str | None = None,
+                int_hashes: bool = True) -> list[bytes | int]:
+    return [on_wire(h, int_hashes) for h in prompt_hashes(tokens, block_size, cache_salt)]
+
+
+def verify_chains(events: list[dict[str, Any]]) -> int:
+    """Every ``BlockStored`` event (in sequence order, from the engine's first) carries the hashes
+    its token ids, its parent and its extra keys hash to; returns how many events were checked.
+    A parent must have been stored by an earlier event (its full digest is needed to chain)."""
+    digests: dict[bytes | int, bytes] = {}
+    checked = 0
+    for event in events:
+        if event["type"] != "BlockStored":
+            continue
+        size, wire_parent = event["block_size"], event["parent_block_hash"]
+        tokens, keys = event["token_ids"], event["extra_keys"]
+        assert len(tokens) == size * len(event["block_hashes"])
+        assert wire_parent is None or wire_parent in digests, "parent never stored"
+        parent = None if wire_parent is None else digests[wire_parent]
+        for i, got in enumerate(event["block_hashes"]):
+            salt = keys[i][0] if keys and keys[i] else None
+            parent = block_hash(parent, tokens[i * size:(i + 1) * size], salt)
+            assert got == on_wire(parent, isinstance(got, int)), (
+                f"block {i} of a BlockStored event has a hash vLLM would not give")
+            digests[got] = parent
+        checked += 1
+    return checked
 
 
 # -- receiving -----------------------------------------------------------------------------------
@@ -94,22 +118,23 @@ class Batch:
     ts: float
     events: list[dict[str, Any]]
     rank: int | None
+    payload: bytes
 
 
 def decode(topic: bytes, seq: bytes, payload: bytes) -> Batch:
     body = msgpack.unpackb(payload, raw=False)
     assert isinstance(body, list) and 2 <= len(body) <= 3, body
     return Batch(int.from_bytes(seq, "big"), body[0], body[1],
-                 body[2] if len(body) == 3 else None)
+                 body[2] if len(body) == 3 else None, payload)
 
 
 class Subscriber:
-    def __init__(self, topic: bytes = b"") -> None:
+    def __init__(self, topic: bytes = b"", bind: str = "tcp://127.0.0.1:0") -> None:
         self._ctx = zmq.asyncio.Context()
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.SUBSCRIBE, topic)
-        self._sub.bind("tcp://127.0.0.1:0")
+        self._sub.bind(bind)
         self.endpoint = self._sub.getsockopt_string(zmq.LAST_ENDPOINT)
         self.batches: dict[int, Batch] = {}
 
