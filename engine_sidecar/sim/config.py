@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
+from engine_sidecar.sim.kvevents import KvEventsSettings
 from engine_sidecar.sim.profiles import PROFILES
 
 SchedulingPolicy = Literal["fcfs", "priority"]
@@ -128,6 +129,7 @@ class SimEngineConfig:
     legacy_kv_metric: bool = False
     seed: int = 0
     stop_len_range: tuple[int, int] = (64, 512)
+    kv_events: KvEventsSettings = field(default_factory=KvEventsSettings)  # off: no endpoint
     faults: FaultConfig = field(default_factory=FaultConfig, compare=False)
 
     def __post_init__(self) -> None:

@@ -22,8 +22,10 @@ from array import array
 from collections import deque
 from dataclasses import dataclass
 
+from engine_sidecar.sim.blockhash import root_for
 from engine_sidecar.sim.config import FaultConfig, SimEngineConfig
-from engine_sidecar.sim.kvcache import BlockPool, salted_root
+from engine_sidecar.sim.kvcache import BlockPool
+from engine_sidecar.sim.kvpublisher import KvEventPublisher
 from engine_sidecar.sim.metrics import EngineReading, LatencyMetrics, render
 from engine_sidecar.sim.profiles import PROFILES
 from engine_sidecar.sim.scheduler import FinishReason, Scheduler, SimRequest, Status, StepOutput
@@ -114,7 +116,10 @@ class SimEngine:
         self.rng = random.Random(config.seed)
         self.fault_rng = random.Random(config.seed + 2)
         self.last_metrics: bytes | None = None
-        self.pool = BlockPool(config.blocks, config.block_size, config.enable_prefix_caching)
+        events = config.kv_events.enabled
+        self.pool = BlockPool(config.blocks, config.block_size, config.enable_prefix_caching,
+                              vllm_hashes=events, record_events=events)
+        self.kv_events: KvEventPublisher | None = None
         self.scheduler = Scheduler(
             self.pool, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
@@ -153,6 +158,9 @@ class SimEngine:
 
     def start(self) -> None:
         self._t0 = asyncio.get_running_loop().time()
+        if self.config.kv_events.enabled:
+            self.kv_events = KvEventPublisher(self.config.kv_events, self.name)
+            self.kv_events.start()
         self._task = asyncio.create_task(self._run(), name=f"sim-engine-steps:{self.name}")
 
     async def close(self) -> None:
@@ -163,6 +171,8 @@ class SimEngine:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        if self.kv_events is not None:
+            await self.kv_events.close()
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -176,7 +186,7 @@ class SimEngine:
         req = SimRequest(
             request_id=public_id, token_ids=array("I", prompt_ids), prompt_len=len(prompt_ids),
             target_len=target, finish_reason=reason, priority=sampling.priority, seq=self._seq,
-            words=WordStream(seed), root=salted_root(sampling.cache_salt),
+            words=WordStream(seed), root=root_for(sampling.cache_salt),
         )
         stream = RequestStream(self, req, public_id, client_id or public_id, self.sim_time())
         self._streams[req] = stream
@@ -237,6 +247,20 @@ class SimEngine:
                                         plan.attn_work, plan.draft_tokens) / scale
             await asyncio.sleep(max(0.0, started + dt - loop.time()))
             self._deliver(self.scheduler.complete(plan))
+            self._publish_kv_events()
+
+    def _publish_kv_events(self) -> None:
+        """One batch per step, as vLLM publishes them; an empty step publishes nothing."""
+        if self.kv_events is not None:
+            events = self.pool.take_events()
+            if events:
+                self.kv_events.publish(events)
+
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's ``/reset_prefix_cache``: refused while requests hold blocks."""
+        done = self.pool.reset_cache()
+        self._publish_kv_events()
+        return done
 
     def _deliver(self, outputs: list[StepOutput]) -> None:
         now = self.sim_time()
@@ -293,4 +317,5 @@ class SimEngine:
             "prefix_cache_hits": stats.prefix_hits, "draining": self.draining,
             "aborted_ids": list(self.aborted_ids),
             "aborted_request_ids": list(self.aborted_client_ids), "faults": self.faults.as_dict(),
+            "kv_events": self.kv_events.state() if self.kv_events is not None else None,
         }

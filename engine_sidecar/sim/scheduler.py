@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Literal
 
-from engine_sidecar.sim.kvcache import ROOT_HASH, BlockPool
+from engine_sidecar.sim.blockhash import PLAIN_ROOT, ChainRoot
+from engine_sidecar.sim.kvcache import BlockPool
 from engine_sidecar.sim.tokenizer import VOCAB_IDS, WordStream
 
 
@@ -56,7 +57,7 @@ class SimRequest:
     num_registered: int = 0
     blocks: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
-    root: bytes = ROOT_HASH  # parent of the first block's hash (salted by ``cache_salt``)
+    root: ChainRoot = PLAIN_ROOT  # start of the hash chain (``cache_salt`` keys the first block)
     status: Status = Status.WAITING
     num_cached_tokens: int = -1
     num_preemptions: int = 0
@@ -328,8 +329,9 @@ class Scheduler:
 
     def _register_blocks(self, req: SimRequest) -> None:
         full = min(req.num_computed // self.pool.block_size, len(req.block_hashes))
-        for i in range(req.num_registered // self.pool.block_size, full):
-            self.pool.register(req.blocks[i], req.block_hashes[i])
+        self.pool.cache_full_blocks(req.blocks, req.block_hashes,
+                                    req.num_registered // self.pool.block_size, full,
+                                    ids=req.token_ids, root=req.root)
         req.num_registered = max(req.num_registered, full * self.pool.block_size)
 
     def _extend_hashes(self, req: SimRequest) -> None:

@@ -70,6 +70,7 @@ def build_app(engine: SimEngine) -> web.Application:
     app.router.add_get("/version", _version)
     app.router.add_get("/metrics", _metrics)
     app.router.add_post("/tokenize", _tokenize)
+    app.router.add_post("/reset_prefix_cache", _reset_prefix_cache)
     app.router.add_get("/admin/state", _state)
     app.router.add_get("/admin/faults", _faults_get)
     app.router.add_post("/admin/faults", _faults_set)
@@ -188,6 +189,10 @@ async def _tokenize(request: web.Request) -> web.StreamResponse:
         raise ApiError(400, "Either prompt (a string) or messages must be given", "prompt")
     return _json({"count": len(ids), "max_model_len": engine.config.max_model_len,
                   "tokens": ids.tolist(), "token_strs": None})
+
+
+async def _reset_prefix_cache(request: web.Request) -> web.StreamResponse:
+    return _json({"success": request.app[ENGINE].reset_prefix_cache()})
 
 
 async def _state(request: web.Request) -> web.StreamResponse:

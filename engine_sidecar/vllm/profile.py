@@ -18,6 +18,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from engine_sidecar.vllm.kvevents import (
+    KvEventsProfile,
+    describe_kv_events,
+    kv_events_args,
+    kv_events_env,
+)
+
 ROLES = ("draft", "target")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 DEVICES = ("cpu", "gpu")
@@ -59,6 +66,18 @@ class EngineProfile:
     # CPU only: KV cache size in GiB and the cores the engine's OpenMP threads are bound to.
     cpu_kvcache_space_gib: int | None = None
     cpu_threads_bind: str | None = None
+    # KV-cache events over ZMQ (engine_sidecar.vllm.kvevents); off by default.
+    kv_events: bool = False
+    kv_events_endpoint: str = "tcp://*:5557"
+    kv_events_replay_endpoint: str | None = None
+    kv_events_topic: str = ""
+    kv_events_buffer_steps: int | None = None
+
+    @property
+    def events(self) -> KvEventsProfile:
+        return KvEventsProfile(self.kv_events, self.kv_events_endpoint,
+                               self.kv_events_replay_endpoint, self.kv_events_topic,
+                               self.kv_events_buffer_steps)
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -152,7 +171,9 @@ _ENGINE_TYPES: dict[str, tuple[type, ...]] = {
     "gpu_memory_utilization": (float, int), "tensor_parallel_size": (int,),
     "enable_prefix_caching": (bool,), "scheduling_policy": (str,), "speculative": (dict,),
     "seed": (int,), "extra_args": (list,), "env": (dict,), "cpu_kvcache_space_gib": (int,),
-    "cpu_threads_bind": (str,),
+    "cpu_threads_bind": (str,), "kv_events": (bool,), "kv_events_endpoint": (str,),
+    "kv_events_replay_endpoint": (str,), "kv_events_topic": (str,),
+    "kv_events_buffer_steps": (int,),
 }
 _SIDECAR_TYPES: dict[str, tuple[type, ...]] = {
     name: (str,) if default is None or isinstance(default, str)
@@ -207,6 +228,17 @@ def _validate_engine(engine: EngineProfile) -> None:
         raise ProfileError("engine.gpu_memory_utilization", "must be in (0, 1]")
     if engine.device == "cpu" and engine.block_size is not None and engine.block_size % 32:
         raise ProfileError("engine.block_size", "must be a multiple of 32 on CPU")
+    _validate_events(engine)
+
+
+def _validate_events(engine: EngineProfile) -> None:
+    problem = engine.events.validate()
+    if problem is not None:
+        name, _, message = problem.partition(": ")
+        raise ProfileError(name, message)
+    if engine.kv_events and not engine.enable_prefix_caching:
+        raise ProfileError("engine.kv_events", "needs enable_prefix_caching (vLLM emits no "
+                           "events without it)")
 
 
 def _sidecar_from(table: Mapping[str, Any]) -> SidecarSettings:
@@ -287,7 +319,7 @@ def build_command(profile: Profile, python: str) -> list[str]:
     if eng.speculative:
         spec = json.dumps(dict(eng.speculative), sort_keys=True, separators=(",", ":"))
         cmd += ["--speculative-config", spec]
-    return cmd + list(eng.extra_args)
+    return cmd + kv_events_args(eng.events) + list(eng.extra_args)
 
 
 def build_env(profile: Profile, base: Mapping[str, str]) -> dict[str, str]:
@@ -301,6 +333,7 @@ def build_env(profile: Profile, base: Mapping[str, str]) -> dict[str, str]:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(eng.cpu_kvcache_space_gib or 1)
         if eng.cpu_threads_bind is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = eng.cpu_threads_bind
+    kv_events_env(eng.events, env, eng.env)
     env.update(eng.env)
     return env
 
@@ -319,7 +352,12 @@ def describe(profile: Profile) -> dict[str, object]:
         "scheduling_policy": profile.engine.scheduling_policy,
         "prefix_caching": profile.engine.enable_prefix_caching,
         "num_speculative_tokens": profile.engine.num_speculative_tokens,
+        **describe_kv_events(profile.engine.events, _engine_host(profile)),
     }
+
+
+def _engine_host(profile: Profile) -> str:
+    return profile.sidecar.advertise_host or _connectable(profile.sidecar.vllm_host)
 
 
 def flatten_args(cmd: Sequence[str]) -> str:
