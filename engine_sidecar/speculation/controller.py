@@ -49,7 +49,8 @@ class ControllerSettings:
     poll_s: float = 2.0
     eval_s: float = 30.0
     window_s: float = 120.0
-    max_waiting: float = 0.0
+    # Hold a rollout while the pool's mean queue (requests waiting) is above this.
+    max_waiting: float = 1.0
 
     def __post_init__(self) -> None:
         if min(self.poll_s, self.eval_s, self.window_s) <= 0:
@@ -85,6 +86,7 @@ class Controller:
         self.stats = ControllerStats()
         self._shed_probe, self._pool_waiting = shed_probe, pool_waiting
         self._last_eval = -1e18
+        self.last_hold = ""
         self._latest: WindowFigures | None = None
 
     @property
@@ -96,7 +98,11 @@ class Controller:
 
     async def run(self) -> None:
         while True:
-            await self.step()
+            try:
+                await self.step()
+            except Exception:
+                # The loop is an optimisation: a bug in it must never take the sidecar down.
+                log.exception("speculation controller engine=%s: evaluation failed", self.name)
             await asyncio.sleep(self.settings.poll_s)
 
     async def step(self) -> Decision | None:
@@ -122,8 +128,14 @@ class Controller:
                                       found.figures, current=current, now=now)
         self._record(decision, found)
         if decision.action == "change" and self.settings.act:
-            await self._apply(decision, now)
+            await self._apply(decision)
         return decision
+
+    async def apply_now(self, schedule: sch.Schedule) -> bool:
+        """Roll out ``schedule`` at once (an operator's request), through the same gate, lease
+        and rollback; True when the engine runs it afterwards."""
+        current = self.engine.current_schedule()
+        return await self._apply(Decision("change", "requested", current, schedule, 0.0, ()))
 
     def _calibrate(self, found: WindowFigures, current: sch.Schedule) -> None:
         if found.measured_itl_s is None:
@@ -151,7 +163,7 @@ class Controller:
         log.info("speculation decision engine=%s %s", self.name,
                  json.dumps({**decision.as_log(), "inputs": inputs}, default=str))
 
-    async def _apply(self, decision: Decision, now: float) -> None:
+    async def _apply(self, decision: Decision) -> bool:
         waiting = await self._pool_waiting() if self._pool_waiting else (
             self._latest.waiting if self._latest else 0.0)
         shed = await self._shed_probe() if self._shed_probe else None
@@ -161,14 +173,17 @@ class Controller:
             why = why if not ok else "another engine of the pool is being reconfigured"
             log.info("speculation rollout held engine=%s: %s", self.name, why)
             self.stats.decisions["held"] += 1
-            return
+            self.last_hold = why
+            return False
         try:
-            await self._roll_out(decision)
+            ok = await self._roll_out(decision)
         finally:
             await self.lease.release(self.name)
         self.state = replace(PolicyState(), last_change_at=self._now())
+        self.last_hold = "" if ok else "the restart failed; rolled back"
+        return ok
 
-    async def _roll_out(self, decision: Decision) -> None:
+    async def _roll_out(self, decision: Decision) -> bool:
         good = decision.current
         self.rollout.move(RolloutState.LEASED)
         self.rollout.move(RolloutState.DRAINING)
@@ -182,12 +197,13 @@ class Controller:
             log.error("speculation rollout engine=%s failed (%s); rolling back to %s",
                       self.name, exc, sch.render(good))
             await self._roll_back(good)
-            return
+            return False
         self.rollout.move(RolloutState.IDLE)
         self.stats.reconfigurations["ok"] += 1
         self.stats.last_change_gain = decision.predicted_gain
         self.stats.measured_gain = None
         self.window.clear()
+        return True
 
     async def _roll_back(self, good: sch.Schedule) -> None:
         self.rollout.move(RolloutState.ROLLING_BACK)

@@ -29,6 +29,8 @@ class Lease(Protocol):
 
     async def release(self, holder: str) -> None: ...
 
+    async def close(self) -> None: ...
+
 
 class LocalLease:
     def __init__(self, max_out: int = 1) -> None:
@@ -47,6 +49,9 @@ class LocalLease:
 
     async def release(self, holder: str) -> None:
         self.holders.discard(holder)
+
+    async def close(self) -> None:
+        self.holders.clear()
 
 
 class RedisLease:

@@ -199,7 +199,8 @@ def decide(settings: PolicySettings, state: PolicyState, cost: StepCost, figures
         decision = Decision("keep", f"predicted gain {gain:+.1%} within margin", current,
                             proposed, gain, choices)
         return decision, replace(state, streak=0, last_proposal=())
-    same = _same_ks(proposed, state.last_proposal, settings.max_k, settings.max_batch)
+    same = bool(state.last_proposal) and _same_ks(proposed, state.last_proposal,
+                                                  settings.max_k, settings.max_batch)
     streak = state.streak + 1 if same else 1
     state = replace(state, streak=streak, last_proposal=proposed)
     if streak < settings.confirmations:

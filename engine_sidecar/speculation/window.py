@@ -56,7 +56,7 @@ class WindowFigures:
     figures: Figures
     measured_itl_s: float | None
     tokens_per_busy_second: float | None  # output tokens per second while anything ran
-    waiting: float
+    waiting: float  # mean queue over the window: a moment's queue between steps is no backlog
 
 
 def _went_backwards(new: Snapshot, old: Snapshot) -> bool:
@@ -98,4 +98,5 @@ class MetricsWindow:
         span = new.at - old.at
         tokens = new.generation_tokens - old.generation_tokens
         rate = tokens / (busy * span) if busy > 0 and span > 0 else None
-        return WindowFigures(Figures(per_pos, weights, drafts), itl, rate, new.waiting)
+        waiting = sum(s.waiting for s in self._snaps) / len(self._snaps)
+        return WindowFigures(Figures(per_pos, weights, drafts), itl, rate, waiting)
