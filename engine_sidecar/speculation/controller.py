@@ -49,8 +49,9 @@ class ControllerSettings:
     poll_s: float = 2.0
     eval_s: float = 30.0
     window_s: float = 120.0
-    # Hold a rollout while the pool's mean queue (requests waiting) is above this.
-    max_waiting: float = 1.0
+    # Hold a rollout while the engine's mean queue over the window is above this: a few requests
+    # always wait for the next step, a backlog means the others could not take this one's share.
+    max_waiting: float = 16.0
 
     def __post_init__(self) -> None:
         if min(self.poll_s, self.eval_s, self.window_s) <= 0:
@@ -156,8 +157,7 @@ class Controller:
                   "drafts": found.figures.drafts,
                   "batch_weights": dict(sorted(found.figures.batch_weights.items())),
                   "measured_itl_s": found.measured_itl_s,
-                  "step_time_factor": {"off": round(self.cost.factor_off, 3),
-                                       "on": round(self.cost.factor_on, 3)},
+                  "step_time_factor": {"off": self.cost.factor_off, "on": self.cost.factor_on},
                   "current": sch.render(decision.current),
                   "proposed": sch.render(decision.proposed)}
         log.info("speculation decision engine=%s %s", self.name,

@@ -14,6 +14,8 @@ Rules:
   window (vLLM observes one ITL per request and step, so it is the step time) divided by what the
   model predicts for the batch sizes seen is a factor, kept separately for steps with and
   without speculation, so a wrong guess of verification cost is corrected by what the engine does.
+  Until one kind has been measured it borrows the other's factor: an error common to both (say,
+  prefill chunks the model leaves out) must not be blamed on speculation.
 - Pure: no I/O, no clock.
 """
 
@@ -32,9 +34,10 @@ class StepCost:
     kv_per_seq_s: float = 0.00005
     compute_per_token_s: float = 0.00003
     draft_pass_s: float = 0.0005
-    # Measured / modelled step time, for steps without (off) and with (on) speculation.
-    factor_off: float = 1.0
-    factor_on: float = 1.0
+    # Measured / modelled step time, for steps without (off) and with (on) speculation;
+    # None until measured.
+    factor_off: float | None = None
+    factor_on: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("fixed_s", "weights_s", "kv_per_seq_s", "compute_per_token_s",
@@ -50,8 +53,13 @@ class StepCost:
         compute = self.compute_per_token_s * b * (1 + k)
         return self.fixed_s + max(memory, compute) + self.draft_pass_s * k
 
+    def factor(self, on: bool) -> float:
+        mine, other = (self.factor_on, self.factor_off) if on else (self.factor_off,
+                                                                    self.factor_on)
+        return mine if mine is not None else other if other is not None else 1.0
+
     def step_time(self, batch: int, k: int) -> float:
-        return self.modelled(batch, k) * (self.factor_on if k > 0 else self.factor_off)
+        return self.modelled(batch, k) * self.factor(k > 0)
 
 
 def tokens_per_step(per_position: tuple[float, ...], k: int) -> float:
@@ -79,6 +87,7 @@ def calibrate(cost: StepCost, *, measured_itl_s: float, batch_weights: Mapping[i
         return cost
     low, high = _FACTOR_RANGE
     target = min(high, max(low, measured_itl_s / predicted))
-    if kinds == {True}:
-        return replace(cost, factor_on=cost.factor_on + smoothing * (target - cost.factor_on))
-    return replace(cost, factor_off=cost.factor_off + smoothing * (target - cost.factor_off))
+    on = kinds == {True}
+    old = cost.factor_on if on else cost.factor_off
+    new = target if old is None else old + smoothing * (target - old)
+    return replace(cost, factor_on=new) if on else replace(cost, factor_off=new)

@@ -60,5 +60,6 @@ def render(c: Controller) -> str:
                      [(f'{{state="{s.value}"}}', float(c.rollout.state is s))
                       for s in RolloutState])
     lines += _family("step_time_factor", "gauge", "Measured over modelled step time.",
-                     [('{kind="off"}', c.cost.factor_off), ('{kind="on"}', c.cost.factor_on)])
+                     [('{kind="off"}', c.cost.factor(False)),
+                      ('{kind="on"}', c.cost.factor(True))])
     return "\n".join(lines) + "\n"

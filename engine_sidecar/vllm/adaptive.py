@@ -58,7 +58,7 @@ class AdaptiveSettings:
     poll_s: float = 5.0
     eval_s: float = 30.0
     window_s: float = 120.0
-    max_waiting: float = 1.0
+    max_waiting: float = 16.0
     proxy_metrics_urls: tuple[str, ...] = ()
     step_fixed_s: float = StepCost.fixed_s
     step_weights_s: float = StepCost.weights_s
