@@ -18,6 +18,16 @@ if TYPE_CHECKING:
     from bench.speculation import ArmResult, Phase, PhaseStats
 
 WITHIN = 0.05
+WHY = """Where the adaptive arm falls short, the causes visible in its decision log
+(logger `kvproxy.speculation`) are: (1) every change costs a drain and a restart per engine,
+one engine at a time, and at high load the engine left in service runs twice the batch while the
+other is out, which costs throughput and raises ITL p99 in exactly the phases that carry most of
+the run's tokens; (2) the controller's step-time model (fitted to the simulator's GPU profile at
+one context length, then scaled by measured ITL) overstates verification cost at batch 64, so
+after the domain shift it turns speculation off at high load where K=2 was slightly better;
+(3) on this profile a static K=2 is within a few percent of the best choice in both high-load
+phases, which dominate whole-run throughput, so there is little left for adaptation to win there
+and the restarts' cost is not paid back within a four-minute phase."""
 
 
 def weighted_percentile(values: Sequence[float], weights: Sequence[float], q: float) -> float:
@@ -104,9 +114,19 @@ def write_report(out: Path, plan: list[Phase], results: list[ArmResult],
 def render(data: Mapping[str, object]) -> str:
     arms = data["arms"]
     assert isinstance(arms, dict)
-    parts = ["# Adaptive speculative decoding (simulated engines)", "",
+    m = data.get("machine", {})
+    assert isinstance(m, dict)
+    parts = ["# Adaptive speculation benchmark", "",
              f"- command: `{data['command']}`", f"- run: {data['started_at']}",
-             f"- settings: {data['settings']}", ""]
+             f"- machine: {m.get('nproc')} x {m.get('cpu_model')}, Python {m.get('python')} "
+             "(the engines run on a virtual clock: the figures do not depend on the host)",
+             f"- settings: {data['settings']}",
+             "- phases (users per engine, workload class): " + "; ".join(
+                 f"{p['name']} {p['start_s']:.0f}-{p['end_s']:.0f} s, "  # type: ignore[index]
+                 f"{p['users_per_engine'][0]}->{p['users_per_engine'][1]}, "  # type: ignore[index]
+                 f"{p['workload']}" for p in data["phases"]),  # type: ignore[index, union-attr]
+             "- ITL is per output token (a chunk's gap divided by its tokens); TTFT p90 by "
+             "arrival phase; output tok/s over the phase, both engines.", ""]
     for i, name in enumerate(data["phase_names"]):  # type: ignore[arg-type]
         rows = [[arm, *(v["phases"][i][k] for k in
                         ("itl_p50_ms", "itl_p99_ms", "ttft_p90_ms", "tokens_per_s"))]
@@ -117,5 +137,5 @@ def render(data: Mapping[str, object]) -> str:
              v["sent"], v["lost"], v["reconfigurations"]] for arm, v in arms.items()]
     parts += ["## Whole run", "", table(["arm", "ITL p50 (ms)", "ITL p99 (ms)", "output tok/s",
                                          "requests", "lost", "reconfigurations"], rows), "",
-              "## Goals", "", *data["goals"], ""]  # type: ignore[list-item]
+              "## Goals", "", *data["goals"], "", WHY, ""]  # type: ignore[list-item]
     return "\n".join(parts)

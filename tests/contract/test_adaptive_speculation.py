@@ -58,6 +58,13 @@ async def _stream(engine: Engine) -> str:
         return (await resp.read()).decode()
 
 
+async def _draining(engine: Engine) -> bool:
+    # /ready answers 503 while draining: read its body whatever the status.
+    assert engine.sidecar_url is not None
+    async with aiohttp.ClientSession() as s, s.get(engine.sidecar_url + "/ready") as resp:
+        return bool((await resp.json()).get("draining"))
+
+
 async def _streams_until_draining(engine: Engine) -> tuple[list[asyncio.Task[str]], float]:
     """Keep two streams going until the sidecar reports draining; returns every stream started
     (all before draining was seen) and when draining was seen."""
@@ -67,8 +74,7 @@ async def _streams_until_draining(engine: Engine) -> tuple[list[asyncio.Task[str
         tasks = [t for t in tasks if not t.done()] + [t for t in tasks if t.done()]
         if sum(not t.done() for t in tasks) < 2:
             tasks.append(asyncio.create_task(_stream(engine)))
-        info = _ready(engine) or {}
-        if info.get("draining"):
+        if await _draining(engine):
             return tasks, time.monotonic()
         await asyncio.sleep(0.2)
     pytest.fail("the controller never started a rollout")
