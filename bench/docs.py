@@ -31,6 +31,7 @@ python -m bench.routing --repeat 3 --no-report --out bench/results/noise --route
                                     # the same, repeated: run-to-run noise (about 30 min)
 python -m bench.overhead            # overhead benchmark (full run; --quick for a few minutes)
 python -m bench.soak all            # soak: proxy memory over 100k requests, 2,000 idle streams
+python -m bench.speculation         # adaptive speculation vs static choices (simulated, ~2 min)
 python -m bench.report              # rewrite bench/results/*.md, *.png and this page
 ```
 
@@ -113,7 +114,8 @@ def _section(text: str, heading: str) -> str:
 
 
 def benchmarks_doc(routing: str | None, overhead: str | None, results: Path, docs: Path,
-                   generated_at: str, plots_missing: str | None, soak: str | None = None) -> str:
+                   generated_at: str, plots_missing: str | None, soak: str | None = None,
+                   speculation: str | None = None) -> str:
     prefix = os.path.relpath(results, docs.parent).replace(os.sep, "/") + "/"
     parts = [INTRO, f"## Current figures\n\nGenerated {generated_at}.", "### Targets at a glance"]
     glance = [_section(text, "## Targets") for text in (routing, overhead) if text]
@@ -126,4 +128,7 @@ def benchmarks_doc(routing: str | None, overhead: str | None, results: Path, doc
                  "### Overhead benchmark\n\nNo results yet: run `python -m bench.overhead`.")
     parts.append(_shift(soak, prefix) if soak else
                  "### Soak benchmark\n\nNo results yet: run `python -m bench.soak all`.")
+    parts.append(_shift(speculation, prefix) if speculation else
+                 "### Adaptive speculation benchmark\n\nNo results yet: run "
+                 "`python -m bench.speculation`.")
     return "\n\n".join(parts) + "\n"

@@ -25,6 +25,7 @@ from bench.report_overcommit import write_overcommit
 from bench.report_overhead import overhead_markdown, overhead_ratios
 from bench.report_routing import calibration_markdown, routing_markdown
 from bench.report_soak import soak_markdown
+from bench.report_speculation import render as speculation_markdown
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
@@ -72,6 +73,15 @@ def write_soak(results: Path) -> str | None:
     return text
 
 
+def write_speculation(results: Path) -> str | None:
+    path = results / "speculation.json"
+    if not path.exists():
+        return None
+    text = speculation_markdown(read_json(path))
+    (results / "speculation.md").write_text(text)
+    return text
+
+
 def _figure(draw: object, path: Path) -> str | None:
     if plots.available() is not None:
         return None
@@ -95,9 +105,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     routing = write_routing(args.results)
     overhead = write_overhead(args.results)
     soak = write_soak(args.results)
+    speculation = write_speculation(args.results)
     args.docs.parent.mkdir(parents=True, exist_ok=True)
     page = benchmarks_doc(routing, overhead, args.results, args.docs, now_utc(),
-                          plots.available(), soak=soak)
+                          plots.available(), soak=soak, speculation=speculation)
     overcommit = write_overcommit(args.results)
     if overcommit is not None:
         page += "\n" + "\n".join("##" + ln if ln.startswith("#") else ln

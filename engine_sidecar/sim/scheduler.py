@@ -4,6 +4,10 @@ Rules:
 - One call to ``schedule`` plans one engine step under a token budget (``max_num_batched_tokens``):
   running requests first (a decode token each, plus draft tokens when speculating, or the next chunk
   of a prefill), then waiting requests in policy order while fewer than ``max_num_seqs`` run.
+- The draft length of a step is ``k_lookup[b]`` for ``b`` running requests when the step is
+  planned (vLLM's batch-size schedule; by default every entry is the maximum K); each request
+  accepts drafts with its own per-position acceptance (``SimRequest.acceptance``, else the
+  scheduler's default).
 - ``fcfs`` serves the waiting queue in arrival order; ``priority`` by (priority, arrival), lower
   first.
 - When a running request needs a block and none is free, the scheduler preempts (recompute): the
@@ -61,6 +65,7 @@ class SimRequest:
     status: Status = Status.WAITING
     num_cached_tokens: int = -1
     num_preemptions: int = 0
+    acceptance: tuple[float, ...] = ()  # conditional per draft position; () = engine default
 
     @property
     def num_tokens(self) -> int:
@@ -89,6 +94,7 @@ class StepPlan:
     context_tokens: int = 0
     attn_work: int = 0
     draft_tokens: int = 0
+    draft_len: int = 0  # K of this step: the draft model's sequential passes
 
 
 @dataclass
@@ -125,6 +131,8 @@ class Scheduler:
         self._heap: list[SimRequest] = []
         self.num_waiting = 0
         self.stats = SchedulerStats(spec_accepted_per_pos=[0] * len(spec_acceptance))
+        self.k_lookup: tuple[int, ...] = (0, *([len(spec_acceptance)] * max_num_seqs))
+        self._step_k = 0
 
     @property
     def has_work(self) -> bool:
@@ -174,6 +182,7 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         plan = StepPlan(items=[], preempted=[])
+        self._step_k = self.k_lookup[min(len(self.running), self.max_num_seqs)]
         budget = self._schedule_running(plan, self.max_num_batched_tokens)
         if not plan.preempted:
             self._schedule_waiting(plan, budget)
@@ -184,13 +193,14 @@ class Scheduler:
             plan.context_tokens += context
             plan.attn_work += item.num_new * context
             plan.draft_tokens += item.num_draft
+            plan.draft_len = max(plan.draft_len, item.num_draft)
         return plan
 
     def _wanted(self, req: SimRequest, budget: int) -> tuple[int, int]:
         todo = req.num_tokens - req.num_computed
         if todo == 1 and self.acceptance:
             # Like vLLM, the drafter proposes all k positions even when fewer tokens remain.
-            drafts = max(0, min(len(self.acceptance), budget - 1))
+            drafts = max(0, min(self._step_k, budget - 1))
             return 1 + drafts, drafts
         return min(todo, budget), 0
 
@@ -295,7 +305,8 @@ class Scheduler:
         return outputs
 
     def _advance(self, req: SimRequest, item: Scheduled) -> StepOutput | None:
-        accepted = self._accept(item.num_draft) if item.num_draft else 0
+        accepted = self._accept(item.num_draft, req.acceptance or self.acceptance) \
+            if item.num_draft else 0
         req.num_computed += item.num_new - item.num_draft + accepted
         self._register_blocks(req)
         if req.num_computed < req.num_tokens:
@@ -314,13 +325,13 @@ class Scheduler:
             req.blocks = []
         return StepOutput(req, words, done)
 
-    def _accept(self, drafts: int) -> int:
+    def _accept(self, drafts: int, acceptance: tuple[float, ...]) -> int:
         stats = self.stats
         stats.spec_drafts += 1
         stats.spec_draft_tokens += drafts
         accepted = 0
         for pos in range(drafts):
-            if self.rng.random() >= self.acceptance[pos]:
+            if self.rng.random() >= acceptance[min(pos, len(acceptance) - 1)]:
                 break
             stats.spec_accepted_per_pos[pos] += 1
             accepted += 1

@@ -18,6 +18,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from engine_sidecar.sim import adaptive
 from engine_sidecar.sim.engine import Sampling, SimEngine
 from engine_sidecar.sim.protocol import ApiError, Kind, Limits, ParsedRequest, parse
 from engine_sidecar.sim.responses import Identity
@@ -75,6 +76,7 @@ def build_app(engine: SimEngine) -> web.Application:
     app.router.add_get("/admin/faults", _faults_get)
     app.router.add_post("/admin/faults", _faults_set)
     app.router.add_delete("/admin/faults", _faults_clear)
+    adaptive.add_routes(app, engine)
     return app
 
 
@@ -116,7 +118,8 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
                      model=engine.model, logprobs=parsed.logprobs)
     sampling = Sampling(max_tokens=parsed.max_tokens, temperature=parsed.temperature,
                         seed=parsed.seed, priority=parsed.priority, ignore_eos=parsed.ignore_eos,
-                        cache_salt=parsed.cache_salt)
+                        cache_salt=parsed.cache_salt,
+                        workload=request.headers.get("X-Workload-Class", "")[:64] or None)
     stream = engine.submit(ident.response_id, parsed.prompt_ids, sampling, client_id=base_id)
     engine.in_flight += 1
     try:

@@ -6,6 +6,9 @@ Rules:
 - String values may reference the environment as ``${NAME}`` or ``${NAME:-default}`` (the same
   spelling compose uses), so one profile serves a laptop, CI and a GPU host.
 - Every validation error is a :class:`ProfileError` naming the dotted field.
+- A batch-size speculation schedule (``engine.speculative.num_speculative_tokens_per_batch_size``)
+  is checked as vLLM would check it, here, so a bad one never costs a start-up.
+- The ``[speculation]`` table (the adaptive loop) is kept raw here and read by ``adaptive``.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from engine_sidecar.speculation import schedule as sch
 from engine_sidecar.vllm.kvevents import (
     KvEventsProfile,
     describe_kv_events,
@@ -122,6 +126,7 @@ class Profile:
     name: str
     engine: EngineProfile
     sidecar: SidecarSettings
+    speculation: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def engine_url(self) -> str:
@@ -223,6 +228,12 @@ def _validate_engine(engine: EngineProfile) -> None:
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ProfileError("engine.speculative.num_speculative_tokens",
                                "must be an integer >= 1")
+        if sch.SCHEDULE_FIELD in engine.speculative:
+            try:
+                sch.validate(engine.speculative[sch.SCHEDULE_FIELD], max_k=k)
+            except sch.ScheduleError as exc:
+                raise ProfileError(f"engine.speculative.{sch.SCHEDULE_FIELD}",
+                                   str(exc).removeprefix(sch.SCHEDULE_FIELD + ": ")) from None
     util = engine.gpu_memory_utilization
     if util is not None and not 0.0 < util <= 1.0:
         raise ProfileError("engine.gpu_memory_utilization", "must be in (0, 1]")
@@ -261,12 +272,13 @@ def parse_profile(text: str, *, name: str, env: Mapping[str, str]) -> Profile:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ProfileError(name, f"not valid TOML: {exc}") from None
-    unknown = set(raw) - {"engine", "sidecar"}
+    unknown = set(raw) - {"engine", "sidecar", "speculation"}
     if unknown:
         raise ProfileError(sorted(unknown)[0], "unknown section")
     tree = _expand_tree(raw, env, "")
     return Profile(name=name, engine=_engine_from(tree.get("engine", {})),
-                   sidecar=_sidecar_from(tree.get("sidecar", {})))
+                   sidecar=_sidecar_from(tree.get("sidecar", {})),
+                   speculation=dict(tree.get("speculation", {})))
 
 
 def load_profile(path: str | Path, env: Mapping[str, str]) -> Profile:
@@ -353,11 +365,18 @@ def describe(profile: Profile) -> dict[str, object]:
         "prefix_caching": profile.engine.enable_prefix_caching,
         "num_speculative_tokens": profile.engine.num_speculative_tokens,
         **describe_kv_events(profile.engine.events, _engine_host(profile)),
+        sch.SCHEDULE_FIELD: (profile.engine.speculative or {}).get(sch.SCHEDULE_FIELD),
     }
 
 
 def _engine_host(profile: Profile) -> str:
     return profile.sidecar.advertise_host or _connectable(profile.sidecar.vllm_host)
+
+
+def with_schedule(profile: Profile, schedule: sch.Schedule) -> Profile:
+    """``profile`` whose engine runs the batch-size speculation ``schedule``."""
+    spec = {**(profile.engine.speculative or {}), sch.SCHEDULE_FIELD: sch.to_json(schedule)}
+    return replace(profile, engine=replace(profile.engine, speculative=spec))
 
 
 def flatten_args(cmd: Sequence[str]) -> str:
