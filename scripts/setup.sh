@@ -4,19 +4,24 @@
 #   scripts/setup.sh --runtime     proxy + simulator only (requirements-runtime.txt): the demo's needs
 #   scripts/setup.sh --redis       also installs redis-server from Debian when it is missing
 #   scripts/setup.sh --prometheus  also installs Debian's prometheus (for promtool) when missing
+#   scripts/setup.sh --kubectl     also installs Debian's kubernetes-client (kubectl, for
+#                                  `kubectl kustomize`) when kubectl is missing
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 requirements=requirements-ci.txt
 # Debian packages the tests need, installed only when missing: redis-server (--redis) and
-# Prometheus' promtool, which checks and unit-tests the alert rules (--prometheus).
+# Prometheus' promtool, which checks and unit-tests the alert rules (--prometheus), and kubectl,
+# which renders the Kubernetes manifests (--kubectl; bookworm's 1.20 embeds kustomize v2.0.3, the
+# oldest the manifests are written for; a newer kubectl already installed is used as it is).
 packages=()
 for arg in "$@"; do
   case "$arg" in
     --runtime) requirements=requirements-runtime.txt ;;
     --redis) command -v redis-server >/dev/null 2>&1 || packages+=(redis-server) ;;
     --prometheus) command -v promtool >/dev/null 2>&1 || packages+=(prometheus) ;;
-    *) echo "setup.sh: unknown option $arg (--runtime, --redis, --prometheus)" >&2; exit 2 ;;
+    --kubectl) command -v kubectl >/dev/null 2>&1 || packages+=(kubernetes-client) ;;
+    *) echo "setup.sh: unknown option $arg (--runtime, --redis, --prometheus, --kubectl)" >&2; exit 2 ;;
   esac
 done
 
