@@ -40,8 +40,8 @@ from deploy.kube import (
     rule_file_text,
 )
 from engine_sidecar.vllm.profile import describe, load_profile, with_overrides
-from proxy.config import Config, load_config
-from proxy.shared_state import EngineRecord
+from proxy.core.config import Config, load_config
+from proxy.tenancy.shared_state import EngineRecord
 
 Obj = dict[str, Any]
 K8S_VERSIONS = ("1.25", "1.37")  # the oldest and newest schemas kubernetes-validate ships
