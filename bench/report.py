@@ -24,6 +24,7 @@ from bench.report_noise import noise_markdown
 from bench.report_overhead import overhead_markdown, overhead_ratios
 from bench.report_routing import calibration_markdown, routing_markdown
 from bench.report_soak import soak_markdown
+from bench.report_suite import suite_markdown
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
@@ -71,6 +72,15 @@ def write_soak(results: Path) -> str | None:
     return text
 
 
+def write_suite(results: Path) -> str | None:
+    path = results / "suite.json"
+    if not path.exists():
+        return None
+    text = suite_markdown(read_json(path))
+    (results / "suite.md").write_text(text)
+    return text
+
+
 def _figure(draw: object, path: Path) -> str | None:
     if plots.available() is not None:
         return None
@@ -94,9 +104,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     routing = write_routing(args.results)
     overhead = write_overhead(args.results)
     soak = write_soak(args.results)
+    suite = write_suite(args.results)
     args.docs.parent.mkdir(parents=True, exist_ok=True)
     args.docs.write_text(benchmarks_doc(routing, overhead, args.results, args.docs, now_utc(),
-                                        plots.available(), soak=soak))
+                                        plots.available(), soak=soak, suite=suite))
     print(f"wrote {args.docs} and reports under {args.results}")
     return 0
 
