@@ -61,8 +61,8 @@ See `bench/README.md` for every option.
   capped for a two-core machine. Every figure states these settings next to it.
 - **Traffic (routing suite).** Every router over six workloads of different shapes, each
   replayed like the Mooncake slice above and each at its own load: round-robin's knee, found
-  per workload by the same discrete-event round-robin as `bench.calibrate` (the lowest load at
-  which round-robin's TTFT p90 reaches 2.5x its value at a light load). The workloads
+  per workload by the same discrete-event round-robin as `bench.calibrate` (the load, found to
+  within 5 %, at which round-robin's TTFT p90 reaches 2.5x its value at a light load). The workloads
   (`bench/workloads.py`, generated with fixed seeds): **mooncake**, the Mooncake conversation
   slice; **rag**, 4 tenants x 2 system prompts (1k-4k tokens) x 32 documents each (1k-12k
   tokens, Zipf popularity) x short unique questions; **chat**, conversations whose every turn
