@@ -59,7 +59,7 @@ def simulate_round_robin(reqs: Sequence[TraceRequest], *, engines: int, profile:
         if not plan.items:
             return
         dt = prof.step_time(plan.batched_tokens, plan.context_tokens, plan.attn_work,
-                            plan.draft_tokens)
+                            plan.draft_len)
         plans[e] = plan
         busy[e] += dt
         heapq.heappush(events, (now + dt, 1, e))

@@ -30,6 +30,8 @@ python -m bench.routing --repeat 3 --no-report --out bench/results/noise --route
   kvproxy/round_robin,kvproxy/prefix_affinity,sglang-router/cache_aware,vllm-router/cache_aware
                                     # the same, repeated: run-to-run noise (about 30 min)
 python -m bench.overhead            # overhead benchmark (full run; --quick for a few minutes)
+python -m bench.soak all            # soak: proxy memory over 100k requests, 2,000 idle streams
+python -m bench.speculation         # adaptive speculation vs static choices (simulated, ~2 min)
 python -m bench.report              # rewrite bench/results/*.md, *.png and this page
 ```
 
@@ -59,6 +61,13 @@ See `bench/README.md` for every option.
 - **Traffic (overhead).** Closed-loop streams at several concurrencies; the engines called
   directly and through each router, in short slices that alternate within one run so that
   drifts of the machine affect every path alike.
+- **Soak.** The proxy runs as its own process (`kvproxy serve`) in front of one simulated-engine
+  process, each pinned to one core. *Churn*: 100,000 streamed requests, 30 % of whose clients
+  close the connection after the first events, with the proxy's RSS (from `/proc`) sampled
+  throughout. *Idle*: 2,000 streams held open at once by engines that stall after the first
+  token, with the proxy's RSS per open stream and `/health` latency while they are open. Both end
+  by reading back what must return to zero: the proxy's in-flight gauges, its connections to the
+  engines (after the keep-alive pool's timeout) and the engines' running requests.
 - **Noise.** The routing benchmark runs each router once; its p90 column carries a bootstrap
   interval (sampling noise of that run only). The machine's own noise comes on top, and on a
   shared two-core machine it can be large: the routing report's last section repeats the
@@ -105,7 +114,8 @@ def _section(text: str, heading: str) -> str:
 
 
 def benchmarks_doc(routing: str | None, overhead: str | None, results: Path, docs: Path,
-                   generated_at: str, plots_missing: str | None) -> str:
+                   generated_at: str, plots_missing: str | None, soak: str | None = None,
+                   speculation: str | None = None) -> str:
     prefix = os.path.relpath(results, docs.parent).replace(os.sep, "/") + "/"
     parts = [INTRO, f"## Current figures\n\nGenerated {generated_at}.", "### Targets at a glance"]
     glance = [_section(text, "## Targets") for text in (routing, overhead) if text]
@@ -116,4 +126,9 @@ def benchmarks_doc(routing: str | None, overhead: str | None, results: Path, doc
                  "### Routing benchmark\n\nNo results yet: run `python -m bench.routing`.")
     parts.append(_shift(overhead, prefix) if overhead else
                  "### Overhead benchmark\n\nNo results yet: run `python -m bench.overhead`.")
+    parts.append(_shift(soak, prefix) if soak else
+                 "### Soak benchmark\n\nNo results yet: run `python -m bench.soak all`.")
+    parts.append(_shift(speculation, prefix) if speculation else
+                 "### Adaptive speculation benchmark\n\nNo results yet: run "
+                 "`python -m bench.speculation`.")
     return "\n\n".join(parts) + "\n"

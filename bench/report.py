@@ -24,6 +24,8 @@ from bench.report_noise import noise_markdown
 from bench.report_overcommit import write_overcommit
 from bench.report_overhead import overhead_markdown, overhead_ratios
 from bench.report_routing import calibration_markdown, routing_markdown
+from bench.report_soak import soak_markdown
+from bench.report_speculation import render as speculation_markdown
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
@@ -62,6 +64,24 @@ def write_overhead(results: Path) -> str | None:
     return text
 
 
+def write_soak(results: Path) -> str | None:
+    path = results / "soak.json"
+    if not path.exists():
+        return None
+    text = soak_markdown(read_json(path))
+    (results / "soak.md").write_text(text)
+    return text
+
+
+def write_speculation(results: Path) -> str | None:
+    path = results / "speculation.json"
+    if not path.exists():
+        return None
+    text = speculation_markdown(read_json(path))
+    (results / "speculation.md").write_text(text)
+    return text
+
+
 def _figure(draw: object, path: Path) -> str | None:
     if plots.available() is not None:
         return None
@@ -84,8 +104,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     routing = write_routing(args.results)
     overhead = write_overhead(args.results)
+    soak = write_soak(args.results)
+    speculation = write_speculation(args.results)
     args.docs.parent.mkdir(parents=True, exist_ok=True)
-    page = benchmarks_doc(routing, overhead, args.results, args.docs, now_utc(), plots.available())
+    page = benchmarks_doc(routing, overhead, args.results, args.docs, now_utc(),
+                          plots.available(), soak=soak, speculation=speculation)
     overcommit = write_overcommit(args.results)
     if overcommit is not None:
         page += "\n" + "\n".join("##" + ln if ln.startswith("#") else ln

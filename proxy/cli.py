@@ -1,8 +1,10 @@
 """Command line: ``kvproxy serve`` and ``kvproxy demo``.
 
-Rules: this is the only place that picks the event loop (uvloop) and configures logging. A bad
-configuration stops start-up with exit status 2 and a message naming the field; a clean shutdown
-after SIGTERM or Ctrl-C exits 0.
+Rules: this is the only place that picks the event loop (uvloop) and configures logging: the
+process log on stderr (``--log-level``, ``--log-format text|json``, given before or after the
+sub-command), the access log (``[log] access``) on stdout. A bad configuration or a bad logging flag
+stops start-up with exit status 2 and one line naming the problem; a clean shutdown after SIGTERM
+or Ctrl-C exits 0.
 """
 
 from __future__ import annotations
@@ -12,26 +14,40 @@ import logging
 import os
 import sys
 from collections.abc import Coroutine, Sequence
+from importlib import metadata
 from typing import Any
 
 import uvloop
 
-from proxy.config import Config, load_config
+from proxy.core.config import Config, load_config
+from proxy.core.errors import ConfigError
 from proxy.demo import run_demo
-from proxy.errors import ConfigError
-from proxy.lifecycle import run_server
+from proxy.observe import accesslog
+from proxy.server.lifecycle import run_server
 
 EXIT_CONFIG = 2
 EXIT_START = 1
+LOG_LEVELS: tuple[str, ...] = ("debug", "info", "warning", "error", "critical")
+LOG_FORMATS: tuple[str, ...] = ("text", "json")
+TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def package_version() -> str:
+    try:
+        return metadata.version("kvproxy")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvproxy", description="KV-cache-aware OpenAI-compatible routing proxy for vLLM"
     )
-    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    parser.add_argument("--version", action="version", version=f"kvproxy {package_version()}")
+    _add_logging(parser, top=True)
     sub = parser.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the proxy from a TOML configuration")
+    _add_logging(serve, top=False)
     serve.add_argument("--config", metavar="FILE.toml", help="configuration file")
     _add_listen(serve, default_port=None)
     serve.add_argument(
@@ -43,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="override one setting (repeatable), e.g. --set routing.policy=least_load",
     )
     demo = sub.add_parser("demo", help="proxy plus simulated draft and target engines, one process")
+    _add_logging(demo, top=False)
     _add_listen(demo, default_port=8000)
     demo.add_argument(
         "--time-scale",
@@ -53,6 +70,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_logging(parser: argparse.ArgumentParser, *, top: bool) -> None:
+    # The sub-commands' copies have no default, so a flag given before the sub-command is not
+    # overwritten by an absent one after it; one given after wins.
+    parser.add_argument(
+        "--log-level",
+        default="info" if top else argparse.SUPPRESS,
+        metavar="LEVEL",
+        help=f"process log level: {', '.join(LOG_LEVELS)} (default info)",
+    )
+    parser.add_argument(
+        "--log-format",
+        default="text" if top else argparse.SUPPRESS,
+        metavar="FORMAT",
+        help="process log format on stderr: text or json (default text)",
+    )
+
+
 def _add_listen(parser: argparse.ArgumentParser, default_port: int | None) -> None:
     parser.add_argument("--host", default=None, help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=default_port, help="port to listen on")
@@ -60,12 +94,16 @@ def _add_listen(parser: argparse.ArgumentParser, default_port: int | None) -> No
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    problem = _logging_problem(args.log_level, args.log_format)
+    if problem is not None:
+        print(f"kvproxy: {problem}", file=sys.stderr)
+        return EXIT_CONFIG
+    configure_logging(args.log_level, args.log_format)
     try:
         if args.command == "serve":
-            return _run(run_server(_serve_config(args)))
+            cfg = _serve_config(args)
+            accesslog.install(cfg.log)
+            return _run(run_server(cfg))
         return _run(_demo(args))
     except ConfigError as exc:
         print(f"kvproxy: configuration error: {exc}", file=sys.stderr)
@@ -74,6 +112,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Most often the port is taken; a traceback would hide the one line that matters.
         print(f"kvproxy: cannot start: {exc}", file=sys.stderr)
         return EXIT_START
+
+
+def _logging_problem(level: str, fmt: str) -> str | None:
+    if level.strip().lower() not in LOG_LEVELS:
+        return f"--log-level: {level!r} is not one of {', '.join(LOG_LEVELS)}"
+    if fmt.strip().lower() not in LOG_FORMATS:
+        return f"--log-format: {fmt!r} is not one of {', '.join(LOG_FORMATS)}"
+    return None
+
+
+def configure_logging(level: str, fmt: str) -> None:
+    """The process log: ``level`` and ``fmt`` (text or json lines) on stderr."""
+    handler = logging.StreamHandler()
+    json_lines = fmt.strip().lower() == "json"
+    text = logging.Formatter(TEXT_FORMAT)
+    handler.setFormatter(accesslog.json_formatter() if json_lines else text)
+    logging.basicConfig(level=level.strip().upper(), handlers=[handler])
 
 
 def _run(coro: Coroutine[Any, Any, None]) -> int:

@@ -78,11 +78,12 @@ async def _start_one(config: SimEngineConfig, host: str, port: int
         site = web.TCPSite(runner, host, port, reuse_address=True)
         await site.start()
         bound = int(runner.addresses[0][1])
+        engine.name = config.name or f"sim-{bound}"
+        engine.start()  # binds the KV-event sockets too, which can fail (a port in use)
     except BaseException:
+        await engine.close()
         await runner.cleanup()
         raise
-    engine.name = config.name or f"sim-{bound}"
-    engine.start()
     return engine, runner, bound
 
 

@@ -13,7 +13,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
+from engine_sidecar.sim.kvevents import KvEventsSettings
 from engine_sidecar.sim.profiles import PROFILES
+from engine_sidecar.sim.speculation import SimSpecConfig
 
 SchedulingPolicy = Literal["fcfs", "priority"]
 
@@ -32,6 +34,7 @@ class FaultConfig:
     metrics_frozen: bool = False
     metrics_missing: tuple[str, ...] = ()
     metric_overrides: dict[str, float] = field(default_factory=dict)
+    restart_fails: bool = False  # a reconfiguring restart fails (the old schedule stays)
 
     def update(self, body: Mapping[str, object]) -> None:
         """Apply the fields of an admin request; unknown or ill-typed fields raise ``ValueError``.
@@ -77,10 +80,10 @@ def _set_fault(faults: FaultConfig, key: str, value: object) -> None:
     elif key == "error_status":
         status = _optional_int(key, value)
         faults.error_status = 500 if status is None else status
-    elif key == "metrics_frozen":
+    elif key in ("metrics_frozen", "restart_fails"):
         if not isinstance(value, bool):
-            raise ValueError("fault 'metrics_frozen' must be a boolean")
-        faults.metrics_frozen = value
+            raise ValueError(f"fault {key!r} must be a boolean")
+        setattr(faults, key, value)
     elif key == "metrics_missing":
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise ValueError("fault 'metrics_missing' must be a list of metric names")
@@ -125,9 +128,12 @@ class SimEngineConfig:
     time_scale: float = 1.0
     num_speculative_tokens: int = 0
     acceptance: tuple[float, ...] = ()
+    # Per-request acceptance, drift, batch-size schedule and restart time (sim/speculation.py).
+    spec: SimSpecConfig = field(default_factory=SimSpecConfig)
     legacy_kv_metric: bool = False
     seed: int = 0
     stop_len_range: tuple[int, int] = (64, 512)
+    kv_events: KvEventsSettings = field(default_factory=KvEventsSettings)  # off: no endpoint
     faults: FaultConfig = field(default_factory=FaultConfig, compare=False)
 
     def __post_init__(self) -> None:
@@ -153,6 +159,8 @@ class SimEngineConfig:
             raise ValueError("num_speculative_tokens must be >= 0")
         if not all(0.0 <= p <= 1.0 for p in self.acceptance):
             raise ValueError("acceptance probabilities must be within 0..1")
+        if self.spec.schedule is not None:
+            self.spec.checked_schedule(self.num_speculative_tokens)
 
     @property
     def acceptance_per_pos(self) -> tuple[float, ...]:

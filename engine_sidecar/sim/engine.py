@@ -9,6 +9,11 @@ Rules:
 - Aborting (client disconnect) removes the request from the scheduler at once and frees its blocks;
   its id is remembered for ``/admin/state``.
 - Latencies fed to the metrics are simulated seconds: wall seconds times ``time_scale``.
+- ``reconfigure`` is a restart with a new speculation schedule, as the vLLM sidecar does it:
+  refuse new requests (draining), let the running ones finish, start again empty (KV cache,
+  counters and histograms reset, as a new vLLM process's would be), stay out ``restart_s``
+  simulated seconds, then accept requests again. ``FaultConfig.restart_fails`` makes it fail
+  after the drain, leaving the engine on its old schedule.
 """
 
 from __future__ import annotations
@@ -20,14 +25,21 @@ import hashlib
 import random
 from array import array
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from engine_sidecar.sim import speculation as simspec
+from engine_sidecar.sim.blockhash import root_for
 from engine_sidecar.sim.config import FaultConfig, SimEngineConfig
 from engine_sidecar.sim.kvcache import BlockPool
+from engine_sidecar.sim.kvpublisher import KvEventPublisher
 from engine_sidecar.sim.metrics import EngineReading, LatencyMetrics, render
 from engine_sidecar.sim.profiles import PROFILES
 from engine_sidecar.sim.scheduler import FinishReason, Scheduler, SimRequest, Status, StepOutput
 from engine_sidecar.sim.tokenizer import WordStream
+from engine_sidecar.speculation.schedule import Schedule
+from engine_sidecar.vllm.metrics import spec_lines
+from engine_sidecar.vllm.spec import SpecCounters, SpecWindow
 
 _ABORTED_KEPT = 1000
 
@@ -39,6 +51,8 @@ class Sampling:
     seed: int | None = None
     priority: int = 0
     ignore_eos: bool = False
+    cache_salt: str | None = None
+    workload: str | None = None  # picks the acceptance class (sim/speculation.py)
 
 
 class RequestStream:
@@ -113,15 +127,19 @@ class SimEngine:
         self.rng = random.Random(config.seed)
         self.fault_rng = random.Random(config.seed + 2)
         self.last_metrics: bytes | None = None
-        self.pool = BlockPool(config.blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(
-            self.pool, max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            policy=config.scheduling_policy, spec_acceptance=config.acceptance_per_pos,
-            rng=random.Random(config.seed + 1),
-        )
+        events = config.kv_events.enabled
+        self.pool = BlockPool(config.blocks, config.block_size, config.enable_prefix_caching,
+                              vllm_hashes=events, record_events=events)
+        self.kv_events: KvEventPublisher | None = None
+        self.schedule: Schedule | None = config.spec.checked_schedule(
+            config.num_speculative_tokens)
+        self.scheduler = self._new_scheduler(random.Random(config.seed + 1))
         self.latency = LatencyMetrics()
+        self.spec_window = SpecWindow(60.0)
+        self.extra_metrics: list[Callable[[], str]] = []
         self.draining = False
+        self.restarting = False
+        self.restarts = 0
         self.aborted_ids: deque[str] = deque(maxlen=_ABORTED_KEPT)
         self.aborted_client_ids: deque[str] = deque(maxlen=_ABORTED_KEPT)
         self.in_flight = 0
@@ -130,6 +148,16 @@ class SimEngine:
         self._task: asyncio.Task[None] | None = None
         self._seq = 0
         self._t0 = 0.0
+
+    def _new_scheduler(self, rng: random.Random) -> Scheduler:
+        cfg = self.config
+        sched = Scheduler(self.pool, max_num_seqs=cfg.max_num_seqs,
+                          max_num_batched_tokens=cfg.max_num_batched_tokens,
+                          policy=cfg.scheduling_policy, spec_acceptance=cfg.acceptance_per_pos,
+                          rng=rng)
+        sched.k_lookup = simspec.lookup(self.schedule, cfg.max_num_seqs,
+                                        cfg.num_speculative_tokens)
+        return sched
 
     # -- state read by the server, the cluster and tests -----------------------------------------
 
@@ -152,6 +180,9 @@ class SimEngine:
 
     def start(self) -> None:
         self._t0 = asyncio.get_running_loop().time()
+        if self.config.kv_events.enabled:
+            self.kv_events = KvEventPublisher(self.config.kv_events, self.name)
+            self.kv_events.start()
         self._task = asyncio.create_task(self._run(), name=f"sim-engine-steps:{self.name}")
 
     async def close(self) -> None:
@@ -162,6 +193,8 @@ class SimEngine:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        if self.kv_events is not None:
+            await self.kv_events.close()
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -175,7 +208,10 @@ class SimEngine:
         req = SimRequest(
             request_id=public_id, token_ids=array("I", prompt_ids), prompt_len=len(prompt_ids),
             target_len=target, finish_reason=reason, priority=sampling.priority, seq=self._seq,
-            words=WordStream(seed),
+            words=WordStream(seed), root=root_for(sampling.cache_salt),
+            acceptance=simspec.acceptance_for(
+                self.config.spec, self.config.acceptance, sampling.workload, self.sim_time(),
+                self.config.num_speculative_tokens) if self.config.num_speculative_tokens else (),
         )
         stream = RequestStream(self, req, public_id, client_id or public_id, self.sim_time())
         self._streams[req] = stream
@@ -216,6 +252,41 @@ class SimEngine:
         self.aborted_client_ids.append(stream.client_id)
         self.latency.finished["abort"] += 1
 
+    # -- restart with a new speculation schedule ---------------------------------------------
+
+    async def reconfigure(self, schedule: Schedule, *, drain_timeout_s: float = 600.0) -> None:
+        """Drain, restart empty with ``schedule`` (already validated), reopen; ``RuntimeError``
+        if the drain timed out or the injected restart fault fired (old schedule kept)."""
+        self.draining = True
+        try:
+            await self._drained(drain_timeout_s)
+            self.restarting = True
+            await asyncio.sleep(self.config.spec.restart_s / self.config.time_scale)
+            if self.faults.restart_fails:
+                raise RuntimeError("injected fault: the engine failed to restart")
+            self.schedule = schedule
+            # A restarted engine's cache is empty; subscribers to its KV events are told so.
+            self.pool.reset_cache()
+            self._publish_kv_events()
+            events = self.config.kv_events.enabled
+            self.pool = BlockPool(self.config.blocks, self.config.block_size,
+                                  self.config.enable_prefix_caching,
+                                  vllm_hashes=events, record_events=events)
+            self.scheduler = self._new_scheduler(self.scheduler.rng)
+            self.latency = LatencyMetrics()
+            self.restarts += 1
+        finally:
+            self.restarting = False
+            self.draining = False
+
+    async def _drained(self, timeout_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s / self.config.time_scale
+        while self._streams or self.scheduler.has_work:
+            if loop.time() >= deadline:
+                raise RuntimeError("drain timed out")
+            await asyncio.sleep(0.05 / self.config.time_scale)
+
     # -- the step loop ---------------------------------------------------------------------------
 
     async def _run(self) -> None:
@@ -233,9 +304,23 @@ class SimEngine:
                 await self._wake.wait()
                 continue
             dt = self.profile.step_time(plan.batched_tokens, plan.context_tokens,
-                                        plan.attn_work, plan.draft_tokens) / scale
+                                        plan.attn_work, plan.draft_len) / scale
             await asyncio.sleep(max(0.0, started + dt - loop.time()))
             self._deliver(self.scheduler.complete(plan))
+            self._publish_kv_events()
+
+    def _publish_kv_events(self) -> None:
+        """One batch per step, as vLLM publishes them; an empty step publishes nothing."""
+        if self.kv_events is not None:
+            events = self.pool.take_events()
+            if events:
+                self.kv_events.publish(events)
+
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's ``/reset_prefix_cache``: refused while requests hold blocks."""
+        done = self.pool.reset_cache()
+        self._publish_kv_events()
+        return done
 
     def _deliver(self, outputs: list[StepOutput]) -> None:
         now = self.sim_time()
@@ -276,10 +361,24 @@ class SimEngine:
             block_size=self.config.block_size, num_gpu_blocks=self.pool.num_blocks,
             prefix_caching=self.config.enable_prefix_caching, counters=counters,
             spec_per_pos=stats.spec_accepted_per_pos if self.scheduler.acceptance else None,
-            draining=self.draining,
+            draining=self.draining or self.restarting,
         )
-        return render(reading, self.latency, missing=self.faults.metrics_missing,
+        text = render(reading, self.latency, missing=self.faults.metrics_missing,
                       overrides=self.faults.metric_overrides)
+        return text + self._derived_spec() + "".join(extra() for extra in self.extra_metrics)
+
+    def _derived_spec(self) -> str:
+        """The vLLM sidecar's ``kvproxy_sidecar_spec_*`` series, from the same window code."""
+        k = self.config.num_speculative_tokens
+        if k <= 0:
+            return ""
+        stats = self.scheduler.stats
+        self.spec_window.add(self.sim_time(), SpecCounters(
+            float(stats.spec_drafts), float(stats.spec_draft_tokens), float(stats.spec_accepted),
+            tuple(float(v) for v in stats.spec_accepted_per_pos)))
+        derived = self.spec_window.stats(num_speculative_tokens=k,
+                                         token_cost=self.profile.draft_fraction)
+        return "\n".join(spec_lines(k, derived)) + "\n"
 
     def state(self) -> dict[str, object]:
         stats = self.scheduler.stats
@@ -292,4 +391,5 @@ class SimEngine:
             "prefix_cache_hits": stats.prefix_hits, "draining": self.draining,
             "aborted_ids": list(self.aborted_ids),
             "aborted_request_ids": list(self.aborted_client_ids), "faults": self.faults.as_dict(),
+            "kv_events": self.kv_events.state() if self.kv_events is not None else None,
         }

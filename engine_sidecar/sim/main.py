@@ -21,6 +21,7 @@ from typing import Any
 
 from engine_sidecar.sim.cluster import start_cluster
 from engine_sidecar.sim.config import FaultConfig, SimEngineConfig
+from engine_sidecar.sim.kvevents import KvEventsSettings
 from engine_sidecar.sim.profiles import PROFILES, profiles_table
 
 log = logging.getLogger("engine_sidecar.sim")
@@ -88,7 +89,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--legacy-kv-metric", action="store_true",
                        help="emit vllm:gpu_cache_usage_perc (vLLM <= 0.10) instead")
     model.add_argument("--seed", type=int, default=0)
+    _add_kv_event_arguments(parser)
     _add_fault_arguments(parser)
+
+
+def _add_kv_event_arguments(parser: argparse.ArgumentParser) -> None:
+    events = parser.add_argument_group(
+        "KV-cache events (vLLM's --kv-events-config; ports move up by one per engine)")
+    events.add_argument("--kv-events-endpoint", default=None, metavar="ENDPOINT",
+                        help="publish KV events on this ZMQ endpoint: tcp://*:5557 binds, "
+                        "tcp://HOST:PORT connects to a subscriber that binds (default: off)")
+    events.add_argument("--kv-events-replay-endpoint", default=None, metavar="ENDPOINT",
+                        help="bind a ROUTER socket that replays buffered batches")
+    events.add_argument("--kv-events-topic", default="", help="topic frame of every message")
+    events.add_argument("--kv-events-buffer-steps", type=int, default=10_000,
+                        help="batches kept for replay (10000)")
+    events.add_argument("--kv-events-bytes-hashes", dest="kv_events_int_hashes",
+                        action="store_false",
+                        help="send whole 32-byte hashes, as vLLM with "
+                        "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0 (default: 64-bit integers)")
+
+
+def _kv_events(args: argparse.Namespace) -> KvEventsSettings:
+    return KvEventsSettings(endpoint=args.kv_events_endpoint,
+                            replay_endpoint=args.kv_events_replay_endpoint,
+                            topic=args.kv_events_topic, buffer_steps=args.kv_events_buffer_steps,
+                            int_hashes=args.kv_events_int_hashes)
 
 
 def _add_fault_arguments(parser: argparse.ArgumentParser) -> None:
@@ -131,6 +157,7 @@ def configs_from_args(args: argparse.Namespace) -> list[SimEngineConfig]:
     """One validated config per engine; ``ValueError`` names the bad setting."""
     if args.engines < 1:
         raise ValueError("--engines must be >= 1")
+    kv_events = _kv_events(args)
     return [
         SimEngineConfig(
             model=args.model, name=_engine_name(args.name, args.engines, i),
@@ -141,6 +168,7 @@ def configs_from_args(args: argparse.Namespace) -> list[SimEngineConfig]:
             num_speculative_tokens=args.num_speculative_tokens, acceptance=args.spec_acceptance,
             legacy_kv_metric=args.legacy_kv_metric, seed=args.seed + i,
             stop_len_range=args.output_len, faults=_faults(args),
+            kv_events=kv_events.for_engine(i),
         )
         for i in range(args.engines)
     ]

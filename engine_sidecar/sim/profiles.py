@@ -10,8 +10,10 @@ measurement. One engine step runs a batch of scheduled tokens; its time is
 
 so prefill (many tokens, one pass over the weights) is compute-bound and decode (one token per
 sequence, weights and the whole KV context read every step) is bandwidth-bound, as on a GPU.
-Speculative decoding adds ``k`` draft-model passes per decode step: ``k * draft_fraction`` of the
-target's bandwidth-bound decode time.
+Speculative decoding verifies ``k`` extra tokens per sequence (they count in ``batched_tokens``,
+so verification is nearly free while a step is bandwidth-bound and costs FLOPs once it is
+compute-bound) and adds ``k`` sequential draft-model passes per step, each ``draft_fraction`` of
+the target's bandwidth-bound decode pass.
 """
 
 from __future__ import annotations
@@ -55,12 +57,12 @@ class Profile:
         return max(16, int(free // (self.kv_bytes_per_token * block_size)))
 
     def step_time(self, batched_tokens: int, context_tokens: int, attn_work: int,
-                  draft_tokens: int = 0) -> float:
+                  draft_len: int = 0) -> float:
         """Seconds for one step (see the module docstring for the formula).
 
         ``context_tokens``: KV tokens read, summed over scheduled sequences; ``attn_work``: the sum
-        over sequences of new tokens times their context (attention FLOPs); ``draft_tokens``: draft
-        positions proposed this step, summed over sequences that speculate.
+        over sequences of new tokens times their context (attention FLOPs); ``draft_len``: the
+        step's draft length K (the draft model runs K passes, whatever the batch).
         """
         if batched_tokens <= 0:
             return 0.0
@@ -68,9 +70,9 @@ class Profile:
         flops += 4.0 * self.layers * self.q_heads * self.head_dim * attn_work
         moved = self.weight_bytes + self.kv_bytes_per_token * context_tokens
         t = max(flops / (self.peak_flops * self.mfu), moved / (self.bandwidth * self.mbu))
-        if draft_tokens:
+        if draft_len:
             decode_pass = self.weight_bytes / (self.bandwidth * self.mbu)
-            t += self.draft_fraction * decode_pass * draft_tokens / max(1, batched_tokens)
+            t += self.draft_fraction * decode_pass * draft_len
         return self.t_fixed + t
 
 

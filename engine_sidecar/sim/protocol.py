@@ -19,6 +19,8 @@ from engine_sidecar.sim.tokenizer import chat_prompt, encode
 ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 413: "BadRequestError",
                429: "RateLimitError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
 MAX_LOGPROBS = 20
+_MAX_CACHE_SALT = 128
+_SALT_FORBIDDEN = frozenset("@/\\\x00")
 
 
 class ApiError(Exception):
@@ -53,6 +55,7 @@ class ParsedRequest:
     priority: int
     ignore_eos: bool
     logprobs: int | None  # top alternatives wanted (0: only the chosen token); None: no logprobs
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True)
@@ -114,8 +117,20 @@ def parse(kind: Kind, raw: bytes, limits: Limits) -> ParsedRequest:
         stream=stream, include_usage=_include_usage(body, stream),
         temperature=_temperature(body), seed=_opt_int(body, "seed"),
         priority=_priority(body, limits), ignore_eos=_opt_bool(body, "ignore_eos"),
-        logprobs=_logprobs(kind, body),
+        logprobs=_logprobs(kind, body), cache_salt=_cache_salt(body),
     )
+
+
+def _cache_salt(body: dict[str, object]) -> str | None:
+    salt = body.get("cache_salt")
+    if salt is None:
+        return None
+    if not isinstance(salt, str) or not salt:
+        raise _bad("Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")
+    if len(salt) > _MAX_CACHE_SALT or any(c in _SALT_FORBIDDEN for c in salt):
+        raise _bad("Parameter 'cache_salt' must be at most 128 characters and must not contain "
+                   "'@', '/', '\\\\', or NUL.", "cache_salt")
+    return salt
 
 
 def _check_n(body: dict[str, object]) -> None:

@@ -4,6 +4,10 @@ Rules:
 - One call to ``schedule`` plans one engine step under a token budget (``max_num_batched_tokens``):
   running requests first (a decode token each, plus draft tokens when speculating, or the next chunk
   of a prefill), then waiting requests in policy order while fewer than ``max_num_seqs`` run.
+- The draft length of a step is ``k_lookup[b]`` for ``b`` running requests when the step is
+  planned (vLLM's batch-size schedule; by default every entry is the maximum K); each request
+  accepts drafts with its own per-position acceptance (``SimRequest.acceptance``, else the
+  scheduler's default).
 - ``fcfs`` serves the waiting queue in arrival order; ``priority`` by (priority, arrival), lower
   first.
 - When a running request needs a block and none is free, the scheduler preempts (recompute): the
@@ -25,7 +29,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Literal
 
-from engine_sidecar.sim.kvcache import ROOT_HASH, BlockPool
+from engine_sidecar.sim.blockhash import PLAIN_ROOT, ChainRoot
+from engine_sidecar.sim.kvcache import BlockPool
 from engine_sidecar.sim.tokenizer import VOCAB_IDS, WordStream
 
 
@@ -56,9 +61,11 @@ class SimRequest:
     num_registered: int = 0
     blocks: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
+    root: ChainRoot = PLAIN_ROOT  # start of the hash chain (``cache_salt`` keys the first block)
     status: Status = Status.WAITING
     num_cached_tokens: int = -1
     num_preemptions: int = 0
+    acceptance: tuple[float, ...] = ()  # conditional per draft position; () = engine default
 
     @property
     def num_tokens(self) -> int:
@@ -87,6 +94,7 @@ class StepPlan:
     context_tokens: int = 0
     attn_work: int = 0
     draft_tokens: int = 0
+    draft_len: int = 0  # K of this step: the draft model's sequential passes
 
 
 @dataclass
@@ -123,13 +131,15 @@ class Scheduler:
         self._heap: list[SimRequest] = []
         self.num_waiting = 0
         self.stats = SchedulerStats(spec_accepted_per_pos=[0] * len(spec_acceptance))
+        self.k_lookup: tuple[int, ...] = (0, *([len(spec_acceptance)] * max_num_seqs))
+        self._step_k = 0
 
     @property
     def has_work(self) -> bool:
         return bool(self.running) or self.num_waiting > 0
 
     def add(self, req: SimRequest) -> None:
-        req.block_hashes = self.pool.chain(req.token_ids)
+        req.block_hashes = self.pool.chain(req.token_ids, req.root)
         self._push_waiting(req, front=False)
 
     def _push_waiting(self, req: SimRequest, *, front: bool) -> None:
@@ -172,6 +182,7 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         plan = StepPlan(items=[], preempted=[])
+        self._step_k = self.k_lookup[min(len(self.running), self.max_num_seqs)]
         budget = self._schedule_running(plan, self.max_num_batched_tokens)
         if not plan.preempted:
             self._schedule_waiting(plan, budget)
@@ -182,13 +193,14 @@ class Scheduler:
             plan.context_tokens += context
             plan.attn_work += item.num_new * context
             plan.draft_tokens += item.num_draft
+            plan.draft_len = max(plan.draft_len, item.num_draft)
         return plan
 
     def _wanted(self, req: SimRequest, budget: int) -> tuple[int, int]:
         todo = req.num_tokens - req.num_computed
         if todo == 1 and self.acceptance:
             # Like vLLM, the drafter proposes all k positions even when fewer tokens remain.
-            drafts = max(0, min(len(self.acceptance), budget - 1))
+            drafts = max(0, min(self._step_k, budget - 1))
             return 1 + drafts, drafts
         return min(todo, budget), 0
 
@@ -293,7 +305,8 @@ class Scheduler:
         return outputs
 
     def _advance(self, req: SimRequest, item: Scheduled) -> StepOutput | None:
-        accepted = self._accept(item.num_draft) if item.num_draft else 0
+        accepted = self._accept(item.num_draft, req.acceptance or self.acceptance) \
+            if item.num_draft else 0
         req.num_computed += item.num_new - item.num_draft + accepted
         self._register_blocks(req)
         if req.num_computed < req.num_tokens:
@@ -312,13 +325,13 @@ class Scheduler:
             req.blocks = []
         return StepOutput(req, words, done)
 
-    def _accept(self, drafts: int) -> int:
+    def _accept(self, drafts: int, acceptance: tuple[float, ...]) -> int:
         stats = self.stats
         stats.spec_drafts += 1
         stats.spec_draft_tokens += drafts
         accepted = 0
         for pos in range(drafts):
-            if self.rng.random() >= self.acceptance[pos]:
+            if self.rng.random() >= acceptance[min(pos, len(acceptance) - 1)]:
                 break
             stats.spec_accepted_per_pos[pos] += 1
             accepted += 1
@@ -327,12 +340,13 @@ class Scheduler:
 
     def _register_blocks(self, req: SimRequest) -> None:
         full = min(req.num_computed // self.pool.block_size, len(req.block_hashes))
-        for i in range(req.num_registered // self.pool.block_size, full):
-            self.pool.register(req.blocks[i], req.block_hashes[i])
+        self.pool.cache_full_blocks(req.blocks, req.block_hashes,
+                                    req.num_registered // self.pool.block_size, full,
+                                    ids=req.token_ids, root=req.root)
         req.num_registered = max(req.num_registered, full * self.pool.block_size)
 
     def _extend_hashes(self, req: SimRequest) -> None:
         have = len(req.block_hashes)
         if req.num_tokens // self.pool.block_size > have:
-            parent = req.block_hashes[-1] if have else ROOT_HASH
+            parent = req.block_hashes[-1] if have else req.root
             req.block_hashes.extend(self.pool.chain(req.token_ids, parent, start_block=have))

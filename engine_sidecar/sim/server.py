@@ -18,6 +18,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from engine_sidecar.sim import adaptive
 from engine_sidecar.sim.engine import Sampling, SimEngine
 from engine_sidecar.sim.protocol import ApiError, Kind, Limits, ParsedRequest, parse
 from engine_sidecar.sim.responses import Identity
@@ -70,10 +71,12 @@ def build_app(engine: SimEngine) -> web.Application:
     app.router.add_get("/version", _version)
     app.router.add_get("/metrics", _metrics)
     app.router.add_post("/tokenize", _tokenize)
+    app.router.add_post("/reset_prefix_cache", _reset_prefix_cache)
     app.router.add_get("/admin/state", _state)
     app.router.add_get("/admin/faults", _faults_get)
     app.router.add_post("/admin/faults", _faults_set)
     app.router.add_delete("/admin/faults", _faults_clear)
+    adaptive.add_routes(app, engine)
     return app
 
 
@@ -114,7 +117,9 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
     ident = Identity(kind=kind, response_id=prefix + base_id, created=int(time.time()),
                      model=engine.model, logprobs=parsed.logprobs)
     sampling = Sampling(max_tokens=parsed.max_tokens, temperature=parsed.temperature,
-                        seed=parsed.seed, priority=parsed.priority, ignore_eos=parsed.ignore_eos)
+                        seed=parsed.seed, priority=parsed.priority, ignore_eos=parsed.ignore_eos,
+                        cache_salt=parsed.cache_salt,
+                        workload=request.headers.get("X-Workload-Class", "")[:64] or None)
     stream = engine.submit(ident.response_id, parsed.prompt_ids, sampling, client_id=base_id)
     engine.in_flight += 1
     try:
@@ -187,6 +192,10 @@ async def _tokenize(request: web.Request) -> web.StreamResponse:
         raise ApiError(400, "Either prompt (a string) or messages must be given", "prompt")
     return _json({"count": len(ids), "max_model_len": engine.config.max_model_len,
                   "tokens": ids.tolist(), "token_strs": None})
+
+
+async def _reset_prefix_cache(request: web.Request) -> web.StreamResponse:
+    return _json({"success": request.app[ENGINE].reset_prefix_cache()})
 
 
 async def _state(request: web.Request) -> web.StreamResponse:

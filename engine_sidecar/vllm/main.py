@@ -3,6 +3,8 @@
 Rules:
 - Arguments override the profile, which overrides the built-in defaults.
 - uvloop is chosen here and nowhere else.
+- The adaptive speculation loop (``[speculation]``, see ``adaptive``) runs here, as a named task
+  of this process, when the profile turns it on.
 - SIGTERM/SIGINT drain: not ready at once, wait for the engine's requests (bounded), stop vLLM,
   exit 0. A second signal stops at once.
 """
@@ -14,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import shlex
 import signal
 import sys
 from pathlib import Path
@@ -22,6 +25,7 @@ import aiohttp
 import uvloop
 from aiohttp import web
 
+from engine_sidecar.vllm import adaptive
 from engine_sidecar.vllm.profile import (
     Profile,
     ProfileError,
@@ -74,13 +78,15 @@ def run(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         profile = _profile_from(args)
+        adaptive.settings_from(profile)
     except (ProfileError, OSError) as exc:
         print(f"kvproxy-sidecar vllm: {exc}", file=sys.stderr)
         return 2
     python = resolve_python(profile.sidecar.python, os.environ, _REPO_ROOT, sys.executable)
     cmd = build_command(profile, python)
     if args.print_command:
-        print(" ".join(cmd))
+        # Quoted for a shell: a JSON --speculative-config or a path with a space pastes intact.
+        print(shlex.join(cmd))
         return 0
     env = build_env(profile, os.environ)
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
@@ -94,22 +100,30 @@ async def serve(profile: Profile, cmd: list[str], env: dict[str, str]) -> int:
         loop.add_signal_handler(sig, _on_signal, stop)
     async with aiohttp.ClientSession() as session:
         sup = Supervisor(profile, cmd, env, session)
-        runner = web.AppRunner(build_app(sup), access_log=None)
+        built = adaptive.build(profile, sup, session)
+        controller = built[0] if built else None
+        runner = web.AppRunner(build_app(sup, controller), access_log=None)
         await runner.setup()
         side = profile.sidecar
         await web.TCPSite(runner, side.host, side.port).start()
         log.info("sidecar on http://%s:%d, engine %s", side.host, side.port, profile.engine_url)
         sup.start()
         beat = _start_heartbeat(profile, sup)
+        loop_task = None if controller is None else asyncio.create_task(
+            controller.run(), name="speculation-controller")
         try:
             await stop.wait()
             log.info("draining: waiting up to %.0f s for in-flight requests",
                      side.drain_timeout_s)
+            await _stop_heartbeat(loop_task)
             await _drain(sup, beat)
         finally:
             # Also on the way out of an error: a registration must not outlive its sidecar's
             # wish to serve (the key's TTL is only the backstop for a killed process).
             await _stop_heartbeat(beat)
+            await _stop_heartbeat(loop_task)
+            if built is not None:
+                await built[1].close()
             await sup.close()
             await runner.cleanup()
     return 0
@@ -142,7 +156,7 @@ def _start_heartbeat(profile: Profile, sup: Supervisor) -> asyncio.Task[None] | 
 
     def snapshot() -> dict[str, object]:
         state = sup.sidecar_state()
-        return {**describe(profile), "ready": state.ready, "draining": state.draining}
+        return {**describe(sup.profile), "ready": state.ready, "draining": state.draining}
 
     return asyncio.create_task(heartbeat(url, key, snapshot, profile.sidecar.heartbeat_ttl_s),
                                name="sidecar-registry-heartbeat")

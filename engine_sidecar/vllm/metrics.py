@@ -113,11 +113,12 @@ def render_derived(state: SidecarState, spec: SpecStats | None) -> str:
               f"# TYPE {p}engine_restarts_total counter",
               f"{p}engine_restarts_total {state.restarts}"]
     if state.num_speculative_tokens > 0:
-        lines += _spec_lines(state.num_speculative_tokens, spec)
+        lines += spec_lines(state.num_speculative_tokens, spec)
     return "\n".join(lines) + "\n"
 
 
-def _spec_lines(configured: int, spec: SpecStats | None) -> list[str]:
+def spec_lines(configured: int, spec: SpecStats | None) -> list[str]:
+    """The ``kvproxy_sidecar_spec_*`` series (the simulator exports the same ones)."""
     p = "kvproxy_sidecar_spec_"
     lines = _gauge(p + "num_speculative_tokens", "Draft tokens per step the engine runs with.",
                    [("", float(configured))])

@@ -6,6 +6,9 @@ Rules:
 - String values may reference the environment as ``${NAME}`` or ``${NAME:-default}`` (the same
   spelling compose uses), so one profile serves a laptop, CI and a GPU host.
 - Every validation error is a :class:`ProfileError` naming the dotted field.
+- A batch-size speculation schedule (``engine.speculative.num_speculative_tokens_per_batch_size``)
+  is checked as vLLM would check it, here, so a bad one never costs a start-up.
+- The ``[speculation]`` table (the adaptive loop) is kept raw here and read by ``adaptive``.
 """
 
 from __future__ import annotations
@@ -17,6 +20,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+from engine_sidecar.speculation import schedule as sch
+from engine_sidecar.vllm.kvevents import (
+    KvEventsProfile,
+    describe_kv_events,
+    kv_events_args,
+    kv_events_env,
+)
 
 ROLES = ("draft", "target")
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -59,6 +70,18 @@ class EngineProfile:
     # CPU only: KV cache size in GiB and the cores the engine's OpenMP threads are bound to.
     cpu_kvcache_space_gib: int | None = None
     cpu_threads_bind: str | None = None
+    # KV-cache events over ZMQ (engine_sidecar.vllm.kvevents); off by default.
+    kv_events: bool = False
+    kv_events_endpoint: str = "tcp://*:5557"
+    kv_events_replay_endpoint: str | None = None
+    kv_events_topic: str = ""
+    kv_events_buffer_steps: int | None = None
+
+    @property
+    def events(self) -> KvEventsProfile:
+        return KvEventsProfile(self.kv_events, self.kv_events_endpoint,
+                               self.kv_events_replay_endpoint, self.kv_events_topic,
+                               self.kv_events_buffer_steps)
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -103,6 +126,7 @@ class Profile:
     name: str
     engine: EngineProfile
     sidecar: SidecarSettings
+    speculation: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def engine_url(self) -> str:
@@ -152,7 +176,9 @@ _ENGINE_TYPES: dict[str, tuple[type, ...]] = {
     "gpu_memory_utilization": (float, int), "tensor_parallel_size": (int,),
     "enable_prefix_caching": (bool,), "scheduling_policy": (str,), "speculative": (dict,),
     "seed": (int,), "extra_args": (list,), "env": (dict,), "cpu_kvcache_space_gib": (int,),
-    "cpu_threads_bind": (str,),
+    "cpu_threads_bind": (str,), "kv_events": (bool,), "kv_events_endpoint": (str,),
+    "kv_events_replay_endpoint": (str,), "kv_events_topic": (str,),
+    "kv_events_buffer_steps": (int,),
 }
 _SIDECAR_TYPES: dict[str, tuple[type, ...]] = {
     name: (str,) if default is None or isinstance(default, str)
@@ -202,11 +228,28 @@ def _validate_engine(engine: EngineProfile) -> None:
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ProfileError("engine.speculative.num_speculative_tokens",
                                "must be an integer >= 1")
+        if sch.SCHEDULE_FIELD in engine.speculative:
+            try:
+                sch.validate(engine.speculative[sch.SCHEDULE_FIELD], max_k=k)
+            except sch.ScheduleError as exc:
+                raise ProfileError(f"engine.speculative.{sch.SCHEDULE_FIELD}",
+                                   str(exc).removeprefix(sch.SCHEDULE_FIELD + ": ")) from None
     util = engine.gpu_memory_utilization
     if util is not None and not 0.0 < util <= 1.0:
         raise ProfileError("engine.gpu_memory_utilization", "must be in (0, 1]")
     if engine.device == "cpu" and engine.block_size is not None and engine.block_size % 32:
         raise ProfileError("engine.block_size", "must be a multiple of 32 on CPU")
+    _validate_events(engine)
+
+
+def _validate_events(engine: EngineProfile) -> None:
+    problem = engine.events.validate()
+    if problem is not None:
+        name, _, message = problem.partition(": ")
+        raise ProfileError(name, message)
+    if engine.kv_events and not engine.enable_prefix_caching:
+        raise ProfileError("engine.kv_events", "needs enable_prefix_caching (vLLM emits no "
+                           "events without it)")
 
 
 def _sidecar_from(table: Mapping[str, Any]) -> SidecarSettings:
@@ -229,12 +272,13 @@ def parse_profile(text: str, *, name: str, env: Mapping[str, str]) -> Profile:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ProfileError(name, f"not valid TOML: {exc}") from None
-    unknown = set(raw) - {"engine", "sidecar"}
+    unknown = set(raw) - {"engine", "sidecar", "speculation"}
     if unknown:
         raise ProfileError(sorted(unknown)[0], "unknown section")
     tree = _expand_tree(raw, env, "")
     return Profile(name=name, engine=_engine_from(tree.get("engine", {})),
-                   sidecar=_sidecar_from(tree.get("sidecar", {})))
+                   sidecar=_sidecar_from(tree.get("sidecar", {})),
+                   speculation=dict(tree.get("speculation", {})))
 
 
 def load_profile(path: str | Path, env: Mapping[str, str]) -> Profile:
@@ -287,7 +331,7 @@ def build_command(profile: Profile, python: str) -> list[str]:
     if eng.speculative:
         spec = json.dumps(dict(eng.speculative), sort_keys=True, separators=(",", ":"))
         cmd += ["--speculative-config", spec]
-    return cmd + list(eng.extra_args)
+    return cmd + kv_events_args(eng.events) + list(eng.extra_args)
 
 
 def build_env(profile: Profile, base: Mapping[str, str]) -> dict[str, str]:
@@ -301,6 +345,7 @@ def build_env(profile: Profile, base: Mapping[str, str]) -> dict[str, str]:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(eng.cpu_kvcache_space_gib or 1)
         if eng.cpu_threads_bind is not None:
             env["VLLM_CPU_OMP_THREADS_BIND"] = eng.cpu_threads_bind
+    kv_events_env(eng.events, env, eng.env)
     env.update(eng.env)
     return env
 
@@ -319,7 +364,19 @@ def describe(profile: Profile) -> dict[str, object]:
         "scheduling_policy": profile.engine.scheduling_policy,
         "prefix_caching": profile.engine.enable_prefix_caching,
         "num_speculative_tokens": profile.engine.num_speculative_tokens,
+        **describe_kv_events(profile.engine.events, _engine_host(profile)),
+        sch.SCHEDULE_FIELD: (profile.engine.speculative or {}).get(sch.SCHEDULE_FIELD),
     }
+
+
+def _engine_host(profile: Profile) -> str:
+    return profile.sidecar.advertise_host or _connectable(profile.sidecar.vllm_host)
+
+
+def with_schedule(profile: Profile, schedule: sch.Schedule) -> Profile:
+    """``profile`` whose engine runs the batch-size speculation ``schedule``."""
+    spec = {**(profile.engine.speculative or {}), sch.SCHEDULE_FIELD: sch.to_json(schedule)}
+    return replace(profile, engine=replace(profile.engine, speculative=spec))
 
 
 def flatten_args(cmd: Sequence[str]) -> str:

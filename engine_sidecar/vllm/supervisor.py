@@ -6,6 +6,12 @@ Rules:
 - Every background task is named and owned by :class:`Supervisor`; ``close`` cancels them.
 - Ready means: the process runs, ``/health`` answered 200 and every warm-up request succeeded, and
   the sidecar is not draining. Anything else is not ready.
+- ``reconfigure`` restarts the engine with another command line (a new speculation schedule):
+  report draining, wait for the engine's requests (bounded), stop supervision and the engine,
+  start the new one and wait for it to be ready; only then is supervision (restart on crash)
+  resumed. A start that fails leaves the engine stopped and raises ``StartupFailed`` so the caller
+  rolls back; a failed start of the last good command resumes supervision, whose backoff keeps
+  trying.
 """
 
 from __future__ import annotations
@@ -14,8 +20,9 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 
@@ -61,13 +68,19 @@ class Supervisor:
         self._window = SpecWindow(side.spec_window_s)
         self._stopping = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+        self._supervision: asyncio.Task[None] | None = None
+        self._good = (profile, list(cmd))
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     def start(self) -> None:
-        self._tasks.append(asyncio.create_task(self._run_forever(), name="vllm-supervisor"))
+        self._supervise(self._run_forever())
         if self.profile.engine.num_speculative_tokens > 0:
             self._tasks.append(asyncio.create_task(self._poll_spec(), name="vllm-spec-poller"))
+
+    def _supervise(self, coro: Coroutine[Any, Any, None]) -> None:
+        self._supervision = asyncio.create_task(coro, name="vllm-supervisor")
+        self._tasks = [t for t in self._tasks if not t.done()] + [self._supervision]
 
     async def close(self) -> None:
         self._stopping.set()
@@ -94,6 +107,63 @@ class Supervisor:
                 break
             await asyncio.sleep(0.25)
         await self.close()
+
+    # -- reconfiguration ---------------------------------------------------------------------
+
+    async def reconfigure(self, profile: Profile, cmd: Sequence[str]) -> None:
+        """Drain, restart with ``cmd``, wait until ready (see module rules)."""
+        self.state.draining, self.state.ready = True, False
+        self._note("draining to reconfigure")
+        await self._wait_idle()
+        await self._stop_supervision()
+        await self._stop_engine()
+        self.profile, self.cmd = profile, list(cmd)
+        try:
+            proc = await self._start_ready()
+        except (StartupFailed, OSError) as exc:
+            await self._stop_engine()
+            if self.cmd == self._good[1]:
+                self.state.draining = False
+                self._supervise(self._run_forever())
+            raise StartupFailed(str(exc)) from exc
+        self._good = (profile, list(cmd))
+        self.state.draining, self.state.ready = False, True
+        self._note(f"ready after reconfiguration (pid {proc.pid})")
+        self._supervise(self._watch_then_supervise(proc))
+
+    async def _wait_idle(self) -> None:
+        side = self.profile.sidecar
+        now = time.monotonic()
+        deadline, noticed_at = now + side.drain_timeout_s, now + side.drain_notice_s
+        while self.state.engine_up and time.monotonic() < deadline:
+            busy = await self._in_flight()
+            if busy is not None and busy <= 0 and time.monotonic() >= noticed_at:
+                return
+            await asyncio.sleep(0.25)
+
+    async def _stop_supervision(self) -> None:
+        task, self._supervision = self._supervision, None
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _start_ready(self) -> EngineProcess:
+        log.info("starting vLLM: %s", flatten_args(self.cmd))
+        proc = await EngineProcess.start(self.cmd, self.env)
+        self.state.process = proc
+        await self._wait_healthy(proc)
+        await self._warm_up()
+        return proc
+
+    async def _watch_then_supervise(self, proc: EngineProcess) -> None:
+        status = await proc.wait()
+        self.state.ready, self.state.last_exit = False, status
+        self._note(f"vLLM pid {proc.pid} exited with status {status}")
+        await self._stop_engine()
+        if not self._stopping.is_set() and not self.state.draining:
+            self.state.restarts += 1
+            await self._run_forever()
 
     async def _stop_engine(self) -> None:
         proc, self.state.ready = self.state.process, False
@@ -202,6 +272,10 @@ class Supervisor:
         while True:
             await self.engine_metrics()
             await asyncio.sleep(self.profile.sidecar.spec_poll_s)
+
+    @property
+    def last_good(self) -> tuple[Profile, list[str]]:
+        return self._good
 
     def spec_stats(self) -> SpecStats | None:
         k = self.profile.engine.num_speculative_tokens

@@ -30,6 +30,15 @@ class Engine:
     engine_metrics_url: str | None = None  # vLLM's own /metrics
 
 
+@dataclass(frozen=True)
+class KvEventsAt:
+    """Where engine ``a`` sends its KV events: it connects to a subscriber bound at
+    ``subscribe_at`` and answers replay requests at ``replay_at``."""
+
+    subscribe_at: str
+    replay_at: str
+
+
 @dataclass
 class Backend:
     kind: str
@@ -41,6 +50,7 @@ class Backend:
     num_speculative_tokens: int = NUM_SPEC_TOKENS
     timings: dict[str, float] = field(default_factory=dict)
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    kv_events: KvEventsAt | None = None
 
 
 @dataclass

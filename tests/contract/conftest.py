@@ -33,9 +33,18 @@ import pytest
 import pytest_asyncio
 from tiers import missing
 
-from contract.client import BLOCK_SIZE, MAX_MODEL_LEN, MODEL, NUM_SPEC_TOKENS, Backend, Engine
+from contract.client import (
+    BLOCK_SIZE,
+    MAX_MODEL_LEN,
+    MODEL,
+    NUM_SPEC_TOKENS,
+    Backend,
+    Engine,
+    KvEventsAt,
+)
 from engine_sidecar.sim.cluster import start_cluster
 from engine_sidecar.sim.config import SimEngineConfig
+from engine_sidecar.sim.kvevents import KvEventsSettings
 from engine_sidecar.vllm.profile import resolve_python
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -108,15 +117,21 @@ def free_port() -> int:
 async def sim_backend() -> AsyncIterator[Backend]:
     common = dict(model=MODEL, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
                   num_speculative_tokens=NUM_SPEC_TOKENS, enable_prefix_caching=True)
+    # Engine a publishes KV events, like cpu-test-a: to a subscriber the test binds later.
+    subscribe_at = f"tcp://127.0.0.1:{free_port()}"
+    events = KvEventsSettings(endpoint=subscribe_at, replay_endpoint="tcp://127.0.0.1:0")
     cfg_a = SimEngineConfig(name="sim-a", scheduling_policy="priority", max_num_seqs=2,
-                            acceptance=(0.8, 0.6, 0.4), **common)  # type: ignore[arg-type]
+                            acceptance=(0.8, 0.6, 0.4), kv_events=events,
+                            **common)  # type: ignore[arg-type]
     cfg_b = SimEngineConfig(name="sim-b", scheduling_policy="fcfs", max_num_seqs=8,
                             acceptance=(0.9, 0.7, 0.5), **common)  # type: ignore[arg-type]
     cluster = await start_cluster([cfg_a, cfg_b])
     a, b = (Engine(name, url, url + "/metrics", engine_metrics_url=url + "/metrics")
             for name, url in zip(("sim-a", "sim-b"), cluster.urls, strict=True))
+    publisher = cluster.engines[0].kv_events
+    assert publisher is not None and publisher.replay_endpoint is not None
     try:
-        yield Backend("sim", a, b)
+        yield Backend("sim", a, b, kv_events=KvEventsAt(subscribe_at, publisher.replay_endpoint))
     finally:
         await cluster.close()
 
@@ -226,11 +241,15 @@ async def vllm_backend(log_dir: Path) -> AsyncIterator[Backend]:
     t0 = time.monotonic()
     models = tiny_models(python)
     gen_s = time.monotonic() - t0
+    events = KvEventsAt(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}")
     env = {**os.environ, "KVPROXY_VLLM_PYTHON": python, "KVPROXY_TINY_TARGET": models["target"],
-           "KVPROXY_TINY_DRAFT": models["draft"], "KVPROXY_TARGET_NAME": MODEL}
+           "KVPROXY_TINY_DRAFT": models["draft"], "KVPROXY_TARGET_NAME": MODEL,
+           "KVPROXY_KV_EVENTS_ENDPOINT": events.subscribe_at,
+           "KVPROXY_KV_EVENTS_REPLAY": events.replay_at}
     proc_a, a = _start_sidecar("cpu-test-a", env, log_dir)
     proc_b, b = _start_sidecar("cpu-test-b", env, log_dir)
-    backend = Backend("vllm", a, b, procs=[proc_a, proc_b], timings={"models_s": gen_s})
+    backend = Backend("vllm", a, b, procs=[proc_a, proc_b], timings={"models_s": gen_s},
+                      kv_events=events)
     try:
         await _wait_ready(backend, log_dir)
         sys.stderr.write(f"\nreal vLLM backend up: {backend.timings} (logs in {log_dir})\n")

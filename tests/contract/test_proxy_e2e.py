@@ -127,6 +127,25 @@ async def test_openai_sdk_streams_through_the_proxy(backend: Backend, proxy: Pro
         await client.close()
 
 
+async def test_usage_asked_for_the_tenant_is_not_shown_to_the_client(
+    backend: Backend, proxy: Proxy
+) -> None:
+    tokens = "kvproxy_tenant_tokens_total"
+    before = await metric(proxy.url + "/metrics", tokens, tenant="default", kind="completion")
+    client = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0)
+    try:
+        stream = await client.chat.completions.create(
+            model=backend.model, max_tokens=6, temperature=0, stream=True,
+            extra_body={"ignore_eos": True},
+            messages=[{"role": "user", "content": "Say something about tenants."}])
+        chunks = [chunk async for chunk in stream]
+    finally:
+        await client.close()
+    assert chunks and all(c.choices and c.usage is None for c in chunks)
+    after = await metric(proxy.url + "/metrics", tokens, tenant="default", kind="completion")
+    assert after - before == 6
+
+
 async def test_proxy_shows_engine_telemetry(backend: Backend, proxy: Proxy) -> None:
     async with aiohttp.ClientSession() as s, s.get(proxy.url + "/admin/engines") as resp:
         assert resp.status == 200

@@ -63,7 +63,7 @@ async def test_cache_config_info_labels(backend: Backend) -> None:
 
 
 async def test_proxy_parser_reads_backend_metrics(backend: Backend) -> None:
-    telemetry = pytest.importorskip("proxy.telemetry")
+    telemetry = pytest.importorskip("proxy.core.telemetry")
     for engine in (backend.a, backend.b):
         text = await scrape_text(engine.metrics_url)
         snap = telemetry.parse_metrics(text, taken_at=1.0)

@@ -11,7 +11,7 @@ import pytest
 
 from engine_sidecar.sim.cluster import start_cluster
 from engine_sidecar.sim.config import SimEngineConfig
-from proxy.lifecycle import ProxyServer
+from proxy.server.lifecycle import ProxyServer
 
 from .stack import DRAFT_MODEL, TARGET_MODEL, Stack, StackFactory, proxy_config, sim
 

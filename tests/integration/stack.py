@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine_sidecar.sim.cluster import SimCluster
 from engine_sidecar.sim.config import SimEngineConfig
-from proxy.config import (
+from proxy.core.config import (
     AliasConfig,
     BreakerConfig,
     Config,
@@ -29,7 +29,7 @@ from proxy.config import (
     TelemetryConfig,
     UpstreamConfig,
 )
-from proxy.lifecycle import ProxyServer
+from proxy.server.lifecycle import ProxyServer
 
 TARGET_MODEL = "target-model"
 DRAFT_MODEL = "draft-model"

@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from engine_sidecar.sim.cluster import start_cluster
-from proxy.lifecycle import ProxyServer
+from proxy.server.lifecycle import ProxyServer
 
 from .stack import TARGET_MODEL, Stack, proxy_config, sim
 

@@ -13,10 +13,10 @@ import orjson
 import pytest
 from aiohttp import web
 
-from proxy.config import Config, EngineConfig, PoolConfig, ServerConfig
-from proxy.door_config import AuthConfig, TenantConfig
-from proxy.errors import ConfigError
-from proxy.lifecycle import ProxyServer
+from proxy.core.config import Config, EngineConfig, PoolConfig, ServerConfig
+from proxy.core.door_config import AuthConfig, TenantConfig
+from proxy.core.errors import ConfigError
+from proxy.server.lifecycle import ProxyServer
 
 from .stack import TARGET_MODEL, Stack, StackFactory, chat_body
 

@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 
 from openai.types.chat import ChatCompletionMessageParam
 
-from proxy.prefix import canonical_chat
+from proxy.core.prefix import canonical_chat
 
 from .stack import TARGET_MODEL, Stack, StackFactory
 

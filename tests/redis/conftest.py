@@ -16,10 +16,10 @@ from proxystack import OTHER_MODEL, Stack, proxy_config, sim
 from redisproc import SLOW_OK, RedisFactory, RedisServer
 
 from engine_sidecar.sim.cluster import start_cluster
-from proxy.app import build_app
-from proxy.door_config import DoorConfig, RedisConfig
-from proxy.lifecycle import ProxyServer
-from proxy.redis_link import RedisLink
+from proxy.core.door_config import DoorConfig, RedisConfig
+from proxy.server.app import build_app
+from proxy.server.lifecycle import ProxyServer
+from proxy.tenancy.redis_link import RedisLink
 
 
 @pytest.fixture(scope="session")

@@ -22,9 +22,8 @@ from redisproc import SLOW_OK
 
 from engine_sidecar.sim.cluster import SimCluster
 from engine_sidecar.sim.config import SimEngineConfig
-from proxy.app import build_app
-from proxy.cache_key import CacheConfig
-from proxy.config import (
+from proxy.core.cache_key import CacheConfig
+from proxy.core.config import (
     BreakerConfig,
     Config,
     EngineConfig,
@@ -33,8 +32,9 @@ from proxy.config import (
     TelemetryConfig,
     UpstreamConfig,
 )
-from proxy.door_config import AuthConfig, DoorConfig, LimitsConfig, RedisConfig, TenantConfig
-from proxy.lifecycle import ProxyServer
+from proxy.core.door_config import AuthConfig, DoorConfig, LimitsConfig, RedisConfig, TenantConfig
+from proxy.server.app import build_app
+from proxy.server.lifecycle import ProxyServer
 
 MODEL = "target-model"
 OTHER_MODEL = "draft-model"

@@ -10,11 +10,11 @@ import pytest
 from prometheus_client import CollectorRegistry
 from redisproc import SLOW_OK, RedisFactory, RedisServer
 
-from proxy.cache import CacheRequest, MemoryBackend, RedisBackend, ResponseCache, make_cache
-from proxy.cache_entry import replay_sse
-from proxy.cache_key import CacheConfig
-from proxy.door_config import RedisConfig
-from proxy.redis_link import RedisLink
+from proxy.core.cache_entry import replay_sse
+from proxy.core.cache_key import CacheConfig
+from proxy.core.door_config import RedisConfig
+from proxy.tenancy.cache import CacheRequest, MemoryBackend, RedisBackend, ResponseCache, make_cache
+from proxy.tenancy.redis_link import RedisLink
 
 CHAT = "/v1/chat/completions"
 SECRET = "0123456789abcdef-secret"

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.cache_entry import (
+from proxy.core.cache_entry import (
     CachedResponse,
     EntryError,
     StreamAssembler,

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.cache_key import CacheConfig, cache_key, canonical_body, decide
-from proxy.errors import ConfigError
+from proxy.core.cache_key import CacheConfig, cache_key, canonical_body, decide
+from proxy.core.errors import ConfigError
 
 SECRET = b"s" * 32
 CHAT = "/v1/chat/completions"

@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.door_config import LimitsConfig
-from proxy.errors import ConfigError
-from proxy.limit_rules import Limits, LocalLimits, bucket_level, retry_after_header, wait_until
+from proxy.core.door_config import LimitsConfig
+from proxy.core.errors import ConfigError
+from proxy.core.limit_rules import Limits, LocalLimits, bucket_level, retry_after_header, wait_until
 
 
 class Clock:

@@ -8,11 +8,11 @@ import pytest
 from prometheus_client import CollectorRegistry
 from redisproc import SLOW_OK, RedisFactory, RedisServer
 
-from proxy.door_config import LimitsConfig, RedisConfig
-from proxy.errors import RateLimited
-from proxy.limit_rules import Limits, LocalLimits
-from proxy.ratelimit import RedisLimits, RequestGate
-from proxy.redis_link import RedisLink
+from proxy.core.door_config import LimitsConfig, RedisConfig
+from proxy.core.errors import RateLimited
+from proxy.core.limit_rules import Limits, LocalLimits
+from proxy.tenancy.ratelimit import RedisLimits, RequestGate
+from proxy.tenancy.redis_link import RedisLink
 
 
 def gate_cfg(**limits: int) -> LimitsConfig:

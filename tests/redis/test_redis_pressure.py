@@ -6,14 +6,14 @@ import asyncio
 
 from redisproc import SLOW_OK, RedisServer
 
-from proxy.admission import Admission, Admit, Priority, Shed
-from proxy.config import Config, EngineConfig, PoolConfig
-from proxy.door_config import RedisConfig
-from proxy.fleet import Fleet
-from proxy.pressure import Level
-from proxy.redis_link import RedisLink
-from proxy.shared_pressure import SharedPressure
-from proxy.telemetry import EngineSnapshot
+from proxy.core.admission import Admission, Admit, Priority, Shed
+from proxy.core.config import Config, EngineConfig, PoolConfig
+from proxy.core.door_config import RedisConfig
+from proxy.core.pressure import Level
+from proxy.core.telemetry import EngineSnapshot
+from proxy.fleet.engines import Fleet
+from proxy.tenancy.redis_link import RedisLink
+from proxy.tenancy.shared_pressure import SharedPressure
 
 POOL = PoolConfig("target", "m", (EngineConfig("e0", "http://127.0.0.1:9"),
                                   EngineConfig("e1", "http://127.0.0.1:10")))

@@ -16,9 +16,9 @@ from proxystack import KEYS, MODEL, chat, door_config, sim
 from redisproc import SLOW_OK, RedisFactory, RedisServer
 
 from engine_sidecar.sim.cluster import SimCluster, start_cluster
-from proxy.door_config import RedisConfig
-from proxy.redis_link import RedisLink
-from proxy.shared_state import EngineRecord, heartbeat_engine
+from proxy.core.door_config import RedisConfig
+from proxy.tenancy.redis_link import RedisLink
+from proxy.tenancy.shared_state import EngineRecord, heartbeat_engine
 
 HERE = Path(__file__).parent
 

@@ -8,11 +8,11 @@ from dataclasses import dataclass
 import orjson
 from redisproc import SLOW_OK, RedisServer
 
-from proxy.breaker import Breaker, BreakerState, Outcome
-from proxy.config import BreakerConfig, EngineConfig
-from proxy.door_config import RedisConfig
-from proxy.redis_link import RedisLink
-from proxy.shared_state import (
+from proxy.core.breaker import Breaker, BreakerState, Outcome
+from proxy.core.config import BreakerConfig, EngineConfig
+from proxy.core.door_config import RedisConfig
+from proxy.tenancy.redis_link import RedisLink
+from proxy.tenancy.shared_state import (
     EngineRecord,
     RegistrySync,
     RegistryWatcher,

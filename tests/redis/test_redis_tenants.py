@@ -7,10 +7,10 @@ import logging
 import pytest
 from redisproc import SLOW_OK, RedisFactory, RedisServer
 
-from proxy.door_config import AuthConfig, RedisConfig, TenantConfig, key_digest
-from proxy.errors import ConfigError, NoCapacity, Unauthorized
-from proxy.redis_link import RedisLink
-from proxy.tenants import TenantDirectory, bearer_token, register_key, revoke_key
+from proxy.core.door_config import AuthConfig, RedisConfig, TenantConfig, key_digest
+from proxy.core.errors import ConfigError, NoCapacity, Unauthorized
+from proxy.tenancy.redis_link import RedisLink
+from proxy.tenancy.tenants import TenantDirectory, bearer_token, register_key, revoke_key
 
 KEY_A = "sk-acme-0123456789"
 KEY_B = "sk-beta-0123456789"

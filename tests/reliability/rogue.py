@@ -28,12 +28,18 @@ class Behaviour:
     metrics_body: bytes = HEALTHY_METRICS.encode()
     metrics_status: int = 200
     metrics_headers: dict[str, str] = field(default_factory=dict)
-    # Completions: "ok" answers normally, "hang" never answers, "status" answers
-    # ``completion_status`` with ``completion_headers`` and an empty body.
+    # When > 0: ``/metrics`` streams ``metrics_body`` padded with comment lines to this many bytes,
+    # chunked (no Content-Length), and records in ``metrics_bytes_sent`` how much it got out.
+    metrics_stream_bytes: int = 0
+    # Completions: "ok" answers normally, "hang" never answers, "hold" answers normally once
+    # ``RogueEngine.release`` is set, "status" answers ``completion_status`` with
+    # ``completion_headers`` and an empty body.
     completions: str = "ok"
     completion_status: int = 200
     completion_headers: dict[str, str] = field(default_factory=dict)
     tokens: int = 4
+    # Pause before each streamed chunk (a slow engine); 0 streams at once.
+    chunk_delay_s: float = 0.0
 
 
 @dataclass
@@ -49,6 +55,10 @@ class RogueEngine:
         self.model = model
         self.behaviour = Behaviour()
         self.seen: list[Seen] = []
+        # Streams that ended before their last chunk was written (the proxy hung up).
+        self.streams_cut = 0
+        self.release = asyncio.Event()
+        self.metrics_bytes_sent: list[int] = []
         self._runner: web.AppRunner | None = None
         self.port = 0
 
@@ -59,6 +69,7 @@ class RogueEngine:
     async def start(self) -> None:
         app = web.Application()
         app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/chat/completions", self._complete)
         app.router.add_post("/v1/completions", self._complete)
         app.router.add_route("*", "/{tail:.*}", self._other)
@@ -83,10 +94,37 @@ class RogueEngine:
     async def _metrics(self, request: web.Request) -> web.Response:
         await self._record(request)
         b = self.behaviour
+        if b.metrics_stream_bytes > 0:
+            return await self._metrics_stream(request)
         return web.Response(
             body=b.metrics_body, status=b.metrics_status, headers=b.metrics_headers,
             content_type="text/plain",
         )
+
+    async def _metrics_stream(self, request: web.Request) -> web.StreamResponse:
+        b = self.behaviour
+        out = web.StreamResponse(status=b.metrics_status, headers=b.metrics_headers)
+        out.content_type = "text/plain"
+        out.enable_chunked_encoding()
+        await out.prepare(request)
+        pad = b"# " + b"x" * 1021 + b"\n"
+        sent = 0
+        self.metrics_bytes_sent.append(0)
+        try:
+            chunk = b.metrics_body
+            while sent < b.metrics_stream_bytes:
+                await out.write(chunk)
+                sent += len(chunk)
+                self.metrics_bytes_sent[-1] = sent
+                chunk = pad * 64
+            await out.write_eof()
+        except (ConnectionError, RuntimeError):
+            pass  # the scraper hung up: what it refused is what the test is about
+        return out
+
+    async def _models(self, request: web.Request) -> web.Response:
+        listed = {"object": "list", "data": [{"id": self.model, "object": "model"}]}
+        return web.Response(body=orjson.dumps(listed), content_type="application/json")
 
     async def _other(self, request: web.Request) -> web.Response:
         await self._record(request)
@@ -97,6 +135,8 @@ class RogueEngine:
         b = self.behaviour
         if b.completions == "hang":
             await asyncio.Event().wait()
+        if b.completions == "hold":
+            await self.release.wait()
         if b.completions == "status":
             return web.Response(status=b.completion_status, headers=b.completion_headers)
         body = orjson.loads(self.seen[-1].body or b"{}")
@@ -116,10 +156,19 @@ class RogueEngine:
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                           **self.behaviour.completion_headers})
         await out.prepare(request)
-        for _ in range(self.behaviour.tokens):
-            chunk = {"id": "cmpl-rogue", "object": "chat.completion.chunk", "model": self.model,
-                     "choices": [{"index": 0, "delta": {"content": "x"}, "finish_reason": None}]}
-            await out.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
-        await out.write(b"data: [DONE]\n\n")
-        await out.write_eof()
+        finished = False
+        try:
+            for _ in range(self.behaviour.tokens):
+                if self.behaviour.chunk_delay_s:
+                    await asyncio.sleep(self.behaviour.chunk_delay_s)
+                chunk = {"id": "cmpl-rogue", "object": "chat.completion.chunk",
+                         "model": self.model, "choices": [
+                             {"index": 0, "delta": {"content": "x"}, "finish_reason": None}]}
+                await out.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+            await out.write(b"data: [DONE]\n\n")
+            await out.write_eof()
+            finished = True
+        finally:
+            if not finished:
+                self.streams_cut += 1
         return out

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 
 from integration.stack import Stack, StackFactory, chat_body
 
-from proxy.config import PressureConfig
+from proxy.core.config import PressureConfig
 
 PREEMPT = "vllm:num_preemptions_total"
 # Long holds: a test that takes a second more on a loaded machine still sees the closing.

@@ -2,7 +2,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.admission import (
+from proxy.core.admission import (
     Admission,
     Admit,
     Priority,
@@ -11,10 +11,10 @@ from proxy.admission import (
     engine_priority,
     parse_priority,
 )
-from proxy.config import AdmissionConfig
-from proxy.errors import BadRequest
-from proxy.pressure import Level, Pressure
-from proxy.routing import EngineView
+from proxy.core.config import AdmissionConfig
+from proxy.core.errors import BadRequest
+from proxy.core.pressure import Level, Pressure
+from proxy.core.routing import EngineView
 
 C, S, X = Priority.CRITICAL, Priority.STANDARD, Priority.SHEDDABLE
 

@@ -2,7 +2,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.breaker import (
+from proxy.core.breaker import (
     TRANSITIONS,
     Breaker,
     BreakerEvent,
@@ -11,7 +11,7 @@ from proxy.breaker import (
     Outcome,
     classify_status,
 )
-from proxy.config import BreakerConfig
+from proxy.core.config import BreakerConfig
 
 CFG = BreakerConfig(failure_threshold=3, open_s=5.0, half_open_probes=1)
 

@@ -3,19 +3,18 @@ overcommit guard (pure: no sockets, no clock)."""
 
 import pytest
 
-from proxy.admission import Admission, Priority
-from proxy.commitment import (
+from proxy.core.admission import Admission, Priority
+from proxy.core.commitment import (
     Commitments,
     Flight,
     OutputEstimate,
-    completion_tokens,
     owed,
     projected_usage,
 )
-from proxy.config import AdmissionConfig, Config, EngineConfig, PoolConfig, PressureConfig
-from proxy.fleet import Fleet
-from proxy.pressure import REASON_COMMITTED, Level, PressureTracker
-from proxy.telemetry import EngineSnapshot
+from proxy.core.config import AdmissionConfig, Config, EngineConfig, PoolConfig, PressureConfig
+from proxy.core.pressure import REASON_COMMITTED, Level, PressureTracker
+from proxy.core.telemetry import EngineSnapshot
+from proxy.fleet.engines import Fleet
 
 ADM = AdmissionConfig()  # sheddable 0.85/0.75, standard 0.95/0.90
 CFG = PressureConfig()
@@ -64,18 +63,14 @@ def test_expected_output_is_the_prior_then_the_learned_mean_capped_by_max_tokens
     assert est.samples == 4
 
 
-def test_usage_and_bytes_per_token_are_learned_from_the_tail_of_an_answer() -> None:
+def test_usage_and_bytes_per_token_are_learned_from_an_answer() -> None:
     est = OutputEstimate(PressureConfig(output_min_samples=1))
-    tail = (b'data: {"choices":[],"usage":{"prompt_tokens":9,"total_tokens":109,'
-            b'"completion_tokens":100}}\n\ndata: [DONE]\n\n')
-    assert completion_tokens(tail) == 100
-    assert completion_tokens(b"data: [DONE]\n\n") is None
-    est.learn_tail(tail, 20_000, streamed=True)
+    est.learn_answer(100, 20_000, streamed=True)
     assert est.mean() == 100
     assert est.bytes_per_token == pytest.approx(200.0)
-    est.learn_tail(b"data: [DONE]\n\n", 40_000, streamed=True)  # no usage: from the bytes
+    est.learn_answer(None, 40_000, streamed=True)  # no usage: from the bytes
     assert est.mean() == pytest.approx(150)
-    est.learn_tail(b'{"choices":[]}', 900, streamed=False)  # a JSON answer without usage
+    est.learn_answer(None, 900, streamed=False)  # a JSON answer without usage
     assert est.samples == 2
     est.learn(10, relayed=1)  # an absurd ratio is not learned
     assert est.bytes_per_token == pytest.approx(200.0)
@@ -83,10 +78,10 @@ def test_usage_and_bytes_per_token_are_learned_from_the_tail_of_an_answer() -> N
 
 def test_an_engines_usage_is_believed_only_up_to_what_the_answer_could_hold() -> None:
     est = OutputEstimate(PressureConfig(output_min_samples=1))
-    lie = b'{"usage":{"completion_tokens":999999999}}'
-    est.learn_tail(lie, 4000, streamed=False, max_tokens=300)
+    lie = 999_999_999
+    est.learn_answer(lie, 4000, streamed=False, max_tokens=300)
     assert est.mean() == 300
-    est.learn_tail(lie, 4000, streamed=False)
+    est.learn_answer(lie, 4000, streamed=False)
     assert est.mean() == pytest.approx((300 + 4000) / 2)
 
 

@@ -3,9 +3,9 @@ from pathlib import Path
 
 import pytest
 
-from proxy.config import ENV_PREFIX, SCALAR_SECTIONS, ClassThreshold, Config, load_config
-from proxy.configload import scalar_paths
-from proxy.errors import ConfigError
+from proxy.core.config import ENV_PREFIX, SCALAR_SECTIONS, ClassThreshold, Config, load_config
+from proxy.core.configload import scalar_paths
+from proxy.core.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -156,10 +156,35 @@ def engines_toml(*urls: str, names: tuple[str, ...] | None = None) -> str:
         ),
         ("[routing]\nload_factor = 0.5\n", "routing.load_factor", ">= 1.0"),
         (
-            '[[pools]]\nname = "big"\nmodel = "m"\n' + engines_toml("http://a").split("\n", 3)[3],
+            '[[pools]]\nname = "big gpu"\nmodel = "m"\n'
+            + engines_toml("http://a").split("\n", 3)[3],
             "pools[0].name",
-            "draft",
+            "letters, digits",
         ),
+        (
+            '[[pools]]\nname = "big"\nmodels = ["m", "m"]\n'
+            + engines_toml("http://a").split("\n", 3)[3],
+            "pools[0].models[1]",
+            "duplicate",
+        ),
+        (
+            engines_toml("http://a") + '[[aliases]]\nname = "c"\npools = ["target", "small"]\n',
+            "aliases[0].pools[1]",
+            "no pool 'small'",
+        ),
+        (
+            engines_toml("http://a")
+            + '[[aliases]]\nname = "c"\npool = "target"\npools = ["target"]\n',
+            "aliases[0].pools",
+            "not both",
+        ),
+        (
+            engines_toml("http://a")
+            + '[[aliases]]\nname = "c"\npools = ["target"]\ntiering = true\n',
+            "aliases[0].tiering",
+            "remove tiering",
+        ),
+        (engines_toml("http://a") + '[[aliases]]\nname = "c"\n', "aliases[0].pool", "required"),
         ('[[pools]]\nname = "target"\nmodel = "m"\nengines = []\n', "pools[0].engines", "at least"),
         ('[[pools]]\nname = "target"\nengines = []\n', "pools[0].model", "required"),
         (
@@ -197,6 +222,39 @@ def test_duplicate_engine_across_pools(tmp_path: Path) -> None:
     text = text.replace('model = "m"', 'model = "n"', 1)
     err = error_for(tmp_path, text)
     assert err.field == "pools[1].engines[0].name"
+
+
+def test_tiering_without_a_draft_pool_says_what_to_write(tmp_path: Path) -> None:
+    text = engines_toml("http://a") + '[[aliases]]\nname = "c"\npool = "target"\ntiering = true\n'
+    err = error_for(tmp_path, text)
+    assert err.field == "aliases[0].tiering"
+    assert 'pools = ["target", "<smaller pool>"]' in str(err)
+
+
+def test_one_model_in_two_pools_needs_an_alias_naming_the_order(tmp_path: Path) -> None:
+    two = engines_toml("http://a") + engines_toml("http://b", names=("f0",)).replace(
+        '"target"', '"a100"', 1
+    )
+    err = error_for(tmp_path, two)
+    assert err.field == "aliases" and "target, a100" in str(err)
+    alias = '[[aliases]]\nname = "m"\npools = ["a100", "target"]\n'
+    cfg = load_config(write(tmp_path, two + alias), {}, [])
+    assert cfg.aliases[0].chain(["target", "a100"]) == ("a100", "target")
+
+
+def test_free_named_pools_with_several_models(tmp_path: Path) -> None:
+    text = (
+        '[[pools]]\nname = "gpu-h100.big"\nmodels = ["base", "base-sql-lora"]\n'
+        '  [[pools.engines]]\n  name = "h0"\n  url = "http://a"\n'
+        '[[pools]]\nname = "small"\nmodel = "tiny"\nmodels = ["tiny", "tiny-lora"]\n'
+        '  [[pools.engines]]\n  name = "s0"\n  url = "http://b"\n'
+        '[[aliases]]\nname = "chat"\npools = ["gpu-h100.big", "small"]\n'
+    )
+    cfg = load_config(write(tmp_path, text), {}, [])
+    big, small = cfg.pools
+    assert big.model == "base" and big.served == ("base", "base-sql-lora")
+    assert small.served == ("tiny", "tiny-lora")
+    assert cfg.aliases[0].chain(["gpu-h100.big", "small"]) == ("gpu-h100.big", "small")
 
 
 def test_missing_and_broken_file(tmp_path: Path) -> None:

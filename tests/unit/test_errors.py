@@ -1,7 +1,7 @@
 import orjson
 import pytest
 
-from proxy.errors import (
+from proxy.core.errors import (
     BadRequest,
     ClientError,
     ConfigError,

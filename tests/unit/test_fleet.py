@@ -1,7 +1,7 @@
 import pytest
 
-from proxy.config import Config, EngineConfig, PoolConfig
-from proxy.fleet import Fleet
+from proxy.core.config import Config, EngineConfig, PoolConfig
+from proxy.fleet.engines import Fleet
 
 
 def test_removed_engines_are_forgotten_once_idle() -> None:

@@ -2,7 +2,7 @@ import asyncio
 
 import pytest
 
-from proxy.periodic import every
+from proxy.fleet.periodic import every
 
 
 async def test_a_failing_round_does_not_end_the_loop(caplog: pytest.LogCaptureFixture) -> None:

@@ -1,7 +1,7 @@
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.prefix import canonical_chat, canonical_prompt, prefix_chain
+from proxy.core.prefix import canonical_chat, canonical_prompt, prefix_chain
 
 BC = 16
 

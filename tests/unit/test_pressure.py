@@ -2,10 +2,9 @@
 
 import pytest
 
-from proxy.config import AdmissionConfig, Config, EngineConfig, PoolConfig, PressureConfig
-from proxy.errors import ConfigError
-from proxy.fleet import Fleet
-from proxy.pressure import (
+from proxy.core.config import AdmissionConfig, Config, EngineConfig, PoolConfig, PressureConfig
+from proxy.core.errors import ConfigError
+from proxy.core.pressure import (
     REASON_OVERCOMMIT,
     REASON_PREEMPTING,
     Level,
@@ -13,7 +12,8 @@ from proxy.pressure import (
     counter_delta,
     slope,
 )
-from proxy.telemetry import EngineSnapshot
+from proxy.core.telemetry import EngineSnapshot
+from proxy.fleet.engines import Fleet
 
 DT = 0.2  # scrape interval
 ADM = AdmissionConfig()  # sheddable 0.85/0.75, standard 0.95/0.90

@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.config import RoutingConfig
-from proxy.prefix import canonical_chat, prefix_chain
-from proxy.routing import (
+from proxy.core.config import RoutingConfig
+from proxy.core.prefix import canonical_chat, prefix_chain
+from proxy.core.routing import (
     BlockIndex,
     EngineView,
     LeastLoad,

@@ -1,17 +1,19 @@
-import math
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.telemetry import (
+from proxy.core.config import TelemetryConfig
+from proxy.core.errors import ConfigError
+from proxy.core.telemetry import (
     TRANSITIONS,
     EngineSnapshot,
     EngineState,
     Health,
     HealthEvent,
     IllegalTransition,
+    ImplausibleMetrics,
     MetricsError,
     parse_labels,
     parse_metrics,
@@ -100,15 +102,60 @@ def test_unusable_text(text: str) -> None:
 def test_special_values_and_timestamps() -> None:
     text = (
         'vllm:kv_cache_usage_perc{engine="0"} 0.25 1700000000000\n'
-        "vllm:num_requests_running +Inf\n"
+        "vllm:num_requests_running 1\n"
         'vllm:num_requests_waiting{a="}"} 2\n'
         "vllm:num_preemptions_total garbage\n"
+        "vllm:num_preemptions_total NaN\n"
     )
     snap = parse_metrics(text, taken_at=0)
     assert snap.kv_usage == 0.25
-    assert math.isinf(snap.running)
+    assert snap.running == 1.0
     assert snap.waiting == 2.0
     assert snap.preemptions == 0.0
+
+
+BASE = "vllm:kv_cache_usage_perc 0.5\nvllm:num_requests_running 1\nvllm:num_requests_waiting 0\n"
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "vllm:kv_cache_usage_perc -5",  # would attract every request
+        'vllm:kv_cache_usage_perc{engine="1"} 7',
+        "vllm:gpu_cache_usage_perc 1.5",
+        "vllm:kv_cache_usage_perc +Inf",
+        "vllm:num_requests_running -1e6",  # would disable shedding
+        'vllm:num_requests_running{engine="1"} -1',  # hidden in a sum over ranks
+        "vllm:num_requests_waiting 1e12",
+        "vllm:num_requests_waiting +Inf",
+        "vllm:num_requests_running -Inf",
+        "vllm:prefix_cache_hits_total -3",
+        "vllm:num_preemptions_total +Inf",
+        "kvproxy_sidecar_ready -1",
+    ],
+)
+def test_implausible_figures_make_the_snapshot_unusable(line: str) -> None:
+    with pytest.raises(ImplausibleMetrics) as err:
+        parse_metrics(BASE + line + "\n", taken_at=0)
+    assert err.value.reason == "out_of_range"
+    assert isinstance(err.value, MetricsError)
+
+
+def test_plausible_edges_are_believed() -> None:
+    text = (
+        "vllm:kv_cache_usage_perc 1.005\nvllm:num_requests_running 0\n"
+        "vllm:num_requests_waiting 1000000\nvllm:prefix_cache_queries_total 1e15\n"
+    )
+    snap = parse_metrics(text, taken_at=0)
+    assert (snap.kv_usage, snap.waiting, snap.prefix_queries) == (1.005, 1e6, 1e15)
+    assert MetricsError("x").reason == "unparsable"
+
+
+@pytest.mark.parametrize("size", ["0", "-16", "1e300", "nan", "x"])
+def test_absurd_cache_config_is_ignored(size: str) -> None:
+    text = BASE + f'vllm:cache_config_info{{block_size="{size}",num_gpu_blocks="{size}"}} 1\n'
+    snap = parse_metrics(text, taken_at=0)
+    assert snap.block_size is None and snap.num_gpu_blocks is None
 
 
 def test_parse_labels_escapes() -> None:
@@ -291,3 +338,105 @@ def test_late_snapshot_does_not_replace_newer() -> None:
     s.on_scrape_ok(snap(1.0, running=7.0), 1.0)
     s.on_scrape_ok(snap(0.5, running=1.0), 1.1)
     assert s.snapshot is not None and s.snapshot.running == 7.0
+
+
+# --- frozen metrics ------------------------------------------------------------------------------
+
+
+def test_idle_repeats_are_news() -> None:
+    s = state()
+    assert s.body_is_news(1, started=0.0, fetched_at=0.01)
+    for i in range(1, 50):
+        assert s.body_is_news(1, started=i * 0.2, fetched_at=i * 0.2 + 0.01)
+
+
+def test_a_request_finishing_across_a_scrape_proves_nothing() -> None:
+    """The race that used to latch an engine STALE: the engine finished a request, a scrape saw
+    the new text before the proxy read the answer, and every later idle text repeats it."""
+    s = state()
+    assert s.body_is_news(1, started=0.0, fetched_at=0.01)
+    t = s.on_dispatch(0.1)
+    assert s.body_is_news(2, started=0.2, fetched_at=0.21)  # the engine already counted it
+    s.on_complete(t, 0.25)  # the proxy reads the answer only now
+    s.on_settle(t)
+    for i in range(2, 20):
+        assert s.body_is_news(2, started=i * 0.2, fetched_at=i * 0.2 + 0.01)
+    assert s.completed == 1
+
+
+def test_a_request_served_between_two_scrapes_proves_a_repeat_frozen() -> None:
+    s = state()
+    s.body_is_news(1, started=0.0, fetched_at=0.01)
+    t = s.on_dispatch(0.05)
+    s.on_complete(t, 0.1)
+    s.on_settle(t)
+    assert not s.body_is_news(1, started=0.2, fetched_at=0.21)
+    # Probed again next round: no request in between, so the repeat is believed.
+    assert s.body_is_news(1, started=0.4, fetched_at=0.41)
+
+
+@pytest.mark.parametrize(
+    ("dispatched", "completed", "frozen"),
+    [
+        (0.01, 0.1, False),  # dispatched exactly when the text arrived: maybe counted in it
+        (0.005, 0.1, False),  # dispatched before the text arrived
+        (0.05, 0.2, False),  # completed as the next scrape began
+        (0.05, 0.3, False),  # completed after the next scrape began
+        (0.05, 0.19, True),
+    ],
+)
+def test_frozen_only_with_proof(dispatched: float, completed: float, frozen: bool) -> None:
+    s = state()
+    s.body_is_news(1, started=0.0, fetched_at=0.01)
+    t = s.on_dispatch(dispatched)
+    s.on_complete(t, completed)
+    assert s.body_is_news(1, started=0.2, fetched_at=0.21) is not frozen
+
+
+def test_failed_or_untimed_requests_prove_nothing() -> None:
+    s = state()
+    s.body_is_news(1, started=0.0, fetched_at=0.01)
+    s.on_settle(s.on_dispatch(0.05))  # failed: never completed
+    untimed = s.on_dispatch()  # dispatch time unknown
+    s.on_complete(untimed, 0.1)
+    assert s.body_is_news(1, started=0.2, fetched_at=0.21)
+    assert s.completed == 1
+
+
+def test_a_changed_text_is_news_and_resets_the_proof() -> None:
+    s = state()
+    s.body_is_news(1, started=0.0, fetched_at=0.01)
+    t = s.on_dispatch(0.05)
+    s.on_complete(t, 0.1)
+    assert s.body_is_news(2, started=0.2, fetched_at=0.21)
+    assert s.body_is_news(2, started=0.4, fetched_at=0.41)
+
+
+# --- health reasons ------------------------------------------------------------------------------
+
+
+def test_health_reason_names_the_cause() -> None:
+    s = state(unhealthy_after_failures=2)
+    assert s.health_reason == "not scraped yet"
+    s.on_scrape_ok(snap(0.0), 0.0)
+    assert s.health_reason is None
+    s.on_scrape_failed(0.2, "frozen metrics")
+    assert health(s) is Health.HEALTHY and s.health_reason is None
+    s.tick(1.5, 1.0)
+    assert health(s) is Health.STALE
+    assert s.health_reason == "no successful scrape recently: frozen metrics"
+    s.on_scrape_failed(1.6, "scrape timed out")
+    assert health(s) is Health.UNHEALTHY and s.health_reason == "scrape timed out"
+    s.on_scrape_ok(snap(1.8, draining=True), 1.8)
+    assert s.health_reason == "draining"
+    s.on_scrape_ok(snap(2.0, ready=False), 2.0)
+    assert s.health_reason == "not ready"
+    s.on_scrape_ok(snap(2.2), 2.2)
+    assert s.health_reason is None and s.last_error is None
+
+
+def test_max_metrics_bytes_is_validated() -> None:
+    assert TelemetryConfig().max_metrics_bytes == 4 * 1024 * 1024
+    with pytest.raises(ConfigError) as err:
+        TelemetryConfig(max_metrics_bytes=100)
+    assert "max_metrics_bytes" in str(err.value)

@@ -153,3 +153,36 @@ def test_shipped_profiles_load(name: str) -> None:
     cmd = build_command(profile, "python")
     assert "--served-model-name" in cmd
     assert profile.engine.role in ("draft", "target")
+
+
+def test_kv_events_flags_hash_algo_and_advertised_endpoints() -> None:
+    text = (MINIMAL + 'kv_events = true\nkv_events_replay_endpoint = "tcp://*:5558"\n'
+            'kv_events_topic = "kv"\nkv_events_buffer_steps = 500\n')
+    profile = with_overrides(parse(text), sidecar={"advertise_host": "gpu1"})
+    cmd = build_command(profile, "py")
+    config = json.loads(cmd[cmd.index("--kv-events-config") + 1])
+    assert config == {"enable_kv_cache_events": True, "publisher": "zmq",
+                      "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558",
+                      "topic": "kv", "buffer_steps": 500}
+    assert cmd[cmd.index("--prefix-caching-hash-algo") + 1] == "sha256_cbor"
+    assert describe(profile)["kv_events"] == {
+        "endpoint": "tcp://gpu1:5557", "mode": "bind", "replay_endpoint": "tcp://gpu1:5558",
+        "topic": "kv", "hash_algo": "sha256_cbor"}
+    # An inherited hash seed would change every block hash; one the profile sets is kept.
+    assert "PYTHONHASHSEED" not in build_env(profile, {"PYTHONHASHSEED": "7"})
+    seeded = parse(MINIMAL + 'kv_events = true\nenv = { PYTHONHASHSEED = "3" }\n')
+    assert build_env(seeded, {"PYTHONHASHSEED": "7"})["PYTHONHASHSEED"] == "3"
+
+
+def test_kv_events_are_off_by_default_and_validated() -> None:
+    plain = parse(MINIMAL)
+    assert "--kv-events-config" not in build_command(plain, "py")
+    assert "--prefix-caching-hash-algo" not in build_command(plain, "py")
+    assert describe(plain)["kv_events"] is None
+    assert build_env(plain, {"PYTHONHASHSEED": "7"})["PYTHONHASHSEED"] == "7"
+    with pytest.raises(ProfileError) as bad:
+        parse(MINIMAL + 'kv_events = true\nkv_events_endpoint = "http://x:1"\n')
+    assert bad.value.field == "engine.kv_events_endpoint"
+    with pytest.raises(ProfileError) as off:
+        parse(MINIMAL + 'kv_events = true\nenable_prefix_caching = false\n')
+    assert off.value.field == "engine.kv_events"

@@ -1,0 +1,112 @@
+"""Prefix-cache block hashes exactly as vLLM computes them with ``--prefix-caching-hash-algo
+sha256_cbor``, so that the simulator's KV events name blocks the way a real engine would.
+
+Rules:
+- A block's hash is ``sha256(cbor((parent, tokens, extra_keys)))`` with canonical CBOR (cbor2's
+  ``canonical=True``): ``parent`` is the previous block's hash, or ``NONE_HASH`` for the first
+  block; ``tokens`` the block's token ids; ``extra_keys`` ``None`` or a tuple of tagged keys. The
+  only extra key the simulator has is ``("cache_salt", salt)``, on the first block only.
+- ``NONE_HASH`` is ``sha256_cbor("vllm-none-hash")``, vLLM's seed for cryptographic algorithms when
+  ``PYTHONHASHSEED`` is unset (a set ``PYTHONHASHSEED`` would change it in vLLM; the simulator
+  always uses the default).
+- The CBOR encoder covers exactly the types that occur here (non-negative and negative ints below
+  2**64, bytes, str, None, tuples and lists); anything else is a ``TypeError``. Pure functions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+_U8 = struct.Struct(">B").pack
+_U16 = struct.Struct(">H").pack
+_U32 = struct.Struct(">I").pack
+_U64 = struct.Struct(">Q").pack
+_NULL = b"\xf6"
+
+
+def _head(major: int, n: int) -> bytes:
+    """The CBOR initial byte(s) for ``major`` with argument ``n``, in the shortest form."""
+    mt = major << 5
+    if n < 24:
+        return bytes((mt | n,))
+    if n < 0x100:
+        return bytes((mt | 24,)) + _U8(n)
+    if n < 0x10000:
+        return bytes((mt | 25,)) + _U16(n)
+    if n < 0x100000000:
+        return bytes((mt | 26,)) + _U32(n)
+    if n < 0x10000000000000000:
+        return bytes((mt | 27,)) + _U64(n)
+    raise TypeError("integers beyond 64 bits are not supported")
+
+
+def _int(n: int) -> bytes:
+    return _head(0, n) if n >= 0 else _head(1, -1 - n)
+
+
+def cbor_dumps(value: object) -> bytes:
+    """Canonical CBOR of ``value`` (see the module rules for the types covered)."""
+    if value is None:
+        return _NULL
+    if isinstance(value, bool):
+        return b"\xf5" if value else b"\xf4"
+    if isinstance(value, int):
+        return _int(value)
+    if isinstance(value, bytes):
+        return _head(2, len(value)) + value
+    if isinstance(value, str):
+        data = value.encode("utf-8")
+        return _head(3, len(data)) + data
+    if isinstance(value, tuple | list):
+        return _head(4, len(value)) + b"".join(cbor_dumps(v) for v in value)
+    raise TypeError(f"cannot encode {type(value).__name__} as CBOR")
+
+
+def sha256_cbor(value: object) -> bytes:
+    return hashlib.sha256(cbor_dumps(value)).digest()
+
+
+DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
+NONE_HASH = sha256_cbor(DEFAULT_NONE_HASH_SEED)
+ExtraKeys = tuple[tuple[str, str], ...] | None
+
+
+def _tokens(ids: Sequence[int]) -> bytes:
+    # The hot loop of hashing: token ids are never negative, so the array head and the
+    # shortest unsigned forms suffice.
+    return _head(4, len(ids)) + b"".join([_head(0, t) for t in ids])
+
+
+def hash_block_tokens(parent: bytes | None, ids: Sequence[int],
+                      extra_keys: ExtraKeys = None) -> bytes:
+    """vLLM's ``hash_block_tokens(sha256_cbor, parent, ids, extra_keys)``."""
+    parent = parent or NONE_HASH
+    body = b"\x83" + _head(2, len(parent)) + parent + _tokens(ids) + cbor_dumps(extra_keys)
+    return hashlib.sha256(body).digest()
+
+
+def salt_keys(cache_salt: str | None) -> ExtraKeys:
+    """The extra keys of a request's first block: its ``cache_salt``, tagged as vLLM tags it."""
+    return (("cache_salt", cache_salt),) if cache_salt else None
+
+
+def event_extra_keys(keys: ExtraKeys) -> tuple[str, ...] | None:
+    """The untagged form KV events publish (vLLM's ``to_event_extra_keys``): the salt alone."""
+    return None if keys is None else tuple(value for _, value in keys)
+
+
+@dataclass(frozen=True)
+class ChainRoot:
+    """Where a request's hash chain starts: no parent, and the first block's extra keys."""
+
+    extra_keys: ExtraKeys = None
+
+
+PLAIN_ROOT = ChainRoot()
+
+
+def root_for(cache_salt: str | None) -> ChainRoot:
+    return ChainRoot(salt_keys(cache_salt)) if cache_salt else PLAIN_ROOT

@@ -1,0 +1,222 @@
+"""The control loop's thin async shell: observe, decide (``policy``), roll out (``rollout``).
+
+Rules:
+- Every ``poll_s`` the engine's metrics feed the window; every ``eval_s`` the policy decides.
+  Every decision is logged (logger ``kvproxy.speculation``) with its inputs, and counted.
+- A change is rolled out only when ``act`` is on, the gate allows it and the pool lease is held:
+  the engine handle drains, restarts with the new schedule and warms up; if that fails, the handle
+  is asked to come back on the last good schedule. The lease is released in every case.
+- The clock is the event loop's, so a virtual-time loop (the benchmark) runs the same code.
+- Nothing here knows whether the engine is real vLLM or the simulator: that is the handle's job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field, replace
+from typing import Protocol
+
+from engine_sidecar.speculation import schedule as sch
+from engine_sidecar.speculation.cost import StepCost, calibrate
+from engine_sidecar.speculation.export import render
+from engine_sidecar.speculation.lease import Lease
+from engine_sidecar.speculation.policy import Decision, PolicySettings, PolicyState, decide
+from engine_sidecar.speculation.rollout import Rollout, RolloutState, may_start
+from engine_sidecar.speculation.window import MetricsWindow, WindowFigures, snapshot_from_text
+
+log = logging.getLogger("kvproxy.speculation")
+
+
+class ReconfigureFailed(Exception):
+    """The engine did not come back ready with the requested schedule."""
+
+
+class EngineHandle(Protocol):
+    def current_schedule(self) -> sch.Schedule: ...
+
+    async def metrics_text(self) -> str | None: ...
+
+    async def reconfigure(self, schedule: sch.Schedule) -> None: ...
+
+
+@dataclass(frozen=True)
+class ControllerSettings:
+    policy: PolicySettings
+    act: bool = True  # False: decide and export, never restart (observe-only)
+    poll_s: float = 2.0
+    eval_s: float = 30.0
+    window_s: float = 120.0
+    # Hold a rollout while the engine's mean queue over the window is above this: a few requests
+    # always wait for the next step, a backlog means the others could not take this one's share.
+    max_waiting: float = 16.0
+
+    def __post_init__(self) -> None:
+        if min(self.poll_s, self.eval_s, self.window_s) <= 0:
+            raise ValueError("poll_s, eval_s and window_s must be > 0")
+
+
+@dataclass
+class ControllerStats:
+    decisions: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
+        ("change", "keep", "wait", "held"), 0))
+    reconfigurations: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
+        ("ok", "rolled_back", "failed"), 0))
+    last: Decision | None = None
+    last_change_gain: float | None = None
+    measured_gain: float | None = None
+    rate_before: float | None = None
+
+
+ShedProbe = Callable[[], Awaitable[float | None]]
+WaitingProbe = Callable[[], Awaitable[float]]
+
+
+class Controller:
+    def __init__(self, name: str, engine: EngineHandle, settings: ControllerSettings,
+                 lease: Lease, *, cost: StepCost | None = None,
+                 shed_probe: ShedProbe | None = None,
+                 pool_waiting: WaitingProbe | None = None) -> None:
+        self.name, self.engine, self.settings, self.lease = name, engine, settings, lease
+        self.cost = cost or StepCost()
+        self.window = MetricsWindow(settings.window_s)
+        self.state = PolicyState()
+        self.rollout = Rollout()
+        self.stats = ControllerStats()
+        self._shed_probe, self._pool_waiting = shed_probe, pool_waiting
+        self._last_eval = -1e18
+        self.last_hold = ""
+        self._latest: WindowFigures | None = None
+
+    @property
+    def max_k(self) -> int:
+        return self.settings.policy.max_k
+
+    def _now(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.step()
+            except Exception:
+                # The loop is an optimisation: a bug in it must never take the sidecar down.
+                log.exception("speculation controller engine=%s: evaluation failed", self.name)
+            await asyncio.sleep(self.settings.poll_s)
+
+    async def step(self) -> Decision | None:
+        """One poll, and one evaluation (with a rollout if it says so) when one is due."""
+        now = self._now()
+        text = await self.engine.metrics_text()
+        if text is not None:
+            self.window.add(snapshot_from_text(text, now))
+        if now - self._last_eval < self.settings.eval_s:
+            return None
+        self._last_eval = now
+        return await self.evaluate(now)
+
+    async def evaluate(self, now: float) -> Decision | None:
+        current = self.engine.current_schedule()
+        found = self.window.figures(current, self.max_k)
+        if found is None:
+            return None
+        self._latest = found
+        self._calibrate(found, current)
+        self._measure_gain(found)
+        decision, self.state = decide(self.settings.policy, self.state, self.cost,
+                                      found.figures, current=current, now=now)
+        self._record(decision, found)
+        if decision.action == "change" and self.settings.act:
+            await self._apply(decision)
+        return decision
+
+    async def apply_now(self, schedule: sch.Schedule) -> bool:
+        """Roll out ``schedule`` at once (an operator's request), through the same gate, lease
+        and rollback; True when the engine runs it afterwards."""
+        current = self.engine.current_schedule()
+        return await self._apply(Decision("change", "requested", current, schedule, 0.0, ()))
+
+    def _calibrate(self, found: WindowFigures, current: sch.Schedule) -> None:
+        if found.measured_itl_s is None:
+            return
+        self.cost = calibrate(self.cost, measured_itl_s=found.measured_itl_s,
+                              batch_weights=found.figures.batch_weights,
+                              k_of=lambda b: sch.k_for_batch(current, b, self.max_k))
+
+    def _measure_gain(self, found: WindowFigures) -> None:
+        before, now_rate = self.stats.rate_before, found.tokens_per_busy_second
+        if before and now_rate and self.stats.last_change_gain is not None:
+            self.stats.measured_gain = now_rate / before - 1
+
+    def _record(self, decision: Decision, found: WindowFigures) -> None:
+        self.stats.decisions[decision.action] += 1
+        self.stats.last = decision
+        inputs = {"per_position": [round(p, 3) for p in found.figures.per_position],
+                  "drafts": found.figures.drafts,
+                  "batch_weights": dict(sorted(found.figures.batch_weights.items())),
+                  "measured_itl_s": found.measured_itl_s,
+                  "step_time_factor": {"off": self.cost.factor_off, "on": self.cost.factor_on},
+                  "current": sch.render(decision.current),
+                  "proposed": sch.render(decision.proposed)}
+        log.info("speculation decision engine=%s %s", self.name,
+                 json.dumps({**decision.as_log(), "inputs": inputs}, default=str))
+
+    async def _apply(self, decision: Decision) -> bool:
+        waiting = await self._pool_waiting() if self._pool_waiting else (
+            self._latest.waiting if self._latest else 0.0)
+        shed = await self._shed_probe() if self._shed_probe else None
+        ok, why = may_start(shed_increase=shed, pool_waiting=waiting,
+                            max_waiting=self.settings.max_waiting)
+        if not ok or not await self.lease.acquire(self.name):
+            why = why if not ok else "another engine of the pool is being reconfigured"
+            log.info("speculation rollout held engine=%s: %s", self.name, why)
+            self.stats.decisions["held"] += 1
+            self.last_hold = why
+            return False
+        try:
+            ok = await self._roll_out(decision)
+        finally:
+            await self.lease.release(self.name)
+        self.state = replace(PolicyState(), last_change_at=self._now())
+        self.last_hold = "" if ok else "the restart failed; rolled back"
+        return ok
+
+    async def _roll_out(self, decision: Decision) -> bool:
+        good = decision.current
+        self.rollout.move(RolloutState.LEASED)
+        self.rollout.move(RolloutState.DRAINING)
+        self.stats.rate_before = self._latest.tokens_per_busy_second if self._latest else None
+        log.info("speculation rollout engine=%s: %s -> %s", self.name, sch.render(good),
+                 sch.render(decision.proposed))
+        try:
+            self.rollout.move(RolloutState.RESTARTING)
+            await self.engine.reconfigure(decision.proposed)
+        except ReconfigureFailed as exc:
+            log.error("speculation rollout engine=%s failed (%s); rolling back to %s",
+                      self.name, exc, sch.render(good))
+            await self._roll_back(good)
+            return False
+        self.rollout.move(RolloutState.IDLE)
+        self.stats.reconfigurations["ok"] += 1
+        self.stats.last_change_gain = decision.predicted_gain
+        self.stats.measured_gain = None
+        self.window.clear()
+        return True
+
+    async def _roll_back(self, good: sch.Schedule) -> None:
+        self.rollout.move(RolloutState.ROLLING_BACK)
+        try:
+            await self.engine.reconfigure(good)
+        except ReconfigureFailed as exc:
+            log.error("speculation rollback engine=%s failed too: %s", self.name, exc)
+            self.rollout.move(RolloutState.FAILED)
+            self.stats.reconfigurations["failed"] += 1
+            return
+        self.rollout.move(RolloutState.IDLE)
+        self.stats.reconfigurations["rolled_back"] += 1
+        self.window.clear()
+
+    def metrics_text(self) -> str:
+        return render(self)

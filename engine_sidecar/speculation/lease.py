@@ -1,0 +1,93 @@
+"""Who may take an engine out of its pool: at most ``max_out`` engines at once.
+
+Rules:
+- ``RedisLease`` coordinates the sidecars of a pool through the Redis they already register in:
+  slot keys ``kvproxy:spec:rollout:<pool>:<i>`` set with NX and a TTL (a crashed holder frees its
+  slot by expiry), deleted only by their holder. Redis being unreachable means no lease: an
+  engine that cannot coordinate does not go out.
+- ``LocalLease`` does the same for engines of one process (the simulator, the benchmark).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+log = logging.getLogger(__name__)
+KEY_PREFIX = "kvproxy:spec:rollout:"
+_RELEASE = """
+if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end
+return 0
+"""
+
+
+class Lease(Protocol):
+    async def acquire(self, holder: str) -> bool: ...
+
+    async def release(self, holder: str) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+class LocalLease:
+    def __init__(self, max_out: int = 1) -> None:
+        if max_out < 1:
+            raise ValueError("max_out must be >= 1")
+        self.max_out = max_out
+        self.holders: set[str] = set()
+
+    async def acquire(self, holder: str) -> bool:
+        if holder in self.holders:
+            return True
+        if len(self.holders) >= self.max_out:
+            return False
+        self.holders.add(holder)
+        return True
+
+    async def release(self, holder: str) -> None:
+        self.holders.discard(holder)
+
+    async def close(self) -> None:
+        self.holders.clear()
+
+
+class RedisLease:
+    def __init__(self, redis_url: str, pool: str, *, max_out: int = 1, ttl_s: float = 1800.0
+                 ) -> None:
+        if max_out < 1:
+            raise ValueError("max_out must be >= 1")
+        self._client = aioredis.from_url(redis_url)
+        self.pool, self.max_out, self.ttl_s = pool, max_out, ttl_s
+        self._held: str | None = None
+
+    def _slot(self, i: int) -> str:
+        return f"{KEY_PREFIX}{self.pool}:{i}"
+
+    async def acquire(self, holder: str) -> bool:
+        try:
+            for i in range(self.max_out):
+                if await self._client.set(self._slot(i), holder, nx=True,
+                                          px=int(self.ttl_s * 1000)):
+                    self._held = self._slot(i)
+                    return True
+                if await self._client.get(self._slot(i)) == holder.encode():
+                    self._held = self._slot(i)
+                    return True
+        except (RedisError, OSError) as exc:
+            log.warning("speculation lease: Redis unreachable (%s); not rolling out", exc)
+        return False
+
+    async def release(self, holder: str) -> None:
+        key, self._held = self._held, None
+        if key is None:
+            return
+        try:
+            await self._client.eval(_RELEASE, 1, key, holder)
+        except (RedisError, OSError) as exc:
+            log.warning("speculation lease: release failed (%s); it expires by TTL", exc)
+
+    async def close(self) -> None:
+        await self._client.aclose()

@@ -1,0 +1,223 @@
+"""The goodput policy: which K each batch-size range should run, and whether a change pays.
+
+Rules:
+- For each batch-size range the best K (0 = off) maximises accepted tokens per second,
+  ``b * (1 + sum(p[:K])) / step_time(b, K)``, averaged over the batch sizes the engine ran at
+  inside the range (weighted by time); a range the engine never ran at is judged at its middle.
+- A range keeps its current K unless the best one beats it by the margin (hysteresis per range);
+  the lowest range never drops below ``probe_k`` so that acceptance keeps being measured (vLLM
+  counts nothing while nobody drafts).
+- The engine-wide predicted gain is the ratio of the two schedules' throughput over the batch
+  sizes seen. A change is proposed only when that gain exceeds the margin, the same proposal came
+  out of ``confirmations`` evaluations in a row, the last change is ``min_interval_s`` old, and the
+  window holds at least ``min_drafts`` drafts (or acceptance is otherwise known).
+- Per-position acceptance under a schedule that mixes draft lengths: a position ``i`` is only
+  proposed in steps whose K exceeds ``i``, so its denominator is the drafts of those steps, which
+  :func:`estimate_positions` infers from the batch sizes seen; unobserved positions repeat the last
+  conditional rate.
+- Pure: figures and the clock come in, a :class:`Decision` and the next state go out.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+from engine_sidecar.speculation.cost import StepCost, tokens_per_step
+from engine_sidecar.speculation.schedule import Range, Schedule, from_edges, k_for_batch
+
+DEFAULT_EDGES = (1, 2, 5, 9, 17, 33, 65)
+
+
+@dataclass(frozen=True)
+class PolicySettings:
+    max_k: int
+    max_batch: int
+    edges: tuple[int, ...] = DEFAULT_EDGES
+    margin: float = 0.05
+    min_interval_s: float = 300.0
+    confirmations: int = 2
+    min_drafts: float = 50.0
+    probe_k: int = 1
+
+    def __post_init__(self) -> None:
+        if self.max_k < 1 or self.max_batch < 1:
+            raise ValueError("max_k and max_batch must be >= 1")
+        if not self.edges or self.edges[0] != 1 or list(self.edges) != sorted(set(self.edges)):
+            raise ValueError("edges must be increasing and start at 1")
+        if self.margin < 0 or self.min_interval_s < 0 or self.confirmations < 1:
+            raise ValueError("margin and min_interval_s must be >= 0, confirmations >= 1")
+        if not 0 <= self.probe_k <= self.max_k:
+            raise ValueError("probe_k must be within 0..max_k")
+
+    @property
+    def used_edges(self) -> tuple[int, ...]:
+        return tuple(e for e in self.edges if e <= self.max_batch)
+
+
+@dataclass(frozen=True)
+class Figures:
+    """What one window showed: acceptance per position (unconditional), batch-size time shares."""
+
+    per_position: tuple[float, ...]
+    batch_weights: Mapping[int, float]
+    drafts: float
+
+
+@dataclass(frozen=True)
+class RangeChoice:
+    label: str
+    current_k: int
+    best_k: int
+    chosen_k: int
+    gain: float  # chosen over current, for this range
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: str  # "change", "keep" or "wait"
+    reason: str
+    current: Schedule
+    proposed: Schedule
+    predicted_gain: float
+    ranges: tuple[RangeChoice, ...]
+
+    def as_log(self) -> dict[str, object]:
+        return {"action": self.action, "reason": self.reason,
+                "predicted_gain": round(self.predicted_gain, 4),
+                "ranges": [c.__dict__ for c in self.ranges]}
+
+
+@dataclass(frozen=True)
+class PolicyState:
+    last_change_at: float = -math.inf
+    streak: int = 0
+    last_proposal: Schedule = ()
+
+
+def extend_positions(per_position: tuple[float, ...], max_k: int) -> tuple[float, ...]:
+    """Measured positions, then the last conditional rate repeated up to ``max_k``."""
+    rates = [min(1.0, max(0.0, p)) for p in per_position[:max_k]]
+    for i in range(1, len(rates)):
+        rates[i] = min(rates[i], rates[i - 1])
+    if not rates:
+        return ()
+    prev = rates[-2] if len(rates) >= 2 else 1.0
+    conditional = min(1.0, rates[-1] / prev) if prev > 0 else 0.0
+    while len(rates) < max_k:
+        rates.append(rates[-1] * conditional)
+    return tuple(rates)
+
+
+def estimate_positions(accepted_per_pos: tuple[float, ...], drafts: float,
+                       batch_weights: Mapping[int, float], current: Schedule,
+                       max_k: int) -> tuple[float, ...]:
+    """Unconditional acceptance per position from a window's counter deltas (see module rules)."""
+    if drafts <= 0:
+        return ()
+    share = {b: w * b for b, w in batch_weights.items()
+             if b > 0 and k_for_batch(current, b, max_k) > 0}
+    drafted = sum(share.values())
+    rates: list[float] = []
+    for i, accepted in enumerate(accepted_per_pos):
+        if drafted > 0:
+            reach = sum(w for b, w in share.items() if k_for_batch(current, b, max_k) > i)
+            fraction = reach / drafted
+        else:
+            fraction = 1.0
+        if fraction <= 0:
+            break
+        rates.append(min(1.0, accepted / (drafts * fraction)))
+    return extend_positions(tuple(rates), max_k)
+
+
+def _rate(cost: StepCost, p: tuple[float, ...], b: int, k: int) -> float:
+    return b * tokens_per_step(p, k) / cost.step_time(b, k)
+
+
+def _range_value(cost: StepCost, p: tuple[float, ...], r: Range, weights: Mapping[int, float],
+                 k: int) -> float:
+    seen = {b: w for b, w in weights.items() if r.start <= b <= r.end and w > 0}
+    if not seen:
+        seen = {max(r.start, round(math.sqrt(r.start * r.end))): 1.0}
+    return sum(w * _rate(cost, p, b, k) for b, w in seen.items()) / sum(seen.values())
+
+
+def _choose(settings: PolicySettings, cost: StepCost, p: tuple[float, ...], r: Range, *,
+            weights: Mapping[int, float], current_k: int, lowest: bool) -> RangeChoice:
+    values = [_range_value(cost, p, r, weights, k) for k in range(settings.max_k + 1)]
+    best = max(range(len(values)), key=lambda k: (values[k], -k))  # ties: the shorter draft
+    chosen = best if values[best] > values[current_k] * (1 + settings.margin) else current_k
+    if lowest:
+        chosen = max(chosen, settings.probe_k)
+    gain = values[chosen] / values[current_k] - 1 if values[current_k] > 0 else 0.0
+    return RangeChoice(r.label, current_k, best, chosen, gain)
+
+
+def throughput(cost: StepCost, p: tuple[float, ...], schedule: Schedule,
+               weights: Mapping[int, float], max_k: int) -> float:
+    """Tokens per second the engine would make at the batch sizes seen (time-weighted)."""
+    total = sum(w for b, w in weights.items() if b > 0)
+    if total <= 0:
+        return 0.0
+    return sum(w * _rate(cost, p, b, k_for_batch(schedule, b, max_k))
+               for b, w in weights.items() if b > 0) / total
+
+
+def propose(settings: PolicySettings, cost: StepCost, figures: Figures,
+            current: Schedule) -> tuple[Schedule, tuple[RangeChoice, ...], float]:
+    p = extend_positions(figures.per_position, settings.max_k)
+    edges = settings.used_edges
+    template = from_edges(edges, [0] * len(edges), settings.max_batch)
+    choices = tuple(
+        _choose(settings, cost, p, r, weights=figures.batch_weights,
+                current_k=k_for_batch(current, r.start, settings.max_k), lowest=i == 0)
+        for i, r in enumerate(template))
+    proposed = from_edges(edges, [c.chosen_k for c in choices], settings.max_batch)
+    before = throughput(cost, p, current, figures.batch_weights, settings.max_k)
+    after = throughput(cost, p, proposed, figures.batch_weights, settings.max_k)
+    gain = after / before - 1 if before > 0 else 0.0
+    return proposed, choices, gain
+
+
+def _same_ks(a: Schedule, b: Schedule, max_k: int, max_batch: int) -> bool:
+    return all(k_for_batch(a, n, max_k) == k_for_batch(b, n, max_k)
+               for n in range(1, max_batch + 1))
+
+
+def decide(settings: PolicySettings, state: PolicyState, cost: StepCost, figures: Figures, *,
+           current: Schedule, now: float) -> tuple[Decision, PolicyState]:
+    """One evaluation: the decision and the policy's next state."""
+    if not any(w > 0 for b, w in figures.batch_weights.items() if b > 0):
+        return _hold("wait", "no load observed", current, state), replace(state, streak=0)
+    if not figures.per_position or figures.drafts < settings.min_drafts:
+        reason = f"acceptance not measured yet ({figures.drafts:.0f} drafts in the window)"
+        return _hold("wait", reason, current, state), replace(state, streak=0)
+    proposed, choices, gain = propose(settings, cost, figures, current)
+    if _same_ks(proposed, current, settings.max_k, settings.max_batch) or gain <= settings.margin:
+        decision = Decision("keep", f"predicted gain {gain:+.1%} within margin", current,
+                            proposed, gain, choices)
+        return decision, replace(state, streak=0, last_proposal=())
+    same = bool(state.last_proposal) and _same_ks(proposed, state.last_proposal,
+                                                  settings.max_k, settings.max_batch)
+    streak = state.streak + 1 if same else 1
+    state = replace(state, streak=streak, last_proposal=proposed)
+    if streak < settings.confirmations:
+        return Decision("wait", f"gain {gain:+.1%}: confirmation {streak}/"
+                        f"{settings.confirmations}", current, proposed, gain, choices), state
+    if now - state.last_change_at < settings.min_interval_s:
+        left = settings.min_interval_s - (now - state.last_change_at)
+        return Decision("wait", f"gain {gain:+.1%}: last change too recent ({left:.0f} s to "
+                        "go)", current, proposed, gain, choices), state
+    return Decision("change", f"predicted gain {gain:+.1%}", current, proposed, gain,
+                    choices), state
+
+
+def committed(state: PolicyState, now: float) -> PolicyState:
+    """The state after a change was rolled out at ``now``."""
+    return PolicyState(last_change_at=now)
+
+
+def _hold(action: str, reason: str, current: Schedule, state: PolicyState) -> Decision:
+    return Decision(action, reason, current, current, 0.0, ())

@@ -1,0 +1,102 @@
+"""A sliding window over an engine's metrics: acceptance, batch sizes and measured step time.
+
+Rules:
+- A :class:`Snapshot` is read from one vLLM ``/metrics`` text (the same names the simulator
+  exports); counters are cumulative, ``running`` is the gauge at that instant, so the window's
+  batch-size time shares are the running samples it holds.
+- Figures are differences between the newest snapshot and the oldest inside the window; any
+  counter going backwards means the engine restarted, and the window starts again.
+- Pure: the caller passes the time each snapshot was taken.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from dataclasses import dataclass
+
+from engine_sidecar.speculation.policy import Figures, estimate_positions
+from engine_sidecar.speculation.schedule import Schedule
+from engine_sidecar.vllm import metrics as m
+
+ITL_SUM = "vllm:inter_token_latency_seconds_sum"
+ITL_COUNT = "vllm:inter_token_latency_seconds_count"
+GENERATION = "vllm:generation_tokens_total"
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    at: float
+    running: float
+    waiting: float
+    drafts: float
+    accepted_per_pos: tuple[float, ...]
+    itl_sum: float
+    itl_count: float
+    generation_tokens: float
+
+    def counters(self) -> tuple[float, ...]:
+        return (self.drafts, self.itl_sum, self.itl_count, self.generation_tokens,
+                *self.accepted_per_pos)
+
+
+def snapshot_from_text(text: str, at: float) -> Snapshot:
+    samples = list(m.parse_samples(text))
+    spec = m.spec_counters(samples)
+    return Snapshot(
+        at=at, running=m.total(samples, m.RUNNING) or 0.0,
+        waiting=m.total(samples, m.WAITING) or 0.0,
+        drafts=spec.drafts if spec else 0.0,
+        accepted_per_pos=spec.accepted_per_pos if spec else (),
+        itl_sum=m.total(samples, ITL_SUM) or 0.0, itl_count=m.total(samples, ITL_COUNT) or 0.0,
+        generation_tokens=m.total(samples, GENERATION) or 0.0)
+
+
+@dataclass(frozen=True)
+class WindowFigures:
+    figures: Figures
+    measured_itl_s: float | None
+    tokens_per_busy_second: float | None  # output tokens per second while anything ran
+    waiting: float  # mean queue over the window: a moment's queue between steps is no backlog
+
+
+def _went_backwards(new: Snapshot, old: Snapshot) -> bool:
+    a, b = new.counters(), old.counters()
+    return any(x < y for x, y in zip(a, b, strict=False)) or len(a) < len(b)
+
+
+class MetricsWindow:
+    def __init__(self, window_s: float) -> None:
+        if window_s <= 0:
+            raise ValueError("window_s must be > 0")
+        self.window_s = window_s
+        self._snaps: deque[Snapshot] = deque()
+
+    def clear(self) -> None:
+        self._snaps.clear()
+
+    def add(self, snap: Snapshot) -> None:
+        if self._snaps and _went_backwards(snap, self._snaps[-1]):
+            self._snaps.clear()
+        self._snaps.append(snap)
+        while len(self._snaps) >= 2 and self._snaps[1].at <= snap.at - self.window_s:
+            self._snaps.popleft()
+
+    def figures(self, current: Schedule, max_k: int) -> WindowFigures | None:
+        if len(self._snaps) < 2:
+            return None
+        old, new = self._snaps[0], self._snaps[-1]
+        batches = Counter(round(s.running) for s in list(self._snaps)[1:])
+        weights = {b: float(n) for b, n in batches.items() if b > 0}
+        drafts = new.drafts - old.drafts
+        n = len(new.accepted_per_pos)
+        before = old.accepted_per_pos + (0.0,) * (n - len(old.accepted_per_pos))
+        accepted = tuple(a - b for a, b in zip(new.accepted_per_pos, before, strict=True))
+        per_pos = estimate_positions(accepted, drafts, weights, current, max_k)
+        count = new.itl_count - old.itl_count
+        itl = (new.itl_sum - old.itl_sum) / count if count > 0 else None
+        busy = sum(batches[b] for b in weights) / max(1, len(self._snaps) - 1)
+        span = new.at - old.at
+        tokens = new.generation_tokens - old.generation_tokens
+        rate = tokens / (busy * span) if busy > 0 and span > 0 else None
+        waiting = sum(s.waiting for s in self._snaps) / len(self._snaps)
+        return WindowFigures(Figures(per_pos, weights, drafts), itl, rate, waiting)

@@ -1,0 +1,298 @@
+"""Cache entries: recognising a completed answer, storing it, and replaying it in either shape.
+
+Rules (pure, no I/O):
+- An entry holds one complete answer in the non-streamed OpenAI shape, whatever shape the miss was
+  relayed in; it is replayed as JSON or as an SSE stream, whichever the client asks for now.
+- Only normally completed answers become entries: a JSON answer with every choice finished, or an
+  SSE stream that ended with ``data: [DONE]`` after every choice reported a ``finish_reason``. A
+  stream that broke off, carried an error event, or had a choice finish with ``abort`` never does.
+- Stream deltas are merged field by field (strings concatenate). A delta this module cannot
+  merge faithfully (tool-call fragments, per-token logprobs) makes the answer unstorable rather
+  than wrong.
+- An entry names the tenant and model it belongs to; decoding checks both, so even a key collision
+  or a corrupted store could not hand an answer across tenants. Garbage decodes to ``EntryError``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol, cast
+
+import orjson
+
+ENTRY_VERSION = 1
+_UNFINISHED = frozenset({None, "abort"})
+_HEAD_FIELDS: tuple[str, ...] = ("id", "created", "model", "system_fingerprint")
+
+
+class EntryError(ValueError):
+    """A stored value that is not a valid entry for this request."""
+
+
+@dataclass(frozen=True)
+class CachedResponse:
+    tenant: str
+    model: str
+    chat: bool
+    response: dict[str, Any]
+
+    def encode(self) -> bytes:
+        doc = {"v": ENTRY_VERSION, "t": self.tenant, "m": self.model, "chat": self.chat}
+        doc["r"] = self.response
+        return orjson.dumps(doc)
+
+    def json_body(self) -> bytes:
+        return orjson.dumps(self.response)
+
+    def usage_tokens(self) -> int | None:
+        return usage_tokens(self.response)
+
+
+def decode_entry(raw: bytes, *, tenant: str, model: str) -> CachedResponse:
+    try:
+        doc = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        raise EntryError("not JSON") from None
+    if not isinstance(doc, dict) or doc.get("v") != ENTRY_VERSION:
+        raise EntryError("unknown entry format")
+    if doc.get("t") != tenant or doc.get("m") != model:
+        raise EntryError("entry belongs to another tenant or model")
+    response = doc.get("r")
+    if not isinstance(response, dict) or not _finished(response):
+        raise EntryError("entry holds no complete response")
+    return CachedResponse(tenant, model, bool(doc.get("chat")), response)
+
+
+def usage_tokens(response: dict[str, Any]) -> int | None:
+    usage = response.get("usage")
+    if isinstance(usage, dict):
+        total = usage.get("total_tokens")
+        if isinstance(total, int) and not isinstance(total, bool):
+            return total
+    return None
+
+
+def _finished(response: dict[str, Any]) -> bool:
+    choices = response.get("choices")
+    if not isinstance(choices, list) or not choices:
+        return False
+    return all(isinstance(c, dict) and c.get("finish_reason") not in _UNFINISHED for c in choices)
+
+
+def complete_json(body: bytes) -> dict[str, Any] | None:
+    """The parsed answer if ``body`` is a normally completed non-streamed response, else None."""
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(doc, dict) or "error" in doc or not _finished(doc):
+        return None
+    return doc
+
+
+class StreamAssembler:
+    """Rebuilds the non-streamed answer from SSE bytes as they are relayed, chunk by chunk."""
+
+    def __init__(self, *, chat: bool, max_bytes: int) -> None:
+        self._chat = chat
+        self._max_bytes = max_bytes
+        self._seen = 0
+        self._buffer = b""
+        self._head: dict[str, Any] = {}
+        self._choices: dict[int, dict[str, Any]] = {}
+        self._usage: object = None
+        self.done = False
+        self.storable = True
+
+    def feed(self, data: bytes) -> None:
+        if not self.storable:
+            return
+        self._seen += len(data)
+        if self._seen > self._max_bytes or self.done:
+            # Too big to store, or bytes after [DONE]: either way not an answer to keep.
+            self._give_up()
+            return
+        # Normalised on the whole remainder: a CRLF may be split across two reads.
+        self._buffer = (self._buffer + data).replace(b"\r\n", b"\n")
+        while self.storable and b"\n\n" in self._buffer:
+            event, self._buffer = self._buffer.split(b"\n\n", 1)
+            self._event(event)
+
+    def _give_up(self) -> None:
+        self.storable = False
+        self._buffer = b""
+        self._choices.clear()
+
+    def _event(self, event: bytes) -> None:
+        lines = [ln[5:].lstrip(b" ") for ln in event.split(b"\n") if ln.startswith(b"data:")]
+        if not lines:
+            return  # comments and keep-alives
+        data = b"\n".join(lines)
+        if self.done:
+            self._give_up()
+        elif data.strip() == b"[DONE]":
+            self.done = True
+        else:
+            self._chunk(data)
+
+    def _chunk(self, data: bytes) -> None:
+        try:
+            obj = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            self._give_up()
+            return
+        if not isinstance(obj, dict) or "error" in obj or not isinstance(obj.get("choices"), list):
+            self._give_up()
+            return
+        if not self._head:
+            self._head = {k: obj[k] for k in _HEAD_FIELDS if k in obj}
+        if obj.get("usage"):
+            self._usage = obj["usage"]
+        for choice in obj["choices"]:
+            if not (isinstance(choice, dict) and self._merge(choice)):
+                self._give_up()
+                return
+
+    def _merge(self, choice: dict[str, Any]) -> bool:
+        index = choice.get("index", 0)
+        if not isinstance(index, int):
+            return False
+        if choice.get("logprobs") is not None:
+            return False
+        into = self._choices.setdefault(index, {"index": index, "finish_reason": None})
+        if choice.get("finish_reason") is not None:
+            into["finish_reason"] = choice["finish_reason"]
+        if "stop_reason" in choice:
+            into["stop_reason"] = choice["stop_reason"]
+        if self._chat:
+            delta = choice.get("delta") or {}
+            return isinstance(delta, dict) and _merge_fields(into.setdefault("message", {}), delta)
+        return _merge_fields(into, {"text": choice.get("text") or ""})
+
+    def result(self) -> dict[str, Any] | None:
+        """The complete answer, or None if the stream did not end normally."""
+        if not (self.done and self.storable and self._choices) or self._buffer.strip():
+            return None
+        choices = [self._finish_choice(self._choices[i]) for i in sorted(self._choices)]
+        response = {**self._head, "object": "chat.completion" if self._chat else "text_completion"}
+        response["choices"] = choices
+        response["usage"] = self._usage
+        return response if _finished(response) else None
+
+    def _finish_choice(self, choice: dict[str, Any]) -> dict[str, Any]:
+        out = dict(choice)
+        if self._chat:
+            message = dict(out.get("message", {}))
+            message.setdefault("role", "assistant")
+            message.setdefault("content", "")
+            out["message"] = message
+        out["logprobs"] = None
+        return out
+
+
+def _merge_fields(into: dict[str, Any], delta: dict[str, Any]) -> bool:
+    for key, value in delta.items():
+        if value is None:
+            continue
+        if key == "role":
+            into["role"] = value
+        elif isinstance(value, str):
+            into[key] = cast(str, into.get(key) or "") + value
+        elif value in ([], {}):
+            continue
+        else:
+            return False  # tool-call fragments and the like: not merged, so not stored
+    return True
+
+
+class Recorder(Protocol):
+    """What the relay tells a recorder: the engine's status and shape, then every byte the engine
+    sent (the final usage event included, even when it is stripped from the client's stream)."""
+
+    def start(self, status: int, *, streamed: bool) -> None: ...
+
+    def feed(self, data: bytes) -> None: ...
+
+
+class Recording:
+    """What the relay passed to the client for one request, and the answer if it completed."""
+
+    def __init__(self, *, chat: bool, max_bytes: int) -> None:
+        self._max_bytes = max_bytes
+        self._assembler = StreamAssembler(chat=chat, max_bytes=max_bytes)
+        self._body = bytearray()
+        self.status = 0
+        self.streamed: bool | None = None
+        self.bytes_seen = 0
+
+    def start(self, status: int, *, streamed: bool) -> None:
+        """The engine answered with ``status``; ``streamed``: its body is SSE."""
+        self.status = status
+        self.streamed = streamed
+
+    def feed(self, data: bytes) -> None:
+        """The engine's bytes in order, as relayed to the client except that a usage event the
+        proxy asked for on the client's behalf is seen here though the client never gets it."""
+        self.bytes_seen += len(data)
+        if self.status != 200 or self.streamed is None:
+            return
+        if self.streamed:
+            self._assembler.feed(data)
+        elif len(self._body) <= self._max_bytes:
+            self._body += data
+
+    def response(self) -> dict[str, Any] | None:
+        """The complete answer in the non-streamed shape, or None."""
+        if self.status != 200 or self.streamed is None:
+            return None
+        return self._assembler.result() if self.streamed else complete_json(bytes(self._body))
+
+
+# --- replay ---------------------------------------------------------------------------------------
+
+
+def replay_sse(entry: CachedResponse, *, include_usage: bool) -> bytes:
+    """The entry as one SSE body, in the chunk shape the engine itself would have streamed."""
+    return b"".join(_sse(chunk) for chunk in _chunks(entry, include_usage)) + b"data: [DONE]\n\n"
+
+
+def _sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+def _chunks(entry: CachedResponse, include_usage: bool) -> Iterator[dict[str, Any]]:
+    response = entry.response
+    head = {k: response[k] for k in _HEAD_FIELDS if k in response}
+    head["object"] = "chat.completion.chunk" if entry.chat else "text_completion"
+    for choice in response["choices"]:
+        for part in _choice_parts(choice, entry.chat):
+            yield {**head, "choices": [part]}
+    if include_usage and response.get("usage") is not None:
+        yield {**head, "choices": [], "usage": response["usage"]}
+
+
+def _choice_parts(choice: dict[str, Any], chat: bool) -> Iterator[dict[str, Any]]:
+    index = choice.get("index", 0)
+    end = {"finish_reason": choice.get("finish_reason")}
+    if "stop_reason" in choice:
+        end["stop_reason"] = choice["stop_reason"]
+    if not chat:
+        yield {"index": index, "text": choice.get("text", ""), "logprobs": choice.get("logprobs"),
+               "finish_reason": None}  # fmt: skip
+        yield {"index": index, "text": "", "logprobs": None, **end}
+        return
+    message = dict(choice.get("message") or {})
+    role = message.pop("role", "assistant")
+    yield {"index": index, "delta": {"role": role, "content": ""}, "logprobs": None,
+           "finish_reason": None}  # fmt: skip
+    delta = {k: v for k, v in message.items() if v is not None}
+    if isinstance(delta.get("tool_calls"), list):
+        delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(delta["tool_calls"])]
+    yield {
+        "index": index,
+        "delta": delta,
+        "logprobs": choice.get("logprobs"),
+        "finish_reason": None,
+    }
+    yield {"index": index, "delta": {}, "logprobs": None, **end}

@@ -1,0 +1,200 @@
+"""Which requests the response cache may answer, and the key an answer is stored under.
+
+Rules (pure, no I/O):
+- Only reproducible answers are cached: ``temperature == 0`` or an integer ``seed``, and ``n == 1``.
+  Config can turn the cache off; a request can refuse it with ``Cache-Control``: ``no-store``
+  (neither read nor write) or ``no-cache`` (not answered from the cache, but the fresh answer is
+  stored).
+- A streamed request whose answer the cache could never store bypasses it entirely, so it is not
+  made to wait for an identical one either: per-token ``logprobs`` and tool calls cannot be merged
+  from stream deltas (see ``cache_entry``). The same requests without ``stream`` stay cacheable.
+- The key is an HMAC-SHA256 under a server-side secret over the tenant, the requested model, the
+  endpoint and the whole canonical request minus what only shapes the transport (``stream``,
+  ``stream_options``) or the scheduling (``priority``). Never a part of the prompt alone: one tenant
+  must never be able to produce another tenant's key.
+- Each field of the key is length-prefixed, so no two different (tenant, model, body) produce
+  the same HMAC input.
+- Canonical JSON: keys sorted, and numbers with an integral float value written as integers
+  (``0`` and ``0.0`` are the same temperature).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import orjson
+
+from proxy.core.errors import ConfigError
+
+CacheBackendName = Literal["memory", "redis"]
+# Fields that change how an answer travels or when it runs, never what it says.
+TRANSPORT_FIELDS = frozenset({"stream", "stream_options", "priority"})
+_KEY_DOMAIN = b"kvproxy-response-cache-v1"
+_EXACT_FLOAT_INTS = 2**53
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """``[cache]``: the response cache."""
+
+    enabled: bool = True
+    backend: str = "memory"
+    ttl_s: float = 300.0
+    # In-process backend bounds; the Redis backend relies on TTLs and Redis' own maxmemory policy.
+    max_entries: int = 4096
+    max_bytes: int = 64 * 1024 * 1024
+    # Larger answers are relayed but not stored (in either backend).
+    max_entry_bytes: int = 1024 * 1024
+    # HMAC secret. Empty with the memory backend: a random one per process. Replicas sharing a Redis
+    # cache must share the secret (set KVPROXY_CACHE_SECRET).
+    secret: str = field(default="", repr=False)
+    # How long identical concurrent misses wait for the first one before going to an engine.
+    single_flight_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("memory", "redis"):
+            raise ConfigError("backend", "must be 'memory' or 'redis'")
+        for name in ("ttl_s", "single_flight_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(name, "must be > 0")
+        for name in ("max_entries", "max_bytes", "max_entry_bytes"):
+            if getattr(self, name) < 1:
+                raise ConfigError(name, "must be >= 1")
+        if self.backend == "redis" and self.enabled and len(self.secret) < 16:
+            raise ConfigError(
+                "secret",
+                "must be at least 16 characters when backend = 'redis' (shared by replicas)",
+            )
+
+    @classmethod
+    def from_mapping(cls, raw: Mapping[str, object], field_prefix: str) -> CacheConfig:
+        from proxy.core.configload import build  # noqa: PLC0415 - keeps this module's import light
+
+        return build(cls, dict(raw), field_prefix)
+
+
+@dataclass(frozen=True)
+class CachePolicy:
+    """What the cache may do for one request; ``reason`` says why when it may do nothing."""
+
+    read: bool
+    write: bool
+    reason: str
+
+    @property
+    def bypass(self) -> bool:
+        return not (self.read or self.write)
+
+
+def decide(body: Mapping[str, Any], cache_control: str | None, *, enabled: bool) -> CachePolicy:
+    """The cache policy for a request ``body`` with the given ``Cache-Control`` header."""
+    if not enabled:
+        return CachePolicy(False, False, "disabled")
+    directives = _directives(cache_control)
+    if "no-store" in directives:
+        return CachePolicy(False, False, "no_store")
+    reason = _irreproducible(body) or _unstorable_stream(body)
+    if reason:
+        return CachePolicy(False, False, reason)
+    if "no-cache" in directives:
+        return CachePolicy(False, True, "no_cache")
+    return CachePolicy(True, True, "")
+
+
+def _directives(header: str | None) -> frozenset[str]:
+    if not header:
+        return frozenset()
+    return frozenset(part.split("=", 1)[0].strip().lower() for part in header.split(","))
+
+
+def _irreproducible(body: Mapping[str, Any]) -> str:
+    n = body.get("n", 1)
+    if n is not None and n != 1:
+        return "n_not_1"
+    if body.get("best_of") not in (None, 1):
+        return "n_not_1"
+    temperature = body.get("temperature")
+    greedy = _is_number(temperature) and temperature == 0
+    seed = body.get("seed")
+    seeded = isinstance(seed, int) and not isinstance(seed, bool)
+    return "" if greedy or seeded else "sampling"
+
+
+def _unstorable_stream(body: Mapping[str, Any]) -> str:
+    """Why the cache would refuse a streamed answer to ``body``; "" when it may keep it."""
+    if body.get("stream") is not True:
+        return ""
+    # Completions take a count (0 still returns the chosen token's logprob), chat a boolean.
+    logprobs = body.get("logprobs")
+    if (logprobs is not None and logprobs is not False) or body.get("top_logprobs") is not None:
+        return "logprobs"
+    if _offered(body, "tools", "tool_choice") or _offered(body, "functions", "function_call"):
+        return "tools"
+    return ""
+
+
+def _offered(body: Mapping[str, Any], tools: str, choice: str) -> bool:
+    """Tools the model may call: given, and not switched off with a choice of "none"."""
+    return bool(body.get(tools)) and body.get(choice) != "none"
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def canonical_body(body: Mapping[str, Any]) -> bytes:
+    """The request as the key sees it: transport fields dropped, numbers normalised, keys sorted."""
+    kept = {k: _normalise(v) for k, v in body.items() if k not in TRANSPORT_FIELDS}
+    try:
+        return orjson.dumps(kept, option=orjson.OPT_SORT_KEYS)
+    except TypeError:
+        # Integers beyond 64 bits: orjson refuses them, the standard library does not.
+        return json.dumps(kept, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _normalise(value: Any) -> Any:
+    """``value`` with integral floats as ints; iterative, so no depth can exhaust the stack."""
+    if not isinstance(value, dict | list):
+        return _number(value)
+    root = _empty_like(value)
+    todo: list[tuple[Any, Any]] = [(value, root)]
+    while todo:
+        source, target = todo.pop()
+        items = source.items() if isinstance(source, dict) else enumerate(source)
+        for key, item in items:
+            if isinstance(item, dict | list):
+                copy = _empty_like(item)
+                todo.append((item, copy))
+            else:
+                copy = _number(item)
+            if isinstance(target, dict):
+                target[key] = copy
+            else:
+                target.append(copy)
+    return root
+
+
+def _empty_like(value: dict[Any, Any] | list[Any]) -> dict[Any, Any] | list[Any]:
+    return {} if isinstance(value, dict) else []
+
+
+def _number(value: Any) -> Any:
+    if isinstance(value, float) and value.is_integer() and abs(value) < _EXACT_FLOAT_INTS:
+        return int(value)
+    return value
+
+
+def cache_key(
+    secret: bytes, *, tenant: str, model: str, endpoint: str, body: Mapping[str, Any]
+) -> str:
+    """The HMAC-SHA256 (hex) a response for this request is stored under."""
+    mac = hmac.new(secret, _KEY_DOMAIN, hashlib.sha256)
+    for part in (tenant.encode(), model.encode(), endpoint.encode(), canonical_body(body)):
+        mac.update(len(part).to_bytes(8, "big"))
+        mac.update(part)
+    return mac.hexdigest()

@@ -1,0 +1,148 @@
+"""KV commitments: the KV blocks this proxy's in-flight requests will still take on an engine.
+
+An engine admits a request on its prompt's blocks; the blocks of its answer are taken one by one
+while it decodes. A burst admitted at low KV usage therefore fills the cache only later, after
+every figure the engine reports. The proxy knows what it sent: this module books, per engine, what
+each request it has in flight there still owes, so the guard sees a burst's KV at dispatch.
+
+Rules:
+- A request owes its prompt blocks until its first byte (the engine has computed the prompt by
+  then; afterwards they are in the engine's reported usage), plus the blocks of the output still to
+  come: its expected length minus what it has produced, never below zero.
+- Expected length = the request's ``max_tokens`` (or ``max_completion_tokens``) capped by the
+  pool's expected answer length: the mean completion tokens of the last ``output_window`` answers
+  (from ``usage``), or ``prior_output_tokens`` until ``output_min_samples`` answers are known.
+  The mean, not a high quantile: the guard compares a *sum* over many requests with the capacity,
+  and the sum's best estimate is the number of requests times the mean; the thresholds' headroom
+  absorbs its spread, the growth and preemption signals catch the rest.
+- Produced so far is counted without parsing the stream: bytes relayed divided by the pool's
+  bytes per output token, learned from answers that carried ``usage``; unknown until then (0
+  produced: the commitment errs on the safe side). A non-streamed answer produces nothing visible
+  before it ends, so it owes its whole expected output until then.
+- Learning happens once per answer, at its end, from the last bytes relayed (a bounded tail);
+  nothing on the relay's hot path besides adding a chunk's length to a counter.
+- Pure bookkeeping: no clock, no I/O. Projection is a function of (reported usage, what is owed,
+  capacity); with the capacity or block size unknown there is no commitment signal (None).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from proxy.core.config import PressureConfig
+
+# Answers shorter than this many bytes per token, or longer, are not SSE as vLLM writes it.
+_BYTES_PER_TOKEN_RANGE = (4.0, 4096.0)
+
+
+@dataclass
+class Flight:
+    """One request in flight on one engine; ``relayed`` grows as its answer is relayed."""
+
+    prompt_tokens: float  # of the prompt the engine does not hold yet
+    output_tokens: float  # expected total output
+    answered: bool = False  # first byte seen: the prompt is computed
+    relayed: int = 0  # bytes of the answer relayed to the client so far
+
+
+class OutputEstimate:
+    """A pool's expected answer length and bytes per output token, learned from its answers."""
+
+    def __init__(self, cfg: PressureConfig) -> None:
+        self._cfg = cfg
+        self._window: deque[int] = deque(maxlen=cfg.output_window)
+        self._sum = 0
+        self.bytes_per_token: float | None = None
+
+    @property
+    def samples(self) -> int:
+        return len(self._window)
+
+    def mean(self) -> float:
+        """The expected answer length of this pool, in tokens."""
+        if len(self._window) < self._cfg.output_min_samples:
+            return float(self._cfg.prior_output_tokens)
+        return self._sum / len(self._window)
+
+    def expected(self, max_tokens: int | None) -> float:
+        """The output a request with this ``max_tokens`` is expected to produce."""
+        mean = self.mean()
+        return mean if max_tokens is None else min(float(max_tokens), mean)
+
+    def learn(self, tokens: int, relayed: int | None = None) -> None:
+        """One finished answer: its completion tokens and, for a stream, the bytes relayed."""
+        if tokens < 0:
+            return
+        if len(self._window) == self._window.maxlen:
+            self._sum -= self._window[0]
+        self._window.append(tokens)
+        self._sum += tokens
+        if relayed is not None and tokens > 0:
+            ratio = relayed / tokens
+            low, high = _BYTES_PER_TOKEN_RANGE
+            if low <= ratio <= high:
+                # Moving average over about 32 answers: framing depends on the model name, ids
+                # and the client's stream options, all stable within a pool.
+                old = self.bytes_per_token
+                self.bytes_per_token = ratio if old is None else old + (ratio - old) / 32
+
+    def learn_answer(
+        self, tokens: int | None, size: int, *, streamed: bool, max_tokens: int | None = None
+    ) -> None:
+        """Learn from a complete answer of ``size`` bytes: its ``completion_tokens`` from usage
+        when known, else (a stream) its size over the learned bytes per token. An engine's figure
+        is believed only up to what the answer could hold: its size in bytes and ``max_tokens``."""
+        from_usage = tokens is not None
+        if tokens is None:
+            if not (streamed and self.bytes_per_token):
+                return
+            tokens = int(size / self.bytes_per_token)
+        bound = size if max_tokens is None else min(size, max_tokens)
+        self.learn(min(tokens, bound), size if streamed and from_usage else None)
+
+
+class Commitments:
+    """The flights of one engine, by dispatch ticket."""
+
+    def __init__(self) -> None:
+        self._flights: dict[int, Flight] = {}
+
+    def __len__(self) -> int:
+        return len(self._flights)
+
+    def dispatch(self, ticket: int, flight: Flight) -> Flight:
+        self._flights[ticket] = flight
+        return flight
+
+    def first_byte(self, ticket: int) -> None:
+        flight = self._flights.get(ticket)
+        if flight is not None:
+            flight.answered = True
+
+    def settle(self, ticket: int) -> Flight | None:
+        return self._flights.pop(ticket, None)
+
+    def owed_blocks(self, block_size: int, bytes_per_token: float | None) -> float:
+        """KV blocks the flights will still take on the engine beyond what it holds now."""
+        return sum(owed(f, block_size, bytes_per_token) for f in self._flights.values())
+
+
+def owed(flight: Flight, block_size: int, bytes_per_token: float | None) -> float:
+    """One flight's remaining blocks: prompt until answered, plus the output still to come."""
+    produced = flight.relayed / bytes_per_token if bytes_per_token else 0.0
+    tokens = max(0.0, flight.output_tokens - produced)
+    if not flight.answered:
+        tokens += flight.prompt_tokens
+    return tokens / block_size
+
+
+def projected_usage(
+    kv_usage: float, owed: float, block_size: int | None, num_gpu_blocks: int | None
+) -> float | None:
+    """Reported usage plus what is owed, as a fraction of capacity; None when capacity unknown."""
+    if not block_size or not num_gpu_blocks or num_gpu_blocks <= 0:
+        return None
+    return kv_usage + owed / num_gpu_blocks
+
+

@@ -1,0 +1,530 @@
+"""Configuration: one TOML file, then environment variables, then ``--set`` overrides.
+
+Rules:
+- Every setting lives in a frozen, typed dataclass; ``Config()`` / ``Config.default()`` is a working
+  configuration without pools (the demo adds its own).
+- Sources apply in order: TOML file, ``KVPROXY_<SECTION>_<KEY>`` environment variables, then
+  ``--set section.key=value`` overrides. Environment variables and overrides reach scalar settings
+  of the sections (nested tables included, e.g. ``admission.sheddable.shed_above``); pools and
+  aliases are lists and are set in TOML only.
+- Unknown keys are errors, so a typo never passes silently. Every error is a ``ConfigError`` whose
+  ``field`` is the dotted path of the bad setting, e.g. ``pools[0].engines[1].url``.
+- This module reads the file it is given and nothing else; it never looks at ``os.environ`` itself.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from proxy.core.cache_key import CacheConfig
+from proxy.core.configload import build, parse_scalar, scalar_paths, set_path
+from proxy.core.door_config import AuthConfig, LimitsConfig, RedisConfig
+from proxy.core.errors import ConfigError
+from proxy.core.isolation import ISOLATION_MODES
+
+# The pool that ``tiering = true`` degrades to: the one meaning the old two-pool layout gave a name.
+DRAFT_POOL = "draft"
+# Pool names appear in metrics labels, headers and logs: short, plain and printable.
+POOL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+POLICIES: tuple[str, ...] = ("round_robin", "least_load", "prefix_affinity")
+PLACE_NEW: tuple[str, ...] = ("least_load", "prefill", "rendezvous")
+ENV_PREFIX = "KVPROXY_"
+
+
+def _require(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(name, message)
+
+
+def _positive(obj: object, *names: str) -> None:
+    for name in names:
+        _require(getattr(obj, name) > 0, name, "must be > 0")
+
+
+def _http_url(value: str) -> bool:
+    return value.startswith(("http://", "https://")) and len(value.split("://", 1)[1]) > 0
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_body_bytes: int = 4 * 1024 * 1024
+    drain_timeout_s: float = 30.0
+    # Nesting levels a request body may have (the top-level object is level 1).
+    max_json_depth: int = 64
+    # The whole request head must arrive within this, counted from the connection's start or, on
+    # a kept-alive connection, from the first byte of the next request.
+    header_timeout_s: float = 10.0
+    # The whole request body must arrive within this once the handler starts reading it (else 408).
+    body_timeout_s: float = 30.0
+    # How long an idle kept-alive client connection is kept open between requests.
+    keepalive_timeout_s: float = 75.0
+
+    def __post_init__(self) -> None:
+        _require(0 <= self.port <= 65535, "port", "must be in 0..65535")
+        _require(bool(self.host), "host", "must not be empty")
+        _positive(
+            self, "max_body_bytes", "header_timeout_s", "body_timeout_s", "keepalive_timeout_s"
+        )
+        _require(self.drain_timeout_s >= 0, "drain_timeout_s", "must be >= 0")
+        # orjson refuses to write documents nested deeper than 254 levels.
+        _require(2 <= self.max_json_depth <= 200, "max_json_depth", "must be in 2..200")
+
+
+@dataclass(frozen=True)
+class TelemetryConfig:
+    interval_s: float = 0.2
+    timeout_s: float = 0.15
+    stale_after_s: float = 1.0
+    unhealthy_after_failures: int = 3
+    # A larger /metrics body is a failed scrape, its rest never read (vLLM's is tens of KB).
+    max_metrics_bytes: int = 4 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        _positive(self, "interval_s", "timeout_s", "stale_after_s", "unhealthy_after_failures")
+        _require(self.max_metrics_bytes >= 1024, "max_metrics_bytes", "must be >= 1024")
+        # A scrape that may outlive its interval would pile up behind the next one.
+        _require(self.timeout_s < self.interval_s, "timeout_s", "must be < telemetry.interval_s")
+        _require(
+            self.stale_after_s >= self.interval_s,
+            "stale_after_s",
+            "must be >= telemetry.interval_s",
+        )
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    policy: str = "prefix_affinity"
+    load_factor: float = 2.0
+    # An engine carrying fewer requests than this is never over the bound (idle pools don't spill).
+    min_load_bound: int = 2
+    block_chars: int = 256
+    max_blocks: int = 512
+    # Depth (in blocks) of the chain hash that orders engines; deeper past a prefix most hold.
+    affinity_blocks: int = 2
+    # Recently routed block hashes remembered per engine (longest-prefix match); 0: no index.
+    index_blocks: int = 16384
+    # A remembered prefix attracts a request only if it covers at least this many blocks.
+    min_match_blocks: int = 1
+    # Where a request goes that shares nothing but a common prefix with what was routed before
+    # (a new conversation): the engine with the least prompt work ahead of it ("prefill"), the
+    # least loaded ("least_load"), or its rendezvous home ("rendezvous": load-blind within the
+    # bound, the same on every replica).
+    place_new: str = "prefill"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _require(self.policy in POLICIES, "policy", f"must be one of {', '.join(POLICIES)}")
+        _require(self.load_factor >= 1.0, "load_factor", "must be >= 1.0")
+        _positive(self, "min_load_bound", "block_chars", "max_blocks")
+        _positive(self, "affinity_blocks", "min_match_blocks")
+        _require(self.index_blocks >= 0, "index_blocks", "must be >= 0")
+        _require(self.place_new in PLACE_NEW, "place_new", f"must be one of {', '.join(PLACE_NEW)}")
+        _require(self.seed >= 0, "seed", "must be >= 0")
+
+
+@dataclass(frozen=True)
+class ClassThreshold:
+    shed_above: float
+    admit_below: float
+
+    def __post_init__(self) -> None:
+        _require(0.0 <= self.shed_above <= 2.0, "shed_above", "must be in 0..2 (KV usage fraction)")
+        _require(self.admit_below >= 0.0, "admit_below", "must be >= 0")
+        _require(self.admit_below <= self.shed_above, "admit_below", "must be <= shed_above")
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    sheddable: ClassThreshold = ClassThreshold(0.85, 0.75)
+    standard: ClassThreshold = ClassThreshold(0.95, 0.90)
+    # Above 1.0 means never by threshold: critical work is shed only when nothing can take it.
+    critical: ClassThreshold = ClassThreshold(1.01, 1.0)
+    retry_after_s: int = 2
+    degrade_to_draft: bool = True
+
+    def __post_init__(self) -> None:
+        _require(self.retry_after_s >= 1, "retry_after_s", "must be >= 1")
+
+
+@dataclass(frozen=True)
+class PressureConfig:
+    """The KV overcommit guard (``proxy.core.pressure``); counts are in scrape intervals."""
+
+    enabled: bool = True
+    # KV usage is projected this many scrape intervals ahead at its current growth rate.
+    horizon_scrapes: float = 3.0
+    # Growth and preemptions are measured over this many of the latest scrape intervals.
+    window_scrapes: int = 5
+    # Preemptions in this many intervals of the window close the engine to standard work too.
+    escalate_scrapes: int = 2
+    # A closing caused by preemptions lasts this many intervals after the last preemption.
+    hold_scrapes: int = 10
+    # Count the KV this proxy's in-flight requests will still take (prompt not yet computed and
+    # output still to come) on top of the engine's reported usage (``proxy.core.commitment``).
+    reserve_output: bool = True
+    # A pool's expected answer length: the mean completion tokens of its last ``output_window``
+    # answers; ``prior_output_tokens`` until ``output_min_samples`` answers are known.
+    output_window: int = 256
+    output_min_samples: int = 16
+    prior_output_tokens: int = 512
+
+    def __post_init__(self) -> None:
+        _require(self.horizon_scrapes >= 0, "horizon_scrapes", "must be >= 0")
+        _require(self.window_scrapes >= 2, "window_scrapes", "must be >= 2")
+        _require(self.escalate_scrapes >= 1, "escalate_scrapes", "must be >= 1")
+        _require(self.escalate_scrapes <= self.window_scrapes, "escalate_scrapes",
+                 "must be <= pressure.window_scrapes")
+        _require(self.hold_scrapes >= 0, "hold_scrapes", "must be >= 0")
+        _require(self.output_window >= 1, "output_window", "must be >= 1")
+        _require(1 <= self.output_min_samples <= self.output_window, "output_min_samples",
+                 "must be in 1..pressure.output_window")
+        _require(self.prior_output_tokens >= 1, "prior_output_tokens", "must be >= 1")
+
+
+@dataclass(frozen=True)
+class UpstreamConfig:
+    connect_timeout_s: float = 2.0
+    first_byte_timeout_s: float = 60.0
+    # A non-streamed answer arrives whole, only once generated: its budget covers the generation.
+    response_timeout_s: float = 600.0
+    idle_timeout_s: float = 60.0
+    # Requests open at once from this proxy process to one engine. An engine at the limit is not
+    # eligible for routing; a pool whose engines are all at it sheds at once (503,
+    # ``engine_connections_full``). Well above vLLM's own ``max_num_seqs`` (256..1024 by GPU) so
+    # that excess work queues in the engine's waiting queue, which the proxy sees and routes by.
+    max_connections_per_engine: int = 2048
+    retries: int = 1
+
+    def __post_init__(self) -> None:
+        _positive(
+            self,
+            "connect_timeout_s",
+            "first_byte_timeout_s",
+            "response_timeout_s",
+            "idle_timeout_s",
+            "max_connections_per_engine",
+        )
+        _require(0 <= self.retries <= 3, "retries", "must be in 0..3")
+
+
+@dataclass(frozen=True)
+class BreakerConfig:
+    failure_threshold: int = 3
+    open_s: float = 5.0
+    half_open_probes: int = 1
+
+    def __post_init__(self) -> None:
+        _positive(self, "failure_threshold", "open_s", "half_open_probes")
+
+
+@dataclass(frozen=True)
+class OutlierConfig:
+    """Outlier detection (``proxy.core.outlier``): eject an engine that fails where its pool
+    succeeds."""
+
+    enabled: bool = True
+    # Failures in a row (timeouts, connect failures, 5xx other than 503, broken streams).
+    consecutive_failures: int = 5
+    # The rest of the pool must succeed this often in its recent exchanges for an engine to be
+    # an outlier: a pool that fails alike (a hot fleet) is never ejected.
+    min_pool_success_rate: float = 0.8
+    # "Recent": an engine's last ``window_requests`` results, none older than ``window_s``.
+    window_s: float = 300.0
+    window_requests: int = 100
+    # Success-rate ejection: below mean - factor * stdev of the pool's rates.
+    success_rate_min_requests: int = 20
+    success_rate_min_engines: int = 5
+    success_rate_stdev_factor: float = 1.9
+    interval_s: float = 1.0
+    base_ejection_s: float = 30.0
+    max_ejection_s: float = 300.0
+    max_ejection_percent: int = 50
+
+    def __post_init__(self) -> None:
+        _positive(self, "consecutive_failures", "window_s", "window_requests")
+        _require(self.interval_s >= 0, "interval_s", "must be >= 0")
+        _positive(self, "success_rate_min_requests", "success_rate_min_engines")
+        _positive(self, "success_rate_stdev_factor", "base_ejection_s")
+        _require(0.0 <= self.min_pool_success_rate <= 1.0, "min_pool_success_rate",
+                 "must be in 0..1")
+        _require(self.max_ejection_s >= self.base_ejection_s, "max_ejection_s",
+                 "must be >= outlier.base_ejection_s")
+        _require(1 <= self.max_ejection_percent <= 100, "max_ejection_percent", "must be in 1..100")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    name: str
+    url: str
+    metrics_url: str | None = None
+    # Name of the environment variable that holds the engine's API key (vLLM ``--api-key``);
+    # the key itself never sits in a config file.
+    api_key_env: str | None = None
+
+    def __post_init__(self) -> None:
+        _require(bool(self.name.strip()), "name", "must not be empty")
+        _require(self.api_key_env is None or bool(self.api_key_env.strip()), "api_key_env",
+                 "must name an environment variable")
+        _require(_http_url(self.url), "url", "must be an http(s) URL")
+        # A trailing slash would double up when paths are appended.
+        object.__setattr__(self, "url", self.url.rstrip("/"))
+        # The proxy appends /v1/...; a URL that already has it is the most common slip.
+        _require(not self.url.endswith("/v1"), "url", "must be the base URL, without /v1")
+        if self.metrics_url is None:
+            object.__setattr__(self, "metrics_url", self.url + "/metrics")
+        _require(_http_url(self.metrics_url or ""), "metrics_url", "must be an http(s) URL")
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """A pool of engines serving the same model names. ``model`` is the pool's own (primary)
+    name; ``models`` lists every name its engines serve (LoRA adapters, aliases set with vLLM's
+    ``--served-model-name``). Either may be given; ``model`` defaults to the first of ``models``."""
+
+    name: str
+    model: str = ""
+    engines: tuple[EngineConfig, ...] = ()
+    priority_scheduling: bool = False
+    models: tuple[str, ...] = ()
+    # "tenant": each tenant's requests carry their own engine cache_salt (no shared KV blocks
+    # across tenants); "none": the engines' prefix cache is shared, as without kvproxy.
+    isolation: str = "tenant"
+
+    def __post_init__(self) -> None:
+        _require(
+            POOL_NAME.fullmatch(self.name) is not None,
+            "name",
+            "must be 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit",
+        )
+        _require(
+            self.isolation in ISOLATION_MODES,
+            "isolation",
+            f"must be one of {', '.join(ISOLATION_MODES)}",
+        )
+        _require(
+            bool(self.model.strip()) or bool(self.models),
+            "model",
+            "is required (or list the names the engines serve in models = [...])",
+        )
+        for i, name in enumerate(self.models):
+            _require(bool(name.strip()), f"models[{i}]", "must not be empty")
+            _require(name not in self.models[:i], f"models[{i}]", f"duplicate model {name!r}")
+        if not self.model.strip():
+            object.__setattr__(self, "model", self.models[0])
+        _require(len(self.engines) > 0, "engines", "must list at least one engine")
+
+    @property
+    def served(self) -> tuple[str, ...]:
+        """Every model name the pool serves, its own ``model`` first."""
+        return (self.model, *(m for m in self.models if m != self.model))
+
+
+@dataclass(frozen=True)
+class AliasConfig:
+    """A public model name for one pool (``pool``) or for a tier chain (``pools``, in degrade
+    order). ``tiering = true`` on a single-pool alias is the two-pool form of a chain: it adds
+    the pool called ``draft``."""
+
+    name: str
+    pool: str = ""
+    tiering: bool = False
+    pools: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        _require(bool(self.name.strip()), "name", "must not be empty")
+        _require(
+            bool(self.pool) != bool(self.pools),
+            "pool" if not self.pools else "pools",
+            'give either pool = "name" or pools = ["first", "next", ...], not both'
+            if self.pools
+            else "is required (or give a tier chain as pools = [...])",
+        )
+        _require(
+            not (self.tiering and self.pools),
+            "tiering",
+            "a pools = [...] chain already says where to degrade; remove tiering",
+        )
+        for i, pool in enumerate(self.pools):
+            _require(pool not in self.pools[:i], f"pools[{i}]", f"{pool!r} is listed twice")
+
+    def chain(self, configured: Sequence[str]) -> tuple[str, ...]:
+        """The pools in degrade order, ``configured`` being the pool names that exist."""
+        if self.pools:
+            return self.pools
+        if self.tiering and self.pool != DRAFT_POOL and DRAFT_POOL in configured:
+            return (self.pool, DRAFT_POOL)
+        return (self.pool,)
+
+
+ACCESS_FORMATS: tuple[str, ...] = ("json", "logfmt")
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    """The access log (``proxy.observe.accesslog``): on or off, and its line format."""
+
+    access: bool = False
+    access_format: str = "json"
+
+    def __post_init__(self) -> None:
+        ok = self.access_format in ACCESS_FORMATS
+        _require(ok, "access_format", "must be 'json' or 'logfmt'")
+
+
+@dataclass(frozen=True)
+class Config:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    pressure: PressureConfig = field(default_factory=PressureConfig)
+    upstream: UpstreamConfig = field(default_factory=UpstreamConfig)
+    breaker: BreakerConfig = field(default_factory=BreakerConfig)
+    outlier: OutlierConfig = field(default_factory=OutlierConfig)
+    pools: tuple[PoolConfig, ...] = ()
+    aliases: tuple[AliasConfig, ...] = ()
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    redis: RedisConfig = field(default_factory=RedisConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def __post_init__(self) -> None:
+        _check_pools(self.pools)
+        _check_aliases(self.aliases, self.pools)
+
+    @classmethod
+    def default(cls) -> Config:
+        return cls()
+
+    def pool(self, name: str) -> PoolConfig | None:
+        """The pool called ``name``, if configured."""
+        return next((p for p in self.pools if p.name == name), None)
+
+
+def _check_pools(pools: tuple[PoolConfig, ...]) -> None:
+    seen_pools: set[str] = set()
+    seen_engines: set[str] = set()
+    for i, pool in enumerate(pools):
+        _require(pool.name not in seen_pools, f"pools[{i}].name", f"duplicate pool {pool.name!r}")
+        seen_pools.add(pool.name)
+        for j, engine in enumerate(pool.engines):
+            _require(
+                engine.name not in seen_engines,
+                f"pools[{i}].engines[{j}].name",
+                f"duplicate engine name {engine.name!r}",
+            )
+            seen_engines.add(engine.name)
+
+
+def _servers(pools: tuple[PoolConfig, ...]) -> dict[str, list[str]]:
+    """Model name -> the pools serving it, in configuration order."""
+    out: dict[str, list[str]] = {}
+    for pool in pools:
+        for model in pool.served:
+            out.setdefault(model, []).append(pool.name)
+    return out
+
+
+def _check_aliases(aliases: tuple[AliasConfig, ...], pools: tuple[PoolConfig, ...]) -> None:
+    servers = _servers(pools)
+    pool_names = [p.name for p in pools]
+    names = {a.name for a in aliases}
+    seen: set[str] = set()
+    for i, alias in enumerate(aliases):
+        where = f"aliases[{i}]"
+        # A model name several pools serve is routed by an alias of that name (it says the
+        # order); one that a single pool serves needs none, so an alias there is a collision.
+        _require(
+            len(servers.get(alias.name, ())) != 1,
+            f"{where}.name",
+            "collides with a pool's model name",
+        )
+        _require(alias.name not in seen, f"{where}.name", f"duplicate alias {alias.name!r}")
+        seen.add(alias.name)
+        for j, pool in enumerate(alias.pools or (alias.pool,)):
+            field_name = f"{where}.pools[{j}]" if alias.pools else f"{where}.pool"
+            _require(pool in pool_names, field_name, f"no pool {pool!r} configured")
+        _require(
+            not alias.tiering or DRAFT_POOL in pool_names,
+            f"{where}.tiering",
+            f"needs a pool named {DRAFT_POOL!r} to degrade to; with other pool names write "
+            f'pools = ["{alias.pool}", "<smaller pool>"] instead of tiering = true',
+        )
+    for model, serving in servers.items():
+        _require(
+            len(serving) == 1 or model in names,
+            "aliases",
+            f"model {model!r} is served by pools {', '.join(serving)}: add an alias named "
+            f"{model!r} with pools = [...] in the order to use them",
+        )
+
+
+# --- loading -------------------------------------------------------------------------------------
+
+SCALAR_SECTIONS: tuple[str, ...] = (
+    "server",
+    "telemetry",
+    "routing",
+    "admission",
+    "pressure",
+    "upstream",
+    "breaker",
+    "outlier",
+    "auth",
+    "cache",
+    "redis",
+    "limits",
+    "log",
+)
+
+
+def load_config(path: str | None, env: Mapping[str, str], overrides: Sequence[str]) -> Config:
+    """Read ``path`` (if any), apply ``env`` and ``overrides`` and validate the result."""
+    data: dict[str, Any] = _read_toml(path) if path else {}
+    paths = scalar_paths(Config, SCALAR_SECTIONS)
+    for dotted, raw in _env_settings(env, paths):
+        set_path(data, dotted, parse_scalar(raw, paths[dotted], dotted))
+    for item in overrides:
+        dotted, raw = _split_override(item)
+        if dotted not in paths:
+            raise ConfigError(dotted, "unknown setting (use --set section.key=value)")
+        set_path(data, dotted, parse_scalar(raw, paths[dotted], dotted))
+    return build(Config, data, "")
+
+
+def _read_toml(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as fh:
+            return tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError("", f"config file not found: {path}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError("", f"{path}: invalid TOML: {exc}") from None
+
+
+def _env_settings(env: Mapping[str, str], paths: Mapping[str, type]) -> list[tuple[str, str]]:
+    by_env = {ENV_PREFIX + p.replace(".", "_").upper(): p for p in paths}
+    sections = {ENV_PREFIX + s.upper() + "_" for s in SCALAR_SECTIONS}
+    found: list[tuple[str, str]] = []
+    for name in sorted(env):
+        if name in by_env:
+            found.append((by_env[name], env[name]))
+        elif any(name.startswith(s) for s in sections):
+            # KVPROXY_<SECTION>_... with a section we own: a typo, not someone else's variable.
+            raise ConfigError(name, "unknown environment setting")
+    return found
+
+
+def _split_override(item: str) -> tuple[str, str]:
+    key, sep, value = item.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(item, "override must look like section.key=value")
+    return key, value.strip()

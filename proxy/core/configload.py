@@ -1,0 +1,163 @@
+"""Turning plain TOML-shaped data into the frozen config dataclasses, with dotted error paths.
+
+Rules:
+- Types come from the dataclasses' annotations: ``bool``, ``int``, ``float``, ``str``, ``X | None``,
+  ``tuple[X, ...]`` and nested dataclasses. Anything else in an annotation is a programming error.
+- An ``int`` is accepted where a ``float`` is expected; a ``bool`` is never accepted as a number.
+- A nested table that is given only in part keeps the defaults of the keys it leaves out.
+- Unknown keys and missing required keys are ``ConfigError`` naming the dotted field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Iterable, Mapping
+from typing import Any, TypeVar
+
+from proxy.core.errors import ConfigError
+
+T = TypeVar("T")
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def build(cls: type[T], data: object, path: str, base: T | None = None) -> T:
+    """Build dataclass ``cls`` from the dict ``data``; missing keys come from ``base``/defaults."""
+    if not isinstance(data, dict):
+        raise ConfigError(path, "must be a table")
+    hints = _hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    for key in data:
+        if key not in names:
+            raise ConfigError(_join(path, str(key)), "unknown key")
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        where = _join(path, f.name)
+        current = getattr(base, f.name) if base is not None else _default(f)
+        if f.name in data:
+            kwargs[f.name] = _convert(hints[f.name], data[f.name], where, current)
+        elif current is not dataclasses.MISSING:
+            kwargs[f.name] = current
+        else:
+            raise ConfigError(where, "is required")
+    try:
+        return cls(**kwargs)
+    except ConfigError as exc:
+        raise exc.under(path) from None
+
+
+def _default(f: dataclasses.Field[Any]) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return dataclasses.MISSING
+
+
+def _convert(tp: Any, value: object, path: str, current: Any = None) -> Any:
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+        base = current if dataclasses.is_dataclass(current) else None
+        return build(tp, value, path, base)
+    if origin is tuple:
+        return _convert_tuple(typing.get_args(tp)[0], value, path)
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _convert(inner[0], value, path)
+    return _convert_scalar(tp, value, path)
+
+
+def _convert_tuple(item_tp: Any, value: object, path: str) -> tuple[Any, ...]:
+    if not isinstance(value, list):
+        raise ConfigError(path, "must be an array")
+    return tuple(_convert(item_tp, v, f"{path}[{i}]") for i, v in enumerate(value))
+
+
+def _convert_scalar(tp: Any, value: object, path: str) -> Any:
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(path, "must be a boolean")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(path, "must be an integer")
+    if tp is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(path, "must be a number")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(path, "must be a string")
+    raise TypeError(f"unsupported config annotation {tp!r} at {path}")
+
+
+def scalar_paths(cls: type, sections: Iterable[str]) -> dict[str, type]:
+    """Dotted paths of every scalar setting under ``sections`` of ``cls``, with their types."""
+    hints = _hints(cls)
+    out: dict[str, type] = {}
+    for section in sections:
+        _collect(hints[section], section, out)
+    return out
+
+
+def _collect(tp: Any, path: str, out: dict[str, type]) -> None:
+    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+        for name, sub in _hints(tp).items():
+            _collect(sub, f"{path}.{name}", out)
+        return
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        tp = next(a for a in typing.get_args(tp) if a is not type(None))
+    if tp in (bool, int, float, str):
+        out[path] = tp
+
+
+def parse_scalar(raw: str, tp: type, path: str) -> object:
+    """Parse the text of an environment variable or ``--set`` value into ``tp``."""
+    text = raw.strip()
+    try:
+        if tp is bool:
+            return _parse_bool(text, path)
+        if tp is int:
+            return int(text)
+        if tp is float:
+            return float(text)
+    except ValueError:
+        raise ConfigError(path, f"cannot read {raw!r} as {tp.__name__}") from None
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "\"'":
+        text = text[1:-1]
+    return text
+
+
+def _parse_bool(text: str, path: str) -> bool:
+    low = text.lower()
+    if low in _TRUE:
+        return True
+    if low in _FALSE:
+        return False
+    raise ConfigError(path, f"cannot read {text!r} as bool (true/false)")
+
+
+def set_path(data: dict[str, Any], dotted: str, value: object) -> None:
+    """Set ``a.b.c`` in nested dicts, creating tables on the way."""
+    *parents, last = dotted.split(".")
+    node: Any = data
+    walked = ""
+    for key in parents:
+        walked = _join(walked, key)
+        node = node.setdefault(key, {})
+        if not isinstance(node, Mapping):
+            raise ConfigError(walked, "must be a table")
+    node[last] = value

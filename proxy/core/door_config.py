@@ -1,0 +1,186 @@
+"""Settings of the request front door: ``[auth]``, ``[redis]``, ``[limits]`` (and ``[cache]``,
+defined with the cache rules in ``cache_key``).
+
+Rules: pure and typed like the rest of the configuration: frozen dataclasses that the config loader
+builds from TOML, environment variables and ``--set``; each checks itself in ``__post_init__`` and
+raises ``ConfigError`` naming the field, which the loader places under its dotted path. API keys
+given in clear are never part of a ``repr``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from proxy.core.cache_key import CacheConfig
+from proxy.core.errors import ConfigError
+from proxy.core.limit_rules import Limits
+
+TENANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+SECTIONS = ("auth", "cache", "redis", "limits")
+
+
+def key_digest(key: str) -> str:
+    """SHA-256 hex digest of an API key: the only form in which keys are kept."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class TenantConfig:
+    name: str
+    keys: tuple[str, ...] = field(default=(), repr=False)
+    key_sha256: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not TENANT_NAME.match(self.name):
+            raise ConfigError("name", "must be 1-64 of A-Z a-z 0-9 _ . - (starting alphanumeric)")
+        for i, digest in enumerate(self.key_sha256):
+            if not _HEX64.match(digest):
+                raise ConfigError(f"key_sha256[{i}]", "must be 64 lowercase hex digits (SHA-256)")
+        for i, key in enumerate(self.keys):
+            if len(key) < 8:
+                raise ConfigError(f"keys[{i}]", "must be at least 8 characters")
+
+    def digests(self) -> tuple[str, ...]:
+        return self.key_sha256 + tuple(key_digest(k) for k in self.keys)
+
+
+@dataclass(frozen=True)
+class AuthConfig:
+    """``[auth]`` and ``[[auth.tenants]]``."""
+
+    required: bool = False
+    default_tenant: str = "default"
+    tenants: tuple[TenantConfig, ...] = ()
+    redis_keys: bool = False
+    redis_cache_s: float = 30.0
+    # Name of the environment variable holding the key that ``/admin/*`` then requires.
+    admin_key_env: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.admin_key_env is not None and not self.admin_key_env.strip():
+            raise ConfigError("admin_key_env", "must name an environment variable")
+        if not TENANT_NAME.match(self.default_tenant):
+            raise ConfigError("default_tenant", "must be a valid tenant name")
+        if self.redis_cache_s < 0:
+            raise ConfigError("redis_cache_s", "must be >= 0")
+        owner: dict[str, str] = {}
+        for i, tenant in enumerate(self.tenants):
+            for digest in tenant.digests():
+                if owner.setdefault(digest, tenant.name) != tenant.name:
+                    raise ConfigError(f"tenants[{i}]", "a key is listed for two tenants")
+        if self.required and not self.tenants and not self.redis_keys:
+            raise ConfigError("required", "needs [[auth.tenants]] or redis_keys = true")
+
+    @classmethod
+    def from_mapping(cls, raw: Mapping[str, object], field_prefix: str) -> AuthConfig:
+        from proxy.core.configload import build  # noqa: PLC0415
+
+        return build(cls, dict(raw), field_prefix)
+
+
+@dataclass(frozen=True)
+class RedisConfig:
+    """``[redis]``: where shared state lives. Empty ``url``: nothing is shared."""
+
+    url: str = ""
+    op_timeout_s: float = 0.25
+    connect_timeout_s: float = 0.5
+    max_connections: int = 128
+    key_prefix: str = "kvproxy:"
+    retry_after_failure_s: float = 1.0
+    # Also route to engines that sidecars register in Redis (next to the configured ones).
+    discover_engines: bool = False
+
+    def __post_init__(self) -> None:
+        if self.url and not self.url.startswith(("redis://", "rediss://", "unix://")):
+            raise ConfigError("url", "must be a redis://, rediss:// or unix:// URL")
+        for name in ("op_timeout_s", "connect_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(name, "must be > 0")
+        if self.max_connections < 1:
+            raise ConfigError("max_connections", "must be >= 1")
+        if self.retry_after_failure_s < 0:
+            raise ConfigError("retry_after_failure_s", "must be >= 0")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.url)
+
+    @classmethod
+    def from_mapping(cls, raw: Mapping[str, object], field_prefix: str) -> RedisConfig:
+        from proxy.core.configload import build  # noqa: PLC0415
+
+        return build(cls, dict(raw), field_prefix)
+
+
+@dataclass(frozen=True)
+class TenantLimitConfig:
+    name: str
+    requests_per_min: int | None = None
+    tokens_per_min: int | None = None
+    concurrent_streams: int | None = None
+
+    def __post_init__(self) -> None:
+        if not TENANT_NAME.match(self.name):
+            raise ConfigError("name", "must be a valid tenant name")
+        _non_negative(self, ("requests_per_min", "tokens_per_min", "concurrent_streams"))
+
+
+@dataclass(frozen=True)
+class LimitsConfig:
+    """``[limits]`` (defaults for every tenant) and ``[[limits.tenants]]`` (overrides)."""
+
+    enabled: bool = False
+    requests_per_min: int = 0
+    tokens_per_min: int = 0
+    concurrent_streams: int = 0
+    lease_ttl_s: float = 30.0
+    tenants: tuple[TenantLimitConfig, ...] = ()
+
+    def __post_init__(self) -> None:
+        _non_negative(self, ("requests_per_min", "tokens_per_min", "concurrent_streams"))
+        if self.lease_ttl_s < 3:
+            raise ConfigError("lease_ttl_s", "must be >= 3 (leases are renewed every third of it)")
+        names = [t.name for t in self.tenants]
+        for i, name in enumerate(names):
+            if name in names[:i]:
+                raise ConfigError(f"tenants[{i}].name", f"duplicate tenant {name!r}")
+
+    def for_tenant(self, tenant: str) -> Limits:
+        override = next((t for t in self.tenants if t.name == tenant), None)
+
+        def pick(name: str) -> int:
+            value = getattr(override, name, None) if override else None
+            return int(getattr(self, name) if value is None else value)
+
+        return Limits(pick("requests_per_min"), pick("tokens_per_min"), pick("concurrent_streams"))
+
+    @classmethod
+    def from_mapping(cls, raw: Mapping[str, object], field_prefix: str) -> LimitsConfig:
+        from proxy.core.configload import build  # noqa: PLC0415
+
+        return build(cls, dict(raw), field_prefix)
+
+
+def _non_negative(obj: object, names: tuple[str, ...]) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value is not None and value < 0:
+            raise ConfigError(name, "must be >= 0 (0 = unlimited)")
+
+
+@dataclass(frozen=True)
+class DoorConfig:
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    redis: RedisConfig = field(default_factory=RedisConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+
+    @classmethod
+    def of(cls, cfg: object) -> DoorConfig:
+        """The sections of a proxy ``Config`` that this object needs (defaults where absent)."""
+        return cls(**{name: getattr(cfg, name) for name in SECTIONS if hasattr(cfg, name)})

@@ -1,0 +1,136 @@
+"""Token usage of an answer, read from the engine's own ``usage``, for per-tenant accounting.
+
+Rules (pure, no I/O):
+- A streamed answer's usage is the last data event before ``data: [DONE]`` (vLLM sends it there
+  when ``stream_options.include_usage`` is set). It is found once, at the end, in the last few
+  reads of the stream: the relay keeps references to them and parses nothing per event.
+- When the proxy asked for usage on the client's behalf, that final usage event is removed from
+  the client's stream with a substring check per read; only a read that contains the marker is
+  split into events. Reads are re-cut on event boundaries while stripping so that an event split
+  over two reads is still recognised (an engine framing events with CRLF is passed through as is).
+- A non-streamed answer's usage is in its body, parsed once.
+- ``cached`` is ``usage.prompt_tokens_details.cached_tokens`` when the engine reports it, else 0.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+# vLLM (pydantic) and the simulator (orjson) both write compact JSON: no space after the colon.
+_USAGE_MARK = b'"choices":[]'
+_DONE = b"data: [DONE]"
+_TAIL_READS = 8
+_MAX_CARRY = 64 * 1024
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt: int
+    completion: int
+    cached: int = 0
+
+
+def _count(value: object) -> int | None:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    return None
+
+
+def usage_of(obj: object) -> Usage | None:
+    """The ``usage`` of a parsed response or chunk, if it has a sane one."""
+    usage = obj.get("usage") if isinstance(obj, dict) else None
+    if not isinstance(usage, dict):
+        return None
+    prompt, completion = _count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens"))
+    if prompt is None or completion is None:
+        return None
+    details = usage.get("prompt_tokens_details")
+    cached = _count(details.get("cached_tokens")) if isinstance(details, dict) else None
+    return Usage(prompt, completion, cached or 0)
+
+
+def usage_of_body(body: bytes) -> Usage | None:
+    """The usage of a whole (non-streamed) JSON answer."""
+    if b'"usage"' not in body:
+        return None
+    try:
+        return usage_of(orjson.loads(body))
+    except orjson.JSONDecodeError:
+        return None
+
+
+def with_usage(body: Mapping[str, Any]) -> tuple[dict[str, Any], bool]:
+    """The body asking the engine for a final usage chunk; True if the client had not asked."""
+    out = dict(body)
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        return out, False  # malformed: the engine's own 400 says so
+    if isinstance(options, dict) and options.get("include_usage") is True:
+        return out, False
+    out["stream_options"] = {**(options or {}), "include_usage": True}
+    return out, True
+
+
+class StreamTail:
+    """Keeps the last few reads of a stream (references only) to find its usage at the end."""
+
+    def __init__(self) -> None:
+        self._reads: deque[bytes] = deque(maxlen=_TAIL_READS)
+
+    def feed(self, chunk: bytes) -> None:
+        self._reads.append(chunk)
+
+    def usage(self) -> Usage | None:
+        tail = b"".join(self._reads).replace(b"\r\n", b"\n")
+        end = tail.rfind(_DONE)
+        if end < 0:
+            return None
+        start = tail.rfind(b"data:", 0, end)
+        if start < 0:
+            return None
+        event = tail[start + 5 : end].strip()
+        if b'"usage"' not in event:
+            return None
+        try:
+            return usage_of(orjson.loads(event))
+        except orjson.JSONDecodeError:
+            return None
+
+
+class UsageStrip:
+    """Removes the final usage event from a relayed stream (the client did not ask for it)."""
+
+    def __init__(self) -> None:
+        self._carry = b""
+        self._passthrough = False
+
+    def __call__(self, chunk: bytes) -> bytes:
+        if self._passthrough:
+            return chunk
+        if self._carry:
+            chunk, self._carry = self._carry + chunk, b""
+        if not chunk.endswith(b"\n\n"):
+            if b"\r\n\r\n" in chunk or len(chunk) > _MAX_CARRY:
+                self._passthrough = True  # not vLLM's framing: leave the stream as it is
+                return chunk
+            cut = chunk.rfind(b"\n\n") + 2 if b"\n\n" in chunk else 0
+            chunk, self._carry = chunk[:cut], chunk[cut:]
+        if _USAGE_MARK in chunk:
+            chunk = _drop_usage_events(chunk)
+        return chunk
+
+    def flush(self) -> bytes:
+        """What is still held back when the stream ends."""
+        carry, self._carry = self._carry, b""
+        return carry
+
+
+def _drop_usage_events(chunk: bytes) -> bytes:
+    events = chunk.split(b"\n\n")
+    kept = [e for e in events if not (_USAGE_MARK in e and b'"usage"' in e)]
+    return b"\n\n".join(kept)

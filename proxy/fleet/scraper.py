@@ -1,0 +1,177 @@
+"""The telemetry loop: scrape every engine's ``/metrics`` on a fixed interval, all at once.
+
+Rules:
+- One named task owns the loop; it runs until cancelled and never dies of an engine's failure.
+- Every scrape has its own timeout, shorter than the interval (the config enforces it), so one slow
+  engine never delays the others or the next round. Whatever goes wrong in one engine's scrape is
+  that engine's failure, never the round's.
+- An engine's ``/metrics`` is hostile input. Redirects are never followed (a 3xx would have us
+  believe another server's figures): any status but 200 is a failure labelled ``http_<status>``.
+  The body is read in bounded chunks and abandoned, connection closed, past
+  ``telemetry.max_metrics_bytes`` (``too_large``); it must be UTF-8 (``decode``) and plausible
+  (``MetricsError``'s reason: ``unparsable``, ``out_of_range``).
+- A failure is counted in ``kvproxy_scrape_failures_total`` by reason and logged once per run of
+  failures, without a traceback; what it means for the engine's health is the telemetry state
+  machine's decision, not ours. Every change of an engine's health is logged once, with its reason.
+- After each round every engine is ticked, so staleness is noticed even when scrapes hang.
+- Frozen metrics: a repeated text is news unless a request dispatched after the previous text was
+  fetched completed before this scrape began (``EngineState.body_is_news``). A text proven frozen
+  is a failed scrape (``frozen``): the old snapshot ages, the engine is probed again each round and
+  recovers by itself once its text changes or it has had no such request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import aiohttp
+
+from proxy.core.config import TelemetryConfig
+from proxy.core.telemetry import EngineSnapshot, Health, MetricsError, parse_metrics
+from proxy.fleet.engines import Engine, Fleet
+from proxy.observe.metrics import ProxyMetrics
+
+log = logging.getLogger(__name__)
+
+Clock = Callable[[], float]
+
+_CHUNK_BYTES = 64 * 1024
+
+
+class Scraper:
+    def __init__(
+        self,
+        fleet: Fleet,
+        session: aiohttp.ClientSession,
+        cfg: TelemetryConfig,
+        metrics: ProxyMetrics,
+        clock: Clock,
+    ) -> None:
+        self._fleet = fleet
+        self._session = session
+        self._cfg = cfg
+        self._metrics = metrics
+        self._clock = clock
+        self.rounds = 0
+        self._health: dict[str, Health] = {}  # as last logged
+
+    async def run(self) -> None:
+        """Scrape forever; cancel the task to stop."""
+        while True:
+            started = self._clock()
+            try:
+                await self.scrape_all()
+            except Exception:
+                # A bug must not end telemetry for good: every engine would silently go stale.
+                log.exception("telemetry round failed")
+            elapsed = self._clock() - started
+            await asyncio.sleep(max(0.0, self._cfg.interval_s - elapsed))
+
+    async def scrape_all(self) -> None:
+        await asyncio.gather(*(self._scrape(engine) for engine in self._fleet))
+        self._fleet.tick(self._clock(), self._cfg.stale_after_s)
+        self._log_transitions()
+        self.rounds += 1
+
+    async def _scrape(self, engine: Engine) -> None:
+        started = self._clock()
+        try:
+            async with asyncio.timeout(self._cfg.timeout_s):
+                body = await self._fetch(engine.metrics_url)
+            snapshot = self._judge(engine, body, started)
+        except _Failed as exc:
+            self._failed(engine, exc.reason, exc.detail)
+        except TimeoutError:
+            self._failed(engine, "timeout", "scrape timed out")
+        except aiohttp.ClientError as exc:
+            reason, detail = _transport(exc)
+            self._failed(engine, reason, detail, str(exc) or type(exc).__name__)
+        except MetricsError as exc:
+            self._failed(engine, exc.reason, str(exc))
+        except Exception:
+            # A bug here must cost this engine its scrape, not the other engines theirs.
+            if engine.state.consecutive_failures == 0:
+                log.exception("scrape of %s failed inside the proxy", engine.name)
+            self._count(engine, "internal", "internal error while scraping")
+        else:
+            engine.state.on_scrape_ok(snapshot, self._clock())
+        finally:
+            self._metrics.scrape_duration.labels(engine.name).observe(self._clock() - started)
+
+    def _judge(self, engine: Engine, body: bytes, started: float) -> EngineSnapshot:
+        """The snapshot in ``body``, or ``_Failed`` / ``MetricsError`` when it is not usable."""
+        news = engine.state.body_is_news(hash(body), started, self._clock())
+        try:
+            text = body.decode("utf-8")
+        except UnicodeDecodeError:
+            raise _Failed("decode", "metrics are not UTF-8 text") from None
+        # Stamped with the start: dispatches after it may be missing from the text, so they stay
+        # counted on top of it rather than vanish.
+        snapshot = parse_metrics(text, taken_at=started)
+        if not news:
+            raise _Failed("frozen", "frozen metrics: unchanged although requests completed")
+        return snapshot
+
+    async def _fetch(self, url: str) -> bytes:
+        async with self._session.get(url, allow_redirects=False) as resp:
+            if resp.status != 200:
+                raise _Failed(f"http_{resp.status}", f"metrics answered HTTP {resp.status}")
+            return await _read_capped(resp, self._cfg.max_metrics_bytes)
+
+    def _failed(self, engine: Engine, reason: str, detail: str, logged: str = "") -> None:
+        """Count a failed scrape; log the first of a run (``logged``: a more detailed text)."""
+        if engine.state.consecutive_failures == 0:
+            log.warning("scrape of %s failed (%s): %s", engine.name, reason, logged or detail)
+        self._count(engine, reason, detail)
+
+    def _count(self, engine: Engine, reason: str, detail: str) -> None:
+        self._metrics.scrape_failures.labels(engine.name, reason).inc()
+        engine.state.on_scrape_failed(self._clock(), detail)
+
+    def _log_transitions(self) -> None:
+        """Log each engine's health once per change, with the reason for it."""
+        now: dict[str, Health] = {}
+        for engine in self._fleet:
+            health = now[engine.name] = engine.state.health
+            before = self._health.get(engine.name, Health.UNKNOWN)
+            if health is before:
+                continue
+            level = logging.INFO if health in (Health.HEALTHY, Health.DRAINING) else logging.WARNING
+            reason = engine.state.health_reason
+            log.log(level, "engine %s is %s%s", engine.name, health.value,
+                    f": {reason}" if reason else "")
+        self._health = now
+
+
+async def _read_capped(resp: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The whole body, read in bounded chunks; ``_Failed`` as soon as it exceeds ``limit``."""
+    too_large = _Failed("too_large", f"metrics larger than {limit} bytes")
+    if resp.content_length is not None and resp.content_length > limit:
+        resp.close()
+        raise too_large
+    body = bytearray()
+    async for chunk in resp.content.iter_chunked(_CHUNK_BYTES):
+        body += chunk
+        if len(body) > limit:
+            # Closing rather than draining: the rest is never read, whatever its size.
+            resp.close()
+            raise too_large
+    return bytes(body)
+
+
+class _Failed(Exception):
+    """A scrape that reached the engine but got nothing usable; ``reason`` labels the metric."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+        self.detail = detail
+
+
+def _transport(exc: aiohttp.ClientError) -> tuple[str, str]:
+    """(reason label, description without addresses) of a transport failure."""
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return "connect", "cannot connect to the metrics endpoint"
+    return "transport", "metrics connection failed"

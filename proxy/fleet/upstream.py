@@ -1,0 +1,160 @@
+"""Talking to engines: the pooled client sessions, header hygiene, and failure classification.
+
+Rules:
+- One data-path ``ClientSession`` (keep-alive pool) and one small separate session for scrapes,
+  so that a saturated data path never starves telemetry.
+- The data-path connector has no connection limit: a request waiting there for a free connection
+  would wait silently until its first-byte timeout. The per-engine limit
+  (``upstream.max_connections_per_engine``) is enforced by routing instead, which sheds at once.
+- Redirects are never followed on the data path (``DATA_POST``): an engine's 3xx would otherwise
+  re-send a client's prompt to whatever address the engine names. A 3xx is an engine failure.
+- To engines: nothing hop-by-hop, no client credentials (``Authorization``, ``api-key``,
+  ``x-api-key``), no cookies, no ``Host``, and nothing that describes the client's network path
+  (``Forwarded``, ``X-Forwarded-*``, ``X-Real-IP``, ``Via`` and the CDN variants of them).
+- To clients, an allow-list: of an engine's response headers only ``Content-Type``,
+  ``Cache-Control``, ``Retry-After``/``Retry-After-Ms`` and the ``openai-*`` and ``x-ratelimit-*``
+  families pass (what the OpenAI SDKs read); engine cookies, server banners and internal headers
+  stay inside.
+- Bodies travel as the engine sent them: no automatic decompression, and we never ask for
+  compression, so SSE bytes can be passed through without re-encoding.
+- Library exceptions are translated here, once, into ``UpstreamError`` / ``UpstreamTimeout``. The
+  client's message names the engine by its configured name and the phase only; the library's own
+  text (which carries addresses) goes to the log.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import aiohttp
+
+from proxy.core.config import UpstreamConfig
+from proxy.core.errors import UpstreamError, UpstreamTimeout
+
+# RFC 9110 §7.6.1 plus the legacy names that proxies still see in the wild.
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
+# Never forwarded to an engine, on top of the hop-by-hop set.
+# The client's credentials are for the proxy; an engine gets only its own (``api_key_env``).
+# Where the client sits on the network is none of an engine's business.
+_REQUEST_DROP = frozenset(
+    {"host", "authorization", "api-key", "x-api-key", "content-length", "accept-encoding",
+     "cookie", "cookie2", "forwarded", "via", "x-real-ip", "x-client-ip", "true-client-ip",
+     "cf-connecting-ip", "fastly-client-ip", "x-cluster-client-ip"}
+)
+_REQUEST_DROP_PREFIXES = ("x-forwarded-",)
+# The only engine response headers a client sees (besides the proxy's own).
+_RESPONSE_ALLOW = frozenset({"content-type", "cache-control", "retry-after", "retry-after-ms"})
+_RESPONSE_ALLOW_PREFIXES = ("openai-", "x-ratelimit-")
+# Every data-path request: an engine's 3xx is answered as a failure, never followed.
+DATA_POST: dict[str, Any] = {"allow_redirects": False}
+
+log = logging.getLogger(__name__)
+
+SCRAPE_CONNECTIONS_PER_ENGINE = 2
+
+
+def make_data_session(cfg: UpstreamConfig) -> aiohttp.ClientSession:
+    """The keep-alive session every proxied request goes through (``cfg``'s per-engine limit is
+    routing's to enforce, not the connector's)."""
+    # No limit here (0): routing keeps each engine under cfg.max_connections_per_engine.
+    connector = aiohttp.TCPConnector(
+        limit=0,
+        limit_per_host=0,
+        keepalive_timeout=30.0,
+        enable_cleanup_closed=False,
+    )
+    return _session(connector)
+
+
+def make_scrape_session() -> aiohttp.ClientSession:
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=SCRAPE_CONNECTIONS_PER_ENGINE)
+    return _session(connector)
+
+
+def _session(connector: aiohttp.TCPConnector) -> aiohttp.ClientSession:
+    # Timeouts are applied per phase by the caller, so the session-wide one is disabled.
+    return aiohttp.ClientSession(
+        connector=connector,
+        timeout=aiohttp.ClientTimeout(total=None),
+        auto_decompress=False,
+        skip_auto_headers=("Accept-Encoding", "User-Agent"),
+    )
+
+
+def request_headers(client: Mapping[str, str], request_id: str) -> dict[str, str]:
+    """Headers for the engine: the client's, cleaned, plus the request id and content type."""
+    out = _filtered(client.items(), _REQUEST_DROP, _connection_tokens(client))
+    out = {k: v for k, v in out.items() if not k.lower().startswith(_REQUEST_DROP_PREFIXES)}
+    out["Content-Type"] = "application/json"
+    out["X-Request-Id"] = request_id
+    return out
+
+
+def response_headers(upstream: Mapping[str, str]) -> dict[str, str]:
+    """Headers for the client: those of the engine's that are on the allow-list."""
+    return {
+        name: value
+        for name, value in upstream.items()
+        if name.lower() in _RESPONSE_ALLOW or name.lower().startswith(_RESPONSE_ALLOW_PREFIXES)
+    }
+
+
+def _filtered(
+    items: Iterable[tuple[str, str]], drop: frozenset[str], extra: frozenset[str]
+) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for name, value in items:
+        low = name.lower()
+        if low in HOP_BY_HOP or low in drop or low in extra:
+            continue
+        out[name] = value
+    return out
+
+
+def _connection_tokens(headers: Mapping[str, str]) -> frozenset[str]:
+    # Headers named in Connection are hop-by-hop for this hop only (RFC 9110 §7.6.1).
+    value = headers.get("Connection") or headers.get("connection") or ""
+    return frozenset(t.strip().lower() for t in value.split(",") if t.strip())
+
+
+def retryable_status(status: int) -> bool:
+    return status == 429 or status >= 500
+
+
+def redirect_status(status: int) -> bool:
+    return 300 <= status < 400
+
+
+def translate(exc: BaseException, engine: str, phase: str) -> UpstreamError:
+    """The one place aiohttp / timeout exceptions become kvproxy errors."""
+    if isinstance(exc, TimeoutError):
+        return UpstreamTimeout(f"engine {engine} timed out ({phase})")
+    # The library's text names the engine's address: the operator's to read, not the client's.
+    log.warning("engine %s failed (%s): %r", engine, phase, exc)
+    return UpstreamError(f"engine {engine} failed ({phase}): {_kind(exc)}")
+
+
+def _kind(exc: BaseException) -> str:
+    if isinstance(exc, aiohttp.ClientConnectorError | ConnectionRefusedError):
+        return "connection refused or unreachable"
+    if isinstance(exc, aiohttp.ServerDisconnectedError | ConnectionResetError):
+        return "connection closed by the engine"
+    if isinstance(exc, aiohttp.ClientPayloadError):
+        return "malformed response body"
+    if isinstance(exc, aiohttp.ClientResponseError):
+        return "malformed response"
+    return "connection error"

@@ -1,0 +1,213 @@
+"""The proxy's own Prometheus metrics.
+
+Rules: every series is named ``kvproxy_*`` (never ``vllm:*``, never ``kvproxy_sidecar_*``) and lives
+in this process's own ``CollectorRegistry``, so several proxies in one test process never collide.
+Per-engine gauges are refreshed from the engine states right before each exposition, so snapshot
+ages are true at the moment Prometheus reads them. Every label set is bounded: tenant labels are the
+configured tenants plus at most ``MAX_DYNAMIC_TENANTS`` more (from Redis); anything else is
+``other``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+__all__ = ["CONTENT_TYPE", "EngineGaugeRow", "ProxyMetrics", "TenantLabels"]
+
+MAX_DYNAMIC_TENANTS = 200
+OTHER_TENANT = "other"
+
+_LATENCY_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+)  # fmt: skip
+_SCRAPE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+
+BREAKER_VALUES = {"closed": 0.0, "half_open": 1.0, "open": 2.0}
+OUTLIER_VALUES = {"active": 0.0, "probation": 1.0, "ejected": 2.0}
+
+
+@dataclass(frozen=True)
+class EngineGaugeRow:
+    """One engine's figures at exposition time (None: no snapshot yet)."""
+
+    engine: str
+    pool: str
+    kv_usage: float | None
+    running: float | None
+    waiting: float | None
+    snapshot_age_s: float | None
+    inflight: int
+    breaker: str
+    health: str
+    outlier: str = "active"
+    pressure: int = 0  # KV overcommit guard: 0 open, 1 closed to sheddable, 2 to standard too
+
+
+class TenantLabels:
+    """The tenant label for a tenant name: configured names as they are, the first
+    ``MAX_DYNAMIC_TENANTS`` others (tenants known only to Redis) too, then ``other``."""
+
+    def __init__(self, max_dynamic: int = MAX_DYNAMIC_TENANTS) -> None:
+        self._known: set[str] = set()
+        self._dynamic: set[str] = set()
+        self._max_dynamic = max_dynamic
+
+    def know(self, names: Iterable[str]) -> None:
+        self._known.update(names)
+
+    def __call__(self, tenant: str) -> str:
+        if tenant in self._known or tenant in self._dynamic:
+            return tenant
+        if not tenant or len(self._dynamic) >= self._max_dynamic:
+            return OTHER_TENANT
+        self._dynamic.add(tenant)
+        return tenant
+
+
+class ProxyMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "kvproxy_requests", "Requests answered, by pool, engine, priority class and status",
+            ["pool", "engine", "class", "status"], registry=r,
+        )  # fmt: skip
+        self.ttft = Histogram(
+            "kvproxy_time_to_first_byte_seconds",
+            "Time from request arrival to the first response byte relayed to the client",
+            ["pool"], buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.duration = Histogram(
+            "kvproxy_request_duration_seconds", "Total time a proxied request took",
+            ["pool", "status"], buckets=_LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.sheds = Counter(
+            "kvproxy_shed", "Requests refused with 503 before any response byte, by reason",
+            ["pool", "class", "reason"], registry=r,
+        )  # fmt: skip
+        self.degraded = Counter(
+            "kvproxy_degraded", "Requests served by another pool than asked for (tiering)",
+            ["from_pool", "to_pool"], registry=r,
+        )  # fmt: skip
+        self.stale_fail_open = Counter(
+            "kvproxy_stale_fail_open", "Requests admitted while every engine's telemetry was stale",
+            ["pool"], registry=r,
+        )  # fmt: skip
+        self.retries = Counter(
+            "kvproxy_retries", "Requests retried on another engine before the first byte",
+            ["pool", "reason"], registry=r,
+        )  # fmt: skip
+        self.upstream_errors = Counter(
+            "kvproxy_upstream_errors", "Failed engine exchanges, by kind",
+            ["engine", "kind"], registry=r,
+        )  # fmt: skip
+        self.outlier_ejections = Counter(
+            "kvproxy_outlier_ejections", "Engines ejected by outlier detection, by reason",
+            ["pool", "engine", "reason"], registry=r,
+        )  # fmt: skip
+        self.client_disconnects = Counter(
+            "kvproxy_client_disconnects", "Requests whose client went away before the end",
+            ["pool"], registry=r,
+        )  # fmt: skip
+        self.scrape_duration = Histogram(
+            "kvproxy_scrape_duration_seconds", "Time one engine metrics scrape took",
+            ["engine"], buckets=_SCRAPE_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.scrape_failures = Counter(
+            "kvproxy_scrape_failures", "Engine metrics scrapes that failed, by reason",
+            ["engine", "reason"], registry=r,
+        )  # fmt: skip
+        self.inflight_total = Gauge(
+            "kvproxy_inflight_requests", "Proxied requests currently open", registry=r
+        )
+        self.draining = Gauge(
+            "kvproxy_draining", "1 while the proxy drains for shutdown", registry=r
+        )
+        self._engine_gauges(r)
+        self._tenant_counters(r)
+
+    def _tenant_counters(self, r: CollectorRegistry) -> None:
+        self.tenant_labels = TenantLabels()
+        self.tenant_requests = Counter(
+            "kvproxy_tenant_requests", "Proxied requests, by tenant, pool and status",
+            ["tenant", "pool", "status"], registry=r,
+        )  # fmt: skip
+        self.tenant_tokens = Counter(
+            "kvproxy_tenant_tokens",
+            "Tokens engines reported in usage, by tenant, pool and kind (prompt, completion, "
+            "cached: prompt tokens served from the prefix cache)",
+            ["tenant", "pool", "kind"], registry=r,
+        )  # fmt: skip
+
+    def _engine_gauges(self, r: CollectorRegistry) -> None:
+        labels = ["engine", "pool"]
+        self.kv_usage = Gauge(
+            "kvproxy_engine_kv_usage", "Last scraped KV-cache usage (0-1)", labels, registry=r
+        )
+        self.running = Gauge(
+            "kvproxy_engine_running", "Last scraped running requests", labels, registry=r
+        )
+        self.waiting = Gauge(
+            "kvproxy_engine_waiting", "Last scraped waiting (queued) requests", labels, registry=r
+        )
+        self.snapshot_age = Gauge(
+            "kvproxy_engine_snapshot_age_seconds", "Age of the last good snapshot", labels,
+            registry=r,
+        )  # fmt: skip
+        self.engine_inflight = Gauge(
+            "kvproxy_engine_inflight", "Requests open at this engine through this proxy", labels,
+            registry=r,
+        )  # fmt: skip
+        self.breaker = Gauge(
+            "kvproxy_breaker_state", "Circuit breaker: 0 closed, 1 half-open, 2 open", labels,
+            registry=r,
+        )  # fmt: skip
+        self.outlier = Gauge(
+            "kvproxy_engine_outlier_state",
+            "Outlier detection: 0 active, 1 on probation, 2 ejected", labels, registry=r,
+        )  # fmt: skip
+        self.outliers_ejected = Gauge(
+            "kvproxy_outlier_ejected_engines",
+            "Engines out of their pool by outlier detection (ejected or on probation)", ["pool"],
+            registry=r,
+        )  # fmt: skip
+        self.pressure = Gauge(
+            "kvproxy_engine_pressure",
+            "KV overcommit guard: 0 open, 1 closed to sheddable, 2 to standard and sheddable",
+            labels, registry=r,
+        )  # fmt: skip
+        self.health = Gauge(
+            "kvproxy_engine_health", "1 for the engine's current health state", [*labels, "state"],
+            registry=r,
+        )  # fmt: skip
+
+    def refresh_engines(self, rows: Iterable[EngineGaugeRow], health_states: Iterable[str]) -> None:
+        states = tuple(health_states)
+        out: dict[str, int] = {}
+        for row in rows:
+            key = (row.engine, row.pool)
+            _set_optional(self.kv_usage, key, row.kv_usage)
+            _set_optional(self.running, key, row.running)
+            _set_optional(self.waiting, key, row.waiting)
+            _set_optional(self.snapshot_age, key, row.snapshot_age_s)
+            self.engine_inflight.labels(*key).set(row.inflight)
+            self.breaker.labels(*key).set(BREAKER_VALUES.get(row.breaker, -1.0))
+            self.outlier.labels(*key).set(OUTLIER_VALUES.get(row.outlier, -1.0))
+            out[row.pool] = out.get(row.pool, 0) + (row.outlier != "active")
+            self.pressure.labels(*key).set(row.pressure)
+            for state in states:
+                self.health.labels(*key, state).set(1.0 if state == row.health else 0.0)
+        for pool, count in out.items():
+            self.outliers_ejected.labels(pool).set(count)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def _set_optional(gauge: Gauge, key: tuple[str, str], value: float | None) -> None:
+    # NaN says "never scraped" without inventing a zero that would read as idle.
+    gauge.labels(*key).set(float("nan") if value is None else value)

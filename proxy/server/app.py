@@ -1,0 +1,223 @@
+"""The aiohttp application: routes, the one error middleware, and owned background resources.
+
+Rules:
+- ``build_app`` wires pure-core objects into a ``ShellContext`` reachable only via typed keys.
+- The upstream sessions and the named scraper task are created and destroyed by ``cleanup_ctx``;
+  nothing outlives the application.
+- One middleware turns every exception into a response: ``KvproxyError`` renders itself,
+  aiohttp's own HTTP errors (unknown route, wrong method) become OpenAI-shaped errors, anything else
+  is logged and becomes a 500. ``asyncio.CancelledError`` always propagates.
+- Every response names its server as plain ``kvproxy`` (no versions, no libraries) and carries
+  ``X-Request-Id``; an error that leaves the body unread closes the connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from proxy.core.admission import Admission
+from proxy.core.config import Config
+from proxy.core.door_config import DoorConfig
+from proxy.core.errors import KvproxyError
+from proxy.core.isolation import TenantSalts
+from proxy.core.routing import make_policy
+from proxy.fleet.discovery import REFRESH_S, ModelDiscovery
+from proxy.fleet.engines import Engine, Fleet
+from proxy.fleet.scraper import Scraper
+from proxy.fleet.upstream import make_data_session, make_scrape_session
+from proxy.observe.metrics import ProxyMetrics
+from proxy.server import handlers
+from proxy.server.connections import SERVER_NAME
+from proxy.server.context import Drain, ShellContext
+from proxy.server.keys import MODELS, REQUEST_ID, SCRAPER_TASK, SHELL
+from proxy.tenancy.frontdoor import DOOR, FrontDoor
+from proxy.tenancy.shared_state import RegistrySync
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def build_app(
+    cfg: Config,
+    *,
+    engines_override: Sequence[Engine] | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    door: DoorConfig | None = None,
+) -> web.Application:
+    """The proxy application for ``cfg`` (``engines_override``: a prepared fleet, for tests;
+    ``door``: tenant, limit, cache and Redis settings to use instead of those in ``cfg``)."""
+    app = web.Application(
+        middlewares=[error_middleware], client_max_size=cfg.server.max_body_bytes + 1
+    )
+    app[SHELL] = _context(cfg, engines_override, clock)
+    door_cfg = door if door is not None else DoorConfig.of(cfg)
+    app[DOOR] = FrontDoor(door_cfg, registry=app[SHELL].metrics.registry)
+    auth = door_cfg.auth
+    app[SHELL].salts = TenantSalts(
+        door_cfg.cache.secret, tenants_known=bool(auth.tenants) or auth.redis_keys
+    )
+    app[SHELL].metrics.tenant_labels.know(
+        [door_cfg.auth.default_tenant, *(t.name for t in door_cfg.auth.tenants)]
+    )
+    app[MODELS] = make_discovery(app[SHELL])
+    app.cleanup_ctx.append(_upstream_sessions)
+    app.cleanup_ctx.append(_scraper)
+    app.cleanup_ctx.append(model_discovery)
+    app.cleanup_ctx.append(_front_door)
+    app.on_response_prepare.append(_server_header)
+    _routes(app)
+    return app
+
+
+def _context(
+    cfg: Config, engines: Sequence[Engine] | None, clock: Callable[[], float]
+) -> ShellContext:
+    metrics = ProxyMetrics()
+    policies = {pool.name: make_policy(cfg.routing) for pool in cfg.pools}
+
+    def forget(pool: str, engine: str) -> None:
+        if pool in policies:
+            policies[pool].forget(engine)
+
+    fleet = Fleet(cfg, engines, on_remove=forget)
+    return ShellContext(
+        cfg=cfg,
+        fleet=fleet,
+        policies=policies,
+        admission=Admission(cfg.admission),
+        metrics=metrics,
+        drain=Drain(metrics),
+        clock=clock,
+        started_at=time.time(),
+    )
+
+
+def _routes(app: web.Application) -> None:
+    app.router.add_post("/v1/chat/completions", handlers.chat_completions)
+    app.router.add_post("/v1/completions", handlers.completions)
+    app.router.add_get("/v1/models", handlers.models)
+    app.router.add_get("/v1/models/{model:.+}", handlers.model)
+    app.router.add_get("/health", handlers.health)
+    app.router.add_get("/ready", handlers.ready)
+    app.router.add_get("/metrics", handlers.metrics)
+    app.router.add_get("/admin/engines", handlers.admin_engines)
+
+
+async def _upstream_sessions(app: web.Application) -> AsyncIterator[None]:
+    ctx = app[SHELL]
+    ctx.data_session = make_data_session(ctx.cfg.upstream)
+    ctx.scrape_session = make_scrape_session()
+    try:
+        yield
+    finally:
+        await ctx.data_session.close()
+        await ctx.scrape_session.close()
+
+
+async def _scraper(app: web.Application) -> AsyncIterator[None]:
+    ctx = app[SHELL]
+    assert ctx.scrape_session is not None
+    scraper = Scraper(ctx.fleet, ctx.scrape_session, ctx.cfg.telemetry, ctx.metrics, ctx.clock)
+    task = asyncio.create_task(scraper.run(), name="kvproxy-scraper")
+    app[SCRAPER_TASK] = task
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def _front_door(app: web.Application) -> AsyncIterator[None]:
+    ctx = app[SHELL]
+    door = app[DOOR]
+    pools = {pool.name: pool.model for pool in ctx.cfg.pools}
+    guard = ctx.cfg.pressure
+    door.start(
+        lambda: ctx.fleet,
+        open_s=ctx.cfg.breaker.open_s,
+        clock=ctx.clock,
+        on_registry=RegistrySync(ctx.fleet, pools),
+        pressure=(lambda: ctx.fleet) if guard.enabled else None,
+        pressure_hold_s=guard.hold_scrapes * ctx.cfg.telemetry.interval_s,
+    )
+    try:
+        yield
+    finally:
+        await door.close()
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    request[REQUEST_ID] = handlers.request_id(request)
+    try:
+        response = await handler(request)
+    except KvproxyError as exc:
+        response = render(exc)
+        if exc.closes_connection:
+            response.force_close()
+    except web.HTTPException as exc:
+        response = _http_error(request, exc)
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        response = render(KvproxyError("internal error in the proxy"))
+    if not response.prepared:
+        response.headers.setdefault("X-Request-Id", request[REQUEST_ID])
+    return response
+
+
+async def _server_header(request: web.Request, response: web.StreamResponse) -> None:
+    response.headers["Server"] = SERVER_NAME
+
+
+def render(exc: KvproxyError) -> web.Response:
+    return web.Response(
+        status=exc.status, body=exc.body(), content_type="application/json", headers=exc.headers()
+    )
+
+
+def _http_error(request: web.Request, exc: web.HTTPException) -> web.Response:
+    """aiohttp's own refusals (no such route, wrong method, body too large) in OpenAI shape."""
+    err_type = "invalid_request_error" if exc.status < 500 else "internal_error"
+    message = f"{exc.reason}: {request.method} {request.path}"
+    code = exc.reason.lower().replace(" ", "_")
+    body = {"error": {"message": message, "type": err_type, "param": None, "code": code}}
+    headers = {k: v for k, v in exc.headers.items() if k.lower() == "allow"}
+    return web.Response(
+        status=exc.status, body=orjson.dumps(body), content_type="application/json", headers=headers
+    )
+
+
+def make_discovery(ctx: ShellContext, *, interval_s: float = REFRESH_S) -> ModelDiscovery:
+    """Discovery over ``ctx``'s fleet, asking through the scrape session (opened later, by the
+    app's cleanup context, before discovery's own)."""
+
+    def session() -> aiohttp.ClientSession:
+        if ctx.scrape_session is None:
+            raise RuntimeError("the scrape session is opened by the app's cleanup context")
+        return ctx.scrape_session
+
+    return ModelDiscovery(ctx.cfg, ctx.fleet, session, interval_s=interval_s)
+
+
+async def model_discovery(app: web.Application) -> AsyncIterator[None]:
+    """Cleanup context: the discovery task lives exactly as long as the application."""
+    discovery = app[MODELS]
+    task = asyncio.create_task(discovery.run(), name="kvproxy-model-discovery")
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

@@ -1,0 +1,106 @@
+"""What the async shell shares between its parts: the process-wide context and the drain state.
+
+Rules: one ``ShellContext`` per application, created by ``build_app`` and reachable only through
+the app's typed key; the HTTP sessions inside it are opened and closed by the app's cleanup
+context, never by a request. ``Drain`` counts open proxied requests so shutdown can wait for them,
+and knows every open stream so that, when the drain times out, each one can be ended cleanly (an
+error event) rather than dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from proxy.core.admission import Admission
+from proxy.core.config import Config
+from proxy.core.errors import NoCapacity
+from proxy.core.isolation import TenantSalts
+from proxy.core.routing import Policy
+from proxy.fleet.engines import Fleet
+from proxy.observe.metrics import ProxyMetrics
+
+
+class Drain:
+    """Open-request accounting and the draining flag (set once, on SIGTERM)."""
+
+    def __init__(self, metrics: ProxyMetrics) -> None:
+        self.draining = False
+        self.open = 0
+        self._metrics = metrics
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._cuts: set[Callable[[], None]] = set()
+
+    @contextmanager
+    def track(self, retry_after_s: int) -> Iterator[None]:
+        """Count one proxied request; refuse it outright while draining."""
+        if self.draining:
+            raise NoCapacity(
+                "the proxy is shutting down", reason="draining", retry_after_s=retry_after_s
+            )
+        self.open += 1
+        self._idle.clear()
+        self._metrics.inflight_total.inc()
+        try:
+            yield
+        finally:
+            self.open -= 1
+            self._metrics.inflight_total.dec()
+            if self.open == 0:
+                self._idle.set()
+
+    @contextmanager
+    def cuttable(self, cut: Callable[[], None]) -> Iterator[None]:
+        """While inside, ``cut_all`` calls ``cut`` (which must end the stream promptly)."""
+        self._cuts.add(cut)
+        try:
+            yield
+        finally:
+            self._cuts.discard(cut)
+
+    def cut_all(self) -> int:
+        """Ask every open stream to end now; returns how many were asked."""
+        cuts = list(self._cuts)
+        for cut in cuts:
+            cut()
+        return len(cuts)
+
+    def start(self) -> None:
+        self.draining = True
+        self._metrics.draining.set(1)
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """True if every open request finished within ``timeout_s``."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._idle.wait()
+        except TimeoutError:
+            return False
+        return True
+
+
+@dataclass
+class ShellContext:
+    cfg: Config
+    fleet: Fleet
+    policies: dict[str, Policy]
+    admission: Admission
+    metrics: ProxyMetrics
+    drain: Drain
+    clock: Callable[[], float]
+    started_at: float
+    data_session: aiohttp.ClientSession | None = None
+    scrape_session: aiohttp.ClientSession | None = None
+    # Engine cache salts per tenant; ``build_app`` sets them from the front door's settings.
+    salts: TenantSalts = field(default_factory=lambda: TenantSalts("", tenants_known=False))
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self.data_session is None:
+            raise RuntimeError("the upstream session is opened by the app's cleanup context")
+        return self.data_session

@@ -1,0 +1,408 @@
+"""HTTP handlers: the proxied OpenAI endpoints and the proxy's own small endpoints.
+
+Rules: a handler performs decisions made by the pure core (pools, admission, routing) in the order
+of DESIGN §2 and does nothing clever itself; every refusal is raised as a ``KvproxyError`` and
+rendered by the app's error middleware, before any byte of a response. Each proxied request is
+counted for drain, and observed in metrics exactly once, whatever way it ends. Every answer to a
+proxied request, errors included, carries ``X-Cache`` (``BYPASS`` when the request never reached
+the cache) and ``X-Request-Id``. The body is read within ``server.max_body_bytes`` and
+``server.body_timeout_s`` (else 413 / 408, and the connection is closed), its tenant's request and
+token counters included.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
+
+from proxy.core.admission import REASON_NO_ENGINE, Admit, Priority, engine_priority, parse_priority
+from proxy.core.cache_entry import CachedResponse
+from proxy.core.deadline import FIELD as TIMEOUT_FIELD
+from proxy.core.deadline import HEADER as TIMEOUT_HEADER
+from proxy.core.deadline import client_timeout
+from proxy.core.errors import (
+    BadRequest,
+    KvproxyError,
+    NoCapacity,
+    NoEngine,
+    NotFound,
+    PayloadTooLarge,
+    RequestTimeout,
+)
+from proxy.core.inbound import Endpoint, Inbound, accept, rewrite
+from proxy.core.isolation import Salting, client_salt
+from proxy.core.pools import (
+    ModelEntry,
+    PoolPlan,
+    find_model,
+    model_names,
+    resolve_model,
+    upstream_model,
+)
+from proxy.core.prefix import prefix_chain
+from proxy.core.routing import EngineView, RouteKey
+from proxy.core.usage import usage_of_body, with_usage
+from proxy.fleet.engines import HEALTH_STATES
+from proxy.fleet.upstream import request_headers
+from proxy.observe import accesslog
+from proxy.observe.metrics import CONTENT_TYPE
+from proxy.server.context import ShellContext
+from proxy.server.keys import MODELS, REQUEST_ID, SHELL
+from proxy.server.relay import CLIENT_CLOSED, REASON_CONNECTIONS_FULL, Job, Relay
+from proxy.tenancy.frontdoor import CHARS_PER_TOKEN, DOOR, replay, wants_usage
+
+
+def request_id(request: web.Request) -> str:
+    """The client's ``X-Request-Id`` when it sent a sane one, else a fresh id."""
+    given = request.headers.get("X-Request-Id", "").strip()
+    if given and len(given) <= 200 and given.isprintable():
+        return given
+    return uuid.uuid4().hex
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _proxy(request, Endpoint.CHAT)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _proxy(request, Endpoint.COMPLETIONS)
+
+
+async def _proxy(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+    ctx = request.app[SHELL]
+    job = Job(request[REQUEST_ID], ctx.clock(), cls=Priority.STANDARD.value, path=endpoint.value)
+    try:
+        with ctx.drain.track(ctx.cfg.admission.retry_after_s):
+            response = await _serve(request, ctx, endpoint, job)
+    except KvproxyError as exc:
+        job.status = exc.status
+        exc.context_headers.setdefault("X-Cache", job.extra_headers.get("X-Cache", "BYPASS"))
+        if isinstance(exc, NoCapacity):
+            job.shed_reason = exc.reason
+        raise
+    except asyncio.CancelledError:
+        if not job.delivered:  # a client closing right after the last byte did get its answer
+            job.status = CLIENT_CLOSED
+        raise
+    finally:
+        _observe(ctx, job)
+    return response
+
+
+async def _serve(
+    request: web.Request, ctx: ShellContext, endpoint: Endpoint, job: Job
+) -> web.StreamResponse:
+    door = request.app[DOOR]
+    tenant = await door.identify(request.headers)
+    job.tenant = tenant
+    server = ctx.cfg.server
+    raw = await _read_body(request, server.max_body_bytes, server.body_timeout_s)
+    inbound = accept(raw, endpoint, max_depth=server.max_json_depth)
+    _deadline(job, client_timeout(request.headers.get(TIMEOUT_HEADER), inbound.body))
+    salt = client_salt(inbound.body)
+    priority = parse_priority(request.headers.get("X-Priority"), inbound.body.get("priority"))
+    job.cls = priority.value
+    job.stream = inbound.stream
+    job.tenant, job.model = tenant, inbound.model
+    plan = resolve_model(ctx.cfg, inbound.model)
+    job.pool = plan.pool
+    job.asked_pool = plan.pool
+    async with door.visit(
+        tenant,
+        endpoint=endpoint.value,
+        model=inbound.model,
+        body=inbound.body,
+        cache_control=request.headers.get("Cache-Control"),
+        prompt_chars=len(inbound.prompt_text),
+    ) as visit:
+        if visit.entry is not None:
+            return await _from_cache(request, job, inbound, visit.entry)
+        job.recorder = visit.recorder
+        job.extra_headers["X-Cache"] = visit.x_cache
+        job.max_tokens = _max_tokens(inbound)
+        job.pool = _admit(ctx, plan, priority, inbound, job.max_tokens)
+        if job.pool != plan.pool:
+            visit.discard()  # another pool's answer is not the answer for the model asked for
+        model = upstream_model(ctx.cfg, job.pool, inbound.model)
+        salting = _isolate(ctx, job.pool, tenant, salt)
+        ranked = _rank(ctx, job, model, inbound, priority, salting=salting, tenant=tenant)
+        job.body = rewrite(
+            _upstream_body(job, inbound.body),
+            model=model,
+            priority=_engine_priority(ctx, job.pool, priority),
+            cache_salt=salting.salt,
+        )
+        job.headers = request_headers(request.headers, job.request_id)
+        return await Relay(ctx, request, job).run(ranked)
+
+
+def _deadline(job: Job, timeout_s: float | None) -> None:
+    if timeout_s is not None:
+        job.timeout_s = timeout_s
+        job.deadline = asyncio.get_running_loop().time() + timeout_s
+
+
+def _upstream_body(job: Job, body: Mapping[str, Any]) -> dict[str, Any]:
+    """The client's body minus what is the proxy's (``timeout``), asking a stream for its usage
+    (stripped again from the client's stream when the client did not ask for it)."""
+    out = {k: v for k, v in body.items() if k != TIMEOUT_FIELD}
+    if job.stream:
+        out, job.strip_usage = with_usage(out)
+    return out
+
+
+async def _from_cache(
+    request: web.Request, job: Job, inbound: Inbound, entry: CachedResponse
+) -> web.StreamResponse:
+    """Answer from the response cache (no engine involved; ``X-Engine: cache``)."""
+    job.engine, job.status = "cache", 200
+    job.usage = usage_of_body(entry.json_body())  # the cached answer's, for the access log
+    job.first_byte_at = request.app[SHELL].clock()
+    usage = wants_usage(inbound.body)
+    headers = job.client_headers()
+    out = await replay(request, entry, stream=inbound.stream, include_usage=usage, headers=headers)
+    job.delivered = inbound.stream
+    return out
+
+
+async def _read_body(request: web.Request, limit: int, timeout_s: float) -> bytes:
+    length = request.content_length
+    if length is not None and length > limit:
+        raise PayloadTooLarge(f"request body of {length} bytes exceeds the limit of {limit} bytes")
+    body = bytearray()
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.content.iter_any():
+                body += chunk
+                if len(body) > limit:
+                    raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+    except TimeoutError:
+        raise RequestTimeout(f"request body not received within {timeout_s:g}s") from None
+    except RequestPayloadError:
+        # Bad chunked framing or a body shorter than its Content-Length, as aiohttp parses it.
+        raise BadRequest("request body is malformed (framing or length)") from None
+    return bytes(body)
+
+
+def _max_tokens(inbound: Inbound) -> int | None:
+    """The client's cap on the answer (validated by ``accept``), if it set one."""
+    for name in ("max_completion_tokens", "max_tokens"):
+        value = inbound.body.get(name)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def _need(ctx: ShellContext, pool: str, inbound: Inbound, max_tokens: int | None) -> float:
+    """KV tokens the request is expected to take: its prompt and its expected answer."""
+    prompt = len(inbound.prompt_text) / CHARS_PER_TOKEN
+    return prompt + ctx.fleet.estimate(pool).expected(max_tokens)
+
+
+def _admit(
+    ctx: ShellContext, plan: PoolPlan, priority: Priority, inbound: Inbound, max_tokens: int | None
+) -> str:
+    """The pool that serves the request, or ``NoCapacity`` (shed) with the reason."""
+    now = ctx.clock()
+    need = _need(ctx, plan.pool, inbound, max_tokens)
+    decision = ctx.admission.decide(plan.pool, priority, ctx.fleet.views(plan.pool, now), need)
+    if isinstance(decision, Admit):
+        return _admitted(ctx, plan.pool, decision)
+    for fallback in _fallbacks(plan, priority):
+        need = _need(ctx, fallback, inbound, max_tokens)
+        second = ctx.admission.decide(fallback, priority, ctx.fleet.views(fallback, now), need)
+        if isinstance(second, Admit):
+            ctx.metrics.degraded.labels(plan.pool, fallback).inc()
+            return _admitted(ctx, fallback, second)
+    if decision.reason == REASON_NO_ENGINE:
+        raise NoEngine(plan.pool, reason=decision.reason, retry_after_s=decision.retry_after_s)
+    raise NoCapacity(
+        f"{plan.pool} pool is overloaded for {priority.value} requests ({decision.reason})",
+        reason=decision.reason,
+        retry_after_s=decision.retry_after_s,
+    )
+
+
+def _fallbacks(plan: PoolPlan, priority: Priority) -> tuple[str, ...]:
+    """Where a request the first pool would shed may go instead, in order: only sheddable work
+    for a tier chain (``resolve_model`` already cut chains to one pool without degrading)."""
+    return plan.fallbacks if priority is Priority.SHEDDABLE else ()
+
+
+def _admitted(ctx: ShellContext, pool: str, decision: Admit) -> str:
+    if decision.stale_fail_open:
+        ctx.metrics.stale_fail_open.labels(pool).inc()
+    return pool
+
+
+def _isolate(ctx: ShellContext, pool: str, tenant: str, client: str | None) -> Salting:
+    config = ctx.cfg.pool(pool)
+    mode = "none" if config is None else config.isolation
+    return ctx.salts.salting(mode, tenant, client)
+
+
+def _rank(
+    ctx: ShellContext,
+    job: Job,
+    model: str,
+    inbound: Inbound,
+    priority: Priority,
+    *,
+    salting: Salting,
+    tenant: str,
+) -> tuple[str, ...]:
+    pool = job.pool
+    routing = ctx.cfg.routing
+    # Seeded by the isolation scope: requests that can share no engine blocks share no key.
+    chain = prefix_chain(
+        inbound.prompt_text,
+        model=model,
+        tenant=salting.scope,
+        block_chars=routing.block_chars,
+        max_blocks=routing.max_blocks,
+    )
+    key = RouteKey(chain=chain, tenant=tenant, model=model)
+    policy = ctx.policies[pool]
+    need = _need(ctx, pool, inbound, job.max_tokens)
+    views = ctx.admission.eligible(priority, _with_room(ctx, pool), need)
+    ranked = policy.rank(key, views)
+    if not ranked:
+        raise NoEngine(pool, reason=REASON_NO_ENGINE, retry_after_s=ctx.cfg.admission.retry_after_s)
+    # The prompt work each engine that may get the request would do, counted while it waits
+    # for its first byte (asked before ``observe`` records the pick as holding the prompt).
+    job.prefill = {
+        name: float(policy.uncached(key, name)) for name in ranked[: 1 + ctx.cfg.upstream.retries]
+    }
+    job.prompt_tokens = _uncached_tokens(len(inbound.prompt_text), len(chain), job.prefill,
+                                         routing.block_chars)
+    policy.observe(key, ranked[0])
+    return ranked
+
+
+def _with_room(ctx: ShellContext, pool: str) -> list[EngineView]:
+    """The pool's engines that may take one more request from this proxy. When the pool has
+    routable engines but all hold ``upstream.max_connections_per_engine`` requests, the request
+    is shed at once: waiting in the proxy's connection pool would only end in a timeout, and the
+    engines' own waiting queues are where work should queue."""
+    limit = ctx.cfg.upstream.max_connections_per_engine
+    views = ctx.fleet.views(pool, ctx.clock())
+    room = [v for v in views if not ctx.fleet.get(v.name).full(limit)]
+    if any(v.routable for v in views) and not any(v.routable for v in room):
+        raise NoCapacity(
+            f"every engine of the {pool} pool has {limit} requests open from this proxy",
+            reason=REASON_CONNECTIONS_FULL,
+            retry_after_s=ctx.cfg.admission.retry_after_s,
+        )
+    return room
+
+
+def _uncached_tokens(
+    chars: int, chain: int, uncached: dict[str, float], block_chars: int
+) -> dict[str, float]:
+    """Per engine: prompt tokens it does not hold (the prompt less its cached chain blocks)."""
+    tokens, per_block = chars / CHARS_PER_TOKEN, block_chars / CHARS_PER_TOKEN
+    return {name: max(0.0, tokens - (chain - n) * per_block) for name, n in uncached.items()}
+
+
+def _engine_priority(ctx: ShellContext, pool: str, priority: Priority) -> int | None:
+    config = ctx.cfg.pool(pool)
+    if config is None or not config.priority_scheduling:
+        return None
+    return engine_priority(priority)
+
+
+def _observe(ctx: ShellContext, job: Job) -> None:
+    m = ctx.metrics
+    status = str(job.status or 500)
+    m.requests.labels(job.pool, job.engine, job.cls, status).inc()
+    if job.status == CLIENT_CLOSED:
+        m.client_disconnects.labels(job.pool).inc()
+    if job.shed_reason is not None:
+        m.sheds.labels(job.pool, job.cls, job.shed_reason).inc()
+    now = ctx.clock()
+    m.duration.labels(job.pool, status).observe(now - job.started_at)
+    if job.first_byte_at is not None:
+        m.ttft.labels(job.pool).observe(job.first_byte_at - job.started_at)
+    _account(ctx, job, status)
+    if ctx.cfg.log.access:
+        accesslog.emit(accesslog.access_fields(job, now))
+
+
+def _account(ctx: ShellContext, job: Job, status: str) -> None:
+    m = ctx.metrics
+    tenant = m.tenant_labels(job.tenant or "")  # refused before it was identified: "other"
+    m.tenant_requests.labels(tenant, job.pool, status).inc()
+    usage = job.usage
+    # A cache hit cost the engines nothing: its answer's usage was counted when it was generated.
+    if usage is not None and job.engine != "cache":
+        m.tenant_tokens.labels(tenant, job.pool, "prompt").inc(usage.prompt)
+        m.tenant_tokens.labels(tenant, job.pool, "completion").inc(usage.completion)
+        m.tenant_tokens.labels(tenant, job.pool, "cached").inc(usage.cached)
+
+
+# --- the proxy's own endpoints -------------------------------------------------------------------
+
+
+async def models(request: web.Request) -> web.Response:
+    ctx = request.app[SHELL]
+    data = [_model_card(ctx, entry) for entry in model_names(ctx.cfg)]
+    return _json({"object": "list", "data": data})
+
+
+async def model(request: web.Request) -> web.Response:
+    ctx = request.app[SHELL]
+    name = request.match_info["model"]
+    entry = find_model(ctx.cfg, name)
+    if entry is None:
+        raise NotFound(f"The model {name!r} does not exist", param="model")
+    return _json(_model_card(ctx, entry))
+
+
+def _model_card(ctx: ShellContext, entry: ModelEntry) -> dict[str, Any]:
+    return {
+        "id": entry.id,
+        "object": "model",
+        "created": int(ctx.started_at),
+        "owned_by": "kvproxy",
+        "pool": entry.pools[0],
+        "pools": list(entry.pools),
+    }
+
+
+async def health(request: web.Request) -> web.Response:
+    return _json({"status": "ok"})
+
+
+async def ready(request: web.Request) -> web.Response:
+    ctx = request.app[SHELL]
+    if ctx.drain.draining:
+        return _json({"ready": False, "reason": "draining"}, status=503)
+    if not ctx.fleet.any_routable(ctx.clock()):
+        return _json({"ready": False, "reason": "no routable engine"}, status=503)
+    return _json({"ready": True})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    ctx = request.app[SHELL]
+    ctx.metrics.refresh_engines(ctx.fleet.gauge_rows(ctx.clock()), HEALTH_STATES)
+    return web.Response(body=ctx.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+
+async def admin_engines(request: web.Request) -> web.Response:
+    request.app[DOOR].tenants.check_admin(request.headers.get("Authorization"))
+    ctx = request.app[SHELL]
+    rows = ctx.fleet.admin_view(ctx.clock())
+    discovery = request.app[MODELS]
+    for row in rows:
+        row["models"] = discovery.view(row["name"])
+    return _json({"engines": rows, "draining": ctx.drain.draining})
+
+
+def _json(data: object, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")

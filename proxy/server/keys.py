@@ -1,0 +1,18 @@
+"""Typed keys for the state the async shell keeps on the application and on each request.
+
+Rules: state is reached only through these keys (never string keys), so mypy checks every access.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+
+from proxy.fleet.discovery import ModelDiscovery
+from proxy.server.context import ShellContext
+
+SHELL = web.AppKey("shell", ShellContext)
+SCRAPER_TASK = web.AppKey("scraper_task", asyncio.Task[None])
+REQUEST_ID = web.RequestKey("request_id", str)
+MODELS = web.AppKey("model_discovery", ModelDiscovery)

@@ -1,0 +1,124 @@
+"""Running the proxy as a server: start, serve, drain on a signal, stop.
+
+Rules:
+- ``ProxyServer`` owns one aiohttp runner and its listening site; tests and the demo use it on
+  ``127.0.0.1`` port 0 in their own event loop, ``run_server`` adds the signal handling.
+- Handlers are cancelled when their client disconnects (``handler_cancellation``), which is how an
+  abandoned request reaches the relay's ``finally`` and closes its engine connection at once.
+- Client connections are ``connections.GuardedHandler``: request heads have a deadline
+  (``server.header_timeout_s``), idle kept-alive connections ``server.keepalive_timeout_s``.
+- Shutdown order: stop admitting (``/ready`` 503, new requests 503) while still listening, wait for
+  open requests up to ``server.drain_timeout_s``; streams still open then are ended with an SSE
+  error event (their engine connections closed), and get a short grace to write it; then close the
+  listener, cancel what is left, and run the app's cleanup (sessions, scraper task).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Callable
+
+from aiohttp import web
+
+from proxy.core.config import Config
+from proxy.server.app import build_app
+from proxy.server.connections import GuardedRunner
+from proxy.server.keys import SHELL
+
+log = logging.getLogger(__name__)
+
+# After the drain, whatever is still open gets this long before it is cancelled.
+_FINAL_GRACE_S = 0.5
+
+
+class ProxyServer:
+    def __init__(self, cfg: Config, app: web.Application | None = None) -> None:
+        self.cfg = cfg
+        self.app = app if app is not None else build_app(cfg)
+        self._runner = GuardedRunner(
+            self.app,
+            header_timeout_s=cfg.server.header_timeout_s,
+            keepalive_timeout=cfg.server.keepalive_timeout_s,
+            handler_cancellation=True,
+            shutdown_timeout=_FINAL_GRACE_S,
+            access_log=None,
+        )
+        self._site: web.TCPSite | None = None
+        self.port = 0
+
+    @property
+    def url(self) -> str:
+        host = self.cfg.server.host
+        shown = "127.0.0.1" if host in ("0.0.0.0", "") else host
+        return f"http://{shown}:{self.port}"
+
+    async def start(self) -> None:
+        await self._runner.setup()
+        self._site = web.TCPSite(self._runner, self.cfg.server.host, self.cfg.server.port)
+        await self._site.start()
+        self.port = _bound_port(self._runner)
+
+    async def drain(self) -> bool:
+        """Refuse new work and wait for open requests; True if all finished in time."""
+        drain = self.app[SHELL].drain
+        drain.start()
+        log.info("draining: waiting up to %.1fs for %d open requests", self._timeout, drain.open)
+        finished = await drain.wait_idle(self._timeout)
+        if not finished:
+            log.warning("drain timeout: %d requests still open are cut off", drain.open)
+            if drain.cut_all():
+                # Streams end with an error event at once; let them write it before the cancel.
+                await drain.wait_idle(_FINAL_GRACE_S)
+        return finished
+
+    @property
+    def _timeout(self) -> float:
+        return self.cfg.server.drain_timeout_s
+
+    async def stop(self) -> None:
+        await self._runner.cleanup()
+
+    async def drain_and_stop(self) -> bool:
+        finished = await self.drain()
+        await self.stop()
+        log.info("kvproxy stopped")
+        return finished
+
+
+def _bound_port(runner: web.AppRunner) -> int:
+    for address in runner.addresses:
+        if isinstance(address, tuple) and len(address) >= 2:
+            return int(address[1])
+    raise RuntimeError("the proxy is not listening on a TCP port")
+
+
+async def run_server(cfg: Config, on_started: Callable[[ProxyServer], None] | None = None) -> None:
+    """Serve until SIGTERM or SIGINT, then drain and stop."""
+    server = ProxyServer(cfg)
+    await server.start()
+    stop = _stop_event()
+    try:
+        log.info("kvproxy listening on %s", server.url)
+        if on_started is not None:
+            on_started(server)
+        await stop.wait()
+    finally:
+        await server.drain_and_stop()
+
+
+def _stop_event() -> asyncio.Event:
+    """An event set by the first SIGTERM or SIGINT."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, _on_signal, sig, stop)
+    return stop
+
+
+def _on_signal(sig: signal.Signals, stop: asyncio.Event) -> None:
+    if stop.is_set():
+        return
+    log.info("%s received: shutting down", sig.name)
+    stop.set()

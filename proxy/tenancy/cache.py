@@ -1,0 +1,371 @@
+"""The response cache: backends, single flight, and the lookup / fill protocol the relay follows.
+
+Rules:
+- ``lookup`` answers HIT (an entry to replay), BYPASS (policy says no; nothing to do) or MISS with a
+  ``Fill`` when the answer may be stored. The holder of a ``Fill`` must call ``finish`` exactly once
+  (``async with`` does it); only a fill whose recorder saw a normally completed answer stores it.
+- Identical concurrent misses in this process coalesce: the first is the leader and goes to an
+  engine, the others wait (up to ``single_flight_timeout_s``) and are answered from its result. If
+  the leader ends without an answer to keep (an error, a cut stream, an answer too large or not
+  mergeable, one from another pool), every waiter goes to an engine at once, each on its own: they
+  form no new flight, since an answer that could not be kept once is likely not to be kept again,
+  and waiting in turn would run them one after another. Their answers are still stored if they can
+  be. Requests the policy knows in advance to be unstorable are bypassed and never wait.
+- Backend trouble (Redis down, slow, garbage, or a value for another tenant) is a miss plus a
+  metric, never an error the client sees.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, Protocol
+
+from prometheus_client import CollectorRegistry, Counter
+
+from proxy.core.cache_entry import CachedResponse, EntryError, Recording, decode_entry
+from proxy.core.cache_key import CacheConfig, CachePolicy, cache_key, decide
+from proxy.tenancy.redis_link import RedisLink, RedisUnavailable
+
+log = logging.getLogger("kvproxy.cache")
+
+
+class CacheBackend(Protocol):
+    async def get(self, key: str) -> bytes | None: ...
+
+    async def set(self, key: str, value: bytes, ttl_s: float) -> None: ...
+
+
+class MemoryBackend:
+    """In-process LRU with a TTL per entry, bounded by entry count and total bytes."""
+
+    def __init__(
+        self, *, max_entries: int, max_bytes: int, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._items: OrderedDict[str, tuple[float, bytes]] = OrderedDict()
+        self._max_entries = max_entries
+        self._max_bytes = max_bytes
+        self._bytes = 0
+        self._clock = clock
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    async def get(self, key: str) -> bytes | None:
+        item = self._items.get(key)
+        if item is None:
+            return None
+        if item[0] <= self._clock():
+            self._drop(key)
+            return None
+        self._items.move_to_end(key)
+        return item[1]
+
+    async def set(self, key: str, value: bytes, ttl_s: float) -> None:
+        if len(value) > self._max_bytes:
+            return
+        self._drop(key)
+        self._items[key] = (self._clock() + ttl_s, value)
+        self._bytes += len(value)
+        while len(self._items) > self._max_entries or self._bytes > self._max_bytes:
+            self._drop(next(iter(self._items)))
+
+    def _drop(self, key: str) -> None:
+        item = self._items.pop(key, None)
+        if item is not None:
+            self._bytes -= len(item[1])
+
+
+class RedisBackend:
+    """Entries as plain Redis strings with a TTL (``SET ... PX``)."""
+
+    def __init__(self, link: RedisLink) -> None:
+        self._link = link
+
+    async def get(self, key: str) -> bytes | None:
+        value = await self._link.run("cache_get", lambda r: r.get(self._link.key("cache", key)))
+        if value is not None and not isinstance(value, bytes):
+            raise EntryError("unexpected value type")
+        return value
+
+    async def set(self, key: str, value: bytes, ttl_s: float) -> None:
+        ttl_ms = max(1, int(ttl_s * 1000))
+        await self._link.run(
+            "cache_set", lambda r: r.set(self._link.key("cache", key), value, px=ttl_ms)
+        )
+
+
+class CacheMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.lookups = Counter(
+            "kvproxy_cache_lookups", "Response cache outcomes per request (hit, miss, bypass)",
+            ["result"], registry=registry,
+        )  # fmt: skip
+        self.bypass_reasons = Counter(
+            "kvproxy_cache_bypass", "Requests the cache did not answer, by reason",
+            ["reason"], registry=registry,
+        )  # fmt: skip
+        self.errors = Counter(
+            "kvproxy_cache_errors", "Cache backend failures and invalid entries (served as a miss)",
+            ["op"], registry=registry,
+        )  # fmt: skip
+        self.coalesced = Counter(
+            "kvproxy_cache_coalesced_waits", "Misses that waited for an identical in-flight miss",
+            ["outcome"], registry=registry,
+        )  # fmt: skip
+        self.stores = Counter(
+            "kvproxy_cache_stores", "Answers offered to the cache after a miss, by outcome",
+            ["outcome"], registry=registry,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class CacheRequest:
+    tenant: str
+    model: str
+    endpoint: str  # "/v1/chat/completions" or "/v1/completions"
+    body: Mapping[str, Any]
+    cache_control: str | None = None
+
+    @property
+    def chat(self) -> bool:
+        return self.endpoint.endswith("chat/completions")
+
+
+@dataclass
+class Lookup:
+    """``status`` is the X-Cache header value: HIT, MISS or BYPASS."""
+
+    status: str
+    entry: CachedResponse | None = None
+    fill: Fill | None = None
+    coalesced: bool = False
+
+
+@dataclass
+class _Flight:
+    started: float
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    entry: CachedResponse | None = None
+
+
+class ResponseCache:
+    def __init__(
+        self,
+        cfg: CacheConfig,
+        backend: CacheBackend,
+        *,
+        registry: CollectorRegistry | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.cfg = cfg
+        self.backend = backend
+        self.metrics = CacheMetrics(registry or CollectorRegistry())
+        self._secret = cfg.secret.encode() if cfg.secret else secrets.token_bytes(32)
+        self._flights: dict[str, _Flight] = {}
+        self._clock = clock
+
+    def policy(self, req: CacheRequest) -> CachePolicy:
+        return decide(req.body, req.cache_control, enabled=self.cfg.enabled)
+
+    def key(self, req: CacheRequest) -> str:
+        return cache_key(self._secret, tenant=req.tenant, model=req.model, endpoint=req.endpoint,
+                         body=req.body)  # fmt: skip
+
+    async def lookup(self, req: CacheRequest) -> Lookup:
+        policy = self.policy(req)
+        if policy.bypass or not policy.read:
+            self.metrics.lookups.labels("bypass").inc()
+            self.metrics.bypass_reasons.labels(policy.reason).inc()
+            fill = Fill(self, req, self.key(req), None) if policy.write else None
+            return Lookup("BYPASS", fill=fill)
+        result = await self._lookup(req, self.key(req))
+        self.metrics.lookups.labels("hit" if result.entry else "miss").inc()
+        return result
+
+    async def _lookup(self, req: CacheRequest, key: str) -> Lookup:
+        deadline = self._clock() + self.cfg.single_flight_timeout_s
+        waited = False
+        while True:
+            flight = self._flights.get(key)
+            if flight is not None and flight.done.is_set():
+                entry = _usable(req, flight.entry)
+                if entry is not None:
+                    return self._hit(entry, waited)
+            if not self._live(flight):
+                entry = _usable(req, await self._read(req, key))
+                if entry is not None:
+                    return self._hit(entry, waited)
+                if self._live(self._flights.get(key)):
+                    continue  # another request started the flight while we read: wait for it
+                if waited:
+                    self.metrics.coalesced.labels("retry").inc()
+                flight = self._flights[key] = _Flight(self._clock())
+                return Lookup("MISS", fill=Fill(self, req, key, flight), coalesced=waited)
+            assert flight is not None
+            waited = True
+            if not await self._wait(flight, deadline):
+                self.metrics.coalesced.labels("timeout").inc()
+                return Lookup("MISS")
+            # Answered from the flight itself: the leader may have landed already, and its store
+            # may have failed (Redis down) without that making this a miss.
+            entry = _usable(req, flight.entry)
+            if entry is not None:
+                return self._hit(entry, waited)
+            if flight.entry is None:
+                return await self._released(req, key)
+            # An answer this request cannot use (no usage figures): look up again, and wait for or
+            # lead a flight of the requests that can.
+
+    async def _released(self, req: CacheRequest, key: str) -> Lookup:
+        """A waiter whose leader kept nothing: go now, side by side with the other waiters."""
+        entry = _usable(req, await self._read(req, key))  # stored meanwhile by another request
+        if entry is not None:
+            return self._hit(entry, True)
+        self.metrics.coalesced.labels("released").inc()
+        # No flight: its answer is still stored if good, but nobody waits for it.
+        return Lookup("MISS", fill=Fill(self, req, key, None), coalesced=True)
+
+    def _hit(self, entry: CachedResponse, waited: bool) -> Lookup:
+        if waited:
+            self.metrics.coalesced.labels("hit").inc()
+        return Lookup("HIT", entry=entry, coalesced=waited)
+
+    def _live(self, flight: _Flight | None) -> bool:
+        """A flight still running; one older than the timeout counts as abandoned, so a leader
+        that never finished cannot make every later request wait."""
+        if flight is None or flight.done.is_set():
+            return False
+        return self._clock() - flight.started <= self.cfg.single_flight_timeout_s
+
+    async def _wait(self, flight: _Flight, deadline: float) -> bool:
+        try:
+            async with asyncio.timeout(max(0.0, deadline - self._clock())):
+                await flight.done.wait()
+        except TimeoutError:
+            return False
+        return True
+
+    async def _read(self, req: CacheRequest, key: str) -> CachedResponse | None:
+        try:
+            raw = await self.backend.get(key)
+            return None if raw is None else decode_entry(raw, tenant=req.tenant, model=req.model)
+        except RedisUnavailable:
+            self.metrics.errors.labels("get").inc()
+        except EntryError as exc:
+            self.metrics.errors.labels("decode").inc()
+            log.warning("cache entry ignored: %s", exc)
+        return None
+
+    async def _store(self, key: str, value: bytes) -> None:
+        try:
+            await self.backend.set(key, value, self.cfg.ttl_s)
+        except RedisUnavailable:
+            self.metrics.errors.labels("set").inc()
+            return
+        self.metrics.stores.labels("stored").inc()
+
+    def _wake(self, flight: _Flight | None, entry: CachedResponse | None) -> None:
+        if flight is not None:
+            flight.entry = entry
+            flight.done.set()
+
+    def _land(self, key: str, flight: _Flight | None) -> None:
+        # Removed only after the store, so a request arriving meanwhile still finds the answer here.
+        if flight is not None and self._flights.get(key) is flight:
+            del self._flights[key]
+
+
+def _usable(req: CacheRequest, entry: CachedResponse | None) -> CachedResponse | None:
+    """The entry, if it can answer ``req``: an answer relayed as a stream without usage figures
+    cannot answer a client that wants them (JSON clients always do); that client refreshes it."""
+    if entry is None or entry.response.get("usage") is not None:
+        return entry
+    options = req.body.get("stream_options")
+    wants_usage = isinstance(options, dict) and options.get("include_usage") is True
+    return entry if req.body.get("stream") is True and not wants_usage else None
+
+
+class Fill:
+    """A miss's obligation: record what was relayed, then ``finish`` (store, wake waiters)."""
+
+    def __init__(
+        self, cache: ResponseCache, req: CacheRequest, key: str, flight: _Flight | None
+    ) -> None:
+        self._cache = cache
+        self._req = req
+        self._key = key
+        self._flight = flight
+        self.recording = Recording(chat=req.chat, max_bytes=cache.cfg.max_entry_bytes)
+        self._finished = False
+        self._discarded = False
+
+    def discard(self) -> None:
+        """Never store this answer (e.g. it came from another pool than the model asked for)."""
+        self._discarded = True
+
+    def start(self, status: int, *, streamed: bool) -> None:
+        self.recording.start(status, streamed=streamed)
+
+    def feed(self, data: bytes) -> None:
+        self.recording.feed(data)
+
+    def result(self) -> CachedResponse | None:
+        """The complete answer relayed so far, if any."""
+        response = self.recording.response()
+        if response is None:
+            return None
+        return CachedResponse(self._req.tenant, self._req.model, self._req.chat, response)
+
+    async def finish(self, *, completed: bool = True) -> None:
+        """Store the answer if it completed normally; always wake the waiters. Idempotent."""
+        if self._finished:
+            return
+        self._finished = True
+        entry = self.result() if completed and not self._discarded else None
+        value = None if entry is None else entry.encode()
+        too_large = value is not None and len(value) > self._cache.cfg.max_entry_bytes
+        # An answer too large to store is not handed to the waiters either, whatever size the
+        # relayed bytes were: they go to the engines themselves, the same for every such answer.
+        self._cache._wake(self._flight, None if too_large else entry)
+        try:
+            if value is None:
+                self._cache.metrics.stores.labels("incomplete").inc()
+            elif too_large:
+                self._cache.metrics.stores.labels("too_large").inc()
+            else:
+                await self._cache._store(self._key, value)
+        finally:
+            self._cache._land(self._key, self._flight)
+
+    async def __aenter__(self) -> Fill:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await asyncio.shield(self.finish(completed=exc_type is None))
+
+
+def make_cache(
+    cfg: CacheConfig, link: RedisLink | None, *, registry: CollectorRegistry | None = None
+) -> ResponseCache:
+    """The configured cache; the Redis backend only when configured and a Redis link exists."""
+    backend: CacheBackend
+    if cfg.backend == "redis" and link is not None:
+        backend = RedisBackend(link)
+    else:
+        if cfg.backend == "redis":
+            log.warning("cache.backend = 'redis' but no [redis] url: using the in-process cache")
+        backend = MemoryBackend(max_entries=cfg.max_entries, max_bytes=cfg.max_bytes)
+    return ResponseCache(cfg, backend, registry=registry)

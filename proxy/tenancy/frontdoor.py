@@ -1,0 +1,184 @@
+"""The front door of a proxied request: whose it is, whether it may run now, and whether the
+response cache answers it. One object per application; the request path calls it in that order.
+
+Rules:
+- ``identify`` (401 / 503) comes first; ``visit`` then takes a limit lease (429) and looks the
+  request up in the cache. A hit is answered by ``replay`` in the shape the client asked for; a miss
+  or bypass goes to an engine with the visit's ``recorder`` seeing every byte relayed.
+- Leaving ``visit`` settles everything exactly once, however the request ended: the cache fill is
+  finished (stored only if the answer completed normally), and the lease is settled with the
+  tokens used (``usage`` when the answer carries it, else about four characters per token; a hit
+  uses none).
+- Redis, when configured, is opened here and closed on shutdown; its background work (lease renewal,
+  shared breakers) runs in named tasks owned by this object.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+
+from proxy.core.cache_entry import CachedResponse, Recording, replay_sse, usage_tokens
+from proxy.core.door_config import DoorConfig
+from proxy.tenancy.cache import CacheRequest, Fill, ResponseCache, make_cache
+from proxy.tenancy.ratelimit import RequestGate
+from proxy.tenancy.redis_link import RedisLink
+from proxy.tenancy.shared_pressure import HasPressure, SharedPressure
+from proxy.tenancy.shared_state import EngineRecord, HasBreaker, RegistryWatcher, SharedBreakers
+from proxy.tenancy.tenants import TenantDirectory
+
+CHARS_PER_TOKEN = 4
+
+
+@dataclass
+class Visit:
+    tenant: str
+    chat: bool
+    prompt_chars: int
+    entry: CachedResponse | None = None
+    x_cache: str = "BYPASS"
+    recorder: Recording | Fill | None = None
+
+    @property
+    def hit(self) -> bool:
+        return self.entry is not None
+
+    def discard(self) -> None:
+        """Do not cache this answer (served by another pool than the one the model names)."""
+        if isinstance(self.recorder, Fill):
+            self.recorder.discard()
+
+    def tokens(self) -> int:
+        if self.entry is not None:
+            return 0
+        recording = self.recorder.recording if isinstance(self.recorder, Fill) else self.recorder
+        response = None if recording is None else recording.response()
+        counted = None if response is None else usage_tokens(response)
+        if counted is not None:
+            return counted
+        seen = 0 if recording is None else recording.bytes_seen
+        # Without usage: the prompt plus what was relayed (JSON/SSE framing makes this generous).
+        return (self.prompt_chars + seen // 2) // CHARS_PER_TOKEN
+
+
+class FrontDoor:
+    def __init__(self, cfg: DoorConfig, *, registry: CollectorRegistry | None = None) -> None:
+        self.cfg = cfg
+        registry = registry or CollectorRegistry()
+        self.link = RedisLink(cfg.redis, registry=registry) if cfg.redis.enabled else None
+        self.tenants = TenantDirectory(cfg.auth, self.link, registry=registry)
+        self.gate = RequestGate(cfg.limits, self.link, registry=registry)
+        self.cache: ResponseCache = make_cache(cfg.cache, self.link, registry=registry)
+        self.shared: SharedBreakers | None = None
+        self.pressure: SharedPressure | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def start(
+        self,
+        engines: Callable[[], Iterable[HasBreaker]],
+        *,
+        open_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        on_registry: Callable[[list[EngineRecord]], None] | None = None,
+        pressure: Callable[[], Iterable[HasPressure]] | None = None,
+        pressure_hold_s: float = 2.0,
+    ) -> None:
+        """Start the background work (call from the app's startup, inside the event loop).
+        ``on_registry`` receives the engines registered in Redis whenever they change (only with
+        ``redis.discover_engines``); ``pressure``: the engines whose overcommit-guard levels are
+        shared with the other replicas (None: the guard is off)."""
+        self.gate.start()
+        if self.link is None:
+            return
+        self.shared = SharedBreakers(self.link, engines, open_s=open_s, clock=clock)
+        self._spawn(self.shared.run(), "kvproxy-shared-breakers")
+        if pressure is not None:
+            self.pressure = SharedPressure(self.link, pressure, hold_s=pressure_hold_s, clock=clock)
+            self._spawn(self.pressure.run(), "kvproxy-shared-pressure")
+        if on_registry is not None and self.cfg.redis.discover_engines:
+            self._spawn(RegistryWatcher(self.link, on_registry).run(), "kvproxy-engine-registry")
+
+    def _spawn(self, work: Coroutine[Any, Any, None], name: str) -> None:
+        self._tasks.append(asyncio.create_task(work, name=name))
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks.clear()
+        await self.gate.close()
+        if self.link is not None:
+            await self.link.close()
+
+    async def identify(self, headers: Mapping[str, str]) -> str:
+        return await self.tenants.identify(headers.get("Authorization"))
+
+    @asynccontextmanager
+    async def visit(
+        self,
+        tenant: str,
+        *,
+        endpoint: str,
+        model: str,
+        body: Mapping[str, Any],
+        cache_control: str | None,
+        prompt_chars: int,
+    ) -> AsyncIterator[Visit]:
+        """Admit (429 when over a limit), look up the cache, and settle both on the way out."""
+        lease = await self.gate.admit(tenant)
+        req = CacheRequest(tenant, model, endpoint, body, cache_control)
+        visit = Visit(tenant, req.chat, prompt_chars)
+        try:
+            lookup = await self.cache.lookup(req)
+            visit.entry, visit.x_cache = lookup.entry, lookup.status
+            if lookup.fill is not None:
+                visit.recorder = lookup.fill
+                async with lookup.fill:
+                    yield visit
+                return
+            if lookup.entry is None and self.cfg.limits.enabled:
+                visit.recorder = Recording(chat=req.chat, max_bytes=self.cfg.cache.max_entry_bytes)
+            yield visit
+        finally:
+            await asyncio.shield(lease.settle(visit.tokens()))
+
+
+DOOR = web.AppKey("front_door", FrontDoor)
+
+
+async def replay(
+    request: web.Request,
+    entry: CachedResponse,
+    *,
+    stream: bool,
+    include_usage: bool,
+    headers: Mapping[str, str],
+) -> web.StreamResponse:
+    """Answer from a cache entry, as JSON or as an SSE stream."""
+    out_headers = {**headers, "X-Cache": "HIT"}
+    if not stream:
+        return web.Response(
+            body=entry.json_body(), content_type="application/json", headers=out_headers
+        )
+    out_headers["Cache-Control"] = "no-cache"
+    out = web.StreamResponse(headers=out_headers)
+    out.content_type = "text/event-stream"
+    await out.prepare(request)
+    with contextlib.suppress(ConnectionResetError):
+        await out.write(replay_sse(entry, include_usage=include_usage))
+        await out.write_eof()
+    return out
+
+
+def wants_usage(body: Mapping[str, Any]) -> bool:
+    options = body.get("stream_options")
+    return isinstance(options, dict) and options.get("include_usage") is True

@@ -1,0 +1,305 @@
+"""State that proxy replicas share through Redis: breaker openings and the engine registry.
+
+Rules:
+- Breakers: when a replica's breaker for an engine opens, it writes a short-lived key (TTL = the
+  breaker's ``open_s``) naming that opening. Every replica polls the keys of its engines every
+  ``poll_s`` (default 0.25 s, so others follow within a second) and opens its own breaker for each
+  opening it has not seen yet, by reporting failures to it through its ordinary ``record`` API. An
+  opening applied from Redis is never published again, so replicas do not echo each other. Each
+  replica still probes a half-open engine itself.
+- Pressure (KV overcommit guard) is shared the same way, in ``proxy.tenancy.shared_pressure``.
+- Registry: a sidecar writes its engine's record to ``<prefix>engine:<pool>:<url>`` with a TTL and
+  renews it every third of the TTL (the vLLM sidecar's heartbeat writes the same key and fields).
+  An engine that stops heartbeating disappears with its key; readers find the live ones by SCAN.
+- Without Redis none of this runs; static config keeps working. Redis trouble skips a round, never
+  changes a breaker, and never reaches a client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+import orjson
+
+from proxy.core.breaker import Breaker, BreakerState, Outcome
+from proxy.core.config import EngineConfig
+from proxy.core.errors import ConfigError
+from proxy.fleet.periodic import every
+from proxy.tenancy.redis_link import RedisClient, RedisLink, RedisUnavailable
+
+log = logging.getLogger("kvproxy.shared")
+
+
+class HasBreaker(Protocol):
+    @property
+    def name(self) -> str: ...
+
+    breaker: Breaker
+
+
+def trip(breaker: Breaker, now: float) -> None:
+    """Open ``breaker`` as if it had seen enough failures itself (no-op when already open)."""
+    breaker.peek(now)
+    if breaker.state is BreakerState.HALF_OPEN:
+        breaker.record(Outcome.FAILURE, now)
+    while breaker.state is BreakerState.CLOSED:
+        breaker.record(Outcome.FAILURE, now)
+
+
+class SharedBreakers:
+    """Publishes this replica's breaker openings and applies the other replicas' ones."""
+
+    def __init__(
+        self,
+        link: RedisLink,
+        engines: Callable[[], Iterable[HasBreaker]],
+        *,
+        open_s: float,
+        clock: Callable[[], float],
+        poll_s: float = 0.25,
+    ) -> None:
+        self._link = link
+        self._engines = engines
+        self._open_ms = max(1, int(open_s * 1000))
+        self._clock = clock
+        self.poll_s = poll_s
+        self.replica = uuid.uuid4().hex[:12]
+        self._seq = 0
+        self._seen_open: dict[str, float] = {}  # engine -> opened_at already handled
+        self._applied: set[bytes] = set()  # remote opening tokens already applied
+        self.published = 0
+        self.applied = 0
+
+    def _key(self, engine: str) -> str:
+        return self._link.key("breaker", engine)
+
+    async def sync(self) -> None:
+        """One round: publish new local openings, then apply remote ones."""
+        engines = list(self._engines())
+        try:
+            await self._publish(engines)
+            await self._apply(engines)
+        except RedisUnavailable:
+            return
+
+    async def _publish(self, engines: list[HasBreaker]) -> None:
+        now = self._clock()
+        for engine in engines:
+            breaker = engine.breaker
+            breaker.peek(now)
+            if breaker.state is not BreakerState.OPEN:
+                continue
+            if self._seen_open.get(engine.name) == breaker.opened_at:
+                continue
+            self._seen_open[engine.name] = breaker.opened_at
+            self._seq += 1
+            token = f"{self.replica}:{self._seq}".encode()
+            self._applied.add(token)
+            await self._set(self._key(engine.name), token)
+            self.published += 1
+
+    async def _set(self, key: str, token: bytes) -> None:
+        px = self._open_ms
+        await self._link.run("breaker_publish", lambda r: r.set(key, token, px=px))
+
+    async def _apply(self, engines: list[HasBreaker]) -> None:
+        if not engines:
+            return
+        keys = [self._key(e.name) for e in engines]
+        values = await self._link.run("breaker_poll", lambda r: r.mget(keys))
+        now = self._clock()
+        for engine, token in zip(engines, values, strict=True):
+            if not isinstance(token, bytes) or token in self._applied:
+                continue
+            self._applied.add(token)
+            trip(engine.breaker, now)
+            self._seen_open[engine.name] = engine.breaker.opened_at
+            self.applied += 1
+            log.info("breaker for engine %s opened by another replica", engine.name)
+        if len(self._applied) > 10_000:
+            self._applied = {v for v in values if isinstance(v, bytes)}
+
+    async def run(self) -> None:
+        """The polling loop; run it as one named task owned by the app."""
+        await every(self.poll_s, self.sync, "sharing breaker state")
+
+
+# --- engine registry ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EngineRecord:
+    """What a sidecar advertises: enough for a proxy to route to and scrape the engine."""
+
+    name: str
+    pool: str
+    model: str
+    url: str
+    metrics_url: str | None = None
+    ready: bool = True
+    draining: bool = False
+
+    def encode(self) -> bytes:
+        # Field names shared with the vLLM sidecar's own heartbeat (role, engine_url).
+        doc: dict[str, object] = {"name": self.name, "role": self.pool, "model": self.model}
+        doc["engine_url"] = self.url
+        doc |= {"metrics_url": self.metrics_url, "ready": self.ready, "draining": self.draining}
+        return orjson.dumps(doc)
+
+    @classmethod
+    def decode(cls, raw: bytes) -> EngineRecord | None:
+        try:
+            doc = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            return None
+        if not isinstance(doc, dict):
+            return None
+        pool, model, url = doc.get("role"), doc.get("model"), doc.get("engine_url")
+        if not all(isinstance(v, str) and v for v in (pool, model, url)):
+            return None
+        name = doc.get("name") or f"{pool}@{str(url).split('://', 1)[-1]}"
+        metrics_url = doc.get("metrics_url")
+        return cls(str(name), str(pool), str(model), str(url),
+                   metrics_url if isinstance(metrics_url, str) else None,
+                   doc.get("ready") is not False, doc.get("draining") is True)  # fmt: skip
+
+
+def record_key(link: RedisLink, pool: str, url: str) -> str:
+    """``<prefix>engine:<pool>:<url>``, the key the vLLM sidecar's heartbeat writes too."""
+    return link.key("engine", pool, url)
+
+
+async def register_engine(link: RedisLink, record: EngineRecord, ttl_s: float) -> None:
+    key, raw, px = record_key(link, record.pool, record.url), record.encode(), int(ttl_s * 1000)
+    await link.run("registry_write", lambda r: r.set(key, raw, px=max(1, px)))
+
+
+async def deregister_engine(link: RedisLink, record: EngineRecord) -> None:
+    key = record_key(link, record.pool, record.url)
+    await link.run("registry_delete", lambda r: r.delete(key))
+
+
+async def heartbeat_engine(
+    link: RedisLink, record: EngineRecord, *, ttl_s: float, stop: asyncio.Event
+) -> None:
+    """The sidecar's side: keep ``record`` registered until ``stop`` is set, then remove it."""
+    try:
+        while not stop.is_set():
+            try:
+                await register_engine(link, record, ttl_s)
+            except RedisUnavailable:
+                log.warning("engine registry heartbeat for %s failed; retrying", record.name)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(ttl_s / 3):
+                    await stop.wait()
+    finally:
+        # On failure the TTL removes the record soon enough.
+        with contextlib.suppress(RedisUnavailable):
+            await asyncio.shield(deregister_engine(link, record))
+
+
+async def list_engines(link: RedisLink) -> list[EngineRecord]:
+    """The engines registered now (expired heartbeats are simply gone), sorted by name."""
+    pattern = link.key("engine", "*")
+
+    async def scan(r: RedisClient) -> list[bytes]:
+        keys = [k async for k in r.scan_iter(match=pattern, count=200)]
+        values = await r.mget(keys) if keys else []
+        return [v for v in values if isinstance(v, bytes)]
+
+    values = await link.run("registry_read", scan)
+    records = (EngineRecord.decode(v) for v in values)
+    return sorted((r for r in records if r is not None), key=lambda r: r.name)
+
+
+class FleetLike(Protocol):
+    """What registry discovery needs from the proxy's set of engines."""
+
+    def __iter__(self) -> Iterator[HasBreaker]: ...
+
+    def add(self, pool: str, engine: EngineConfig) -> None: ...
+
+    def remove(self, name: str) -> None: ...
+
+
+def routable_records(
+    records: Iterable[EngineRecord], pools: Mapping[str, str]
+) -> dict[str, tuple[str, EngineConfig]]:
+    """The registered engines a proxy should route to: ready, not draining, and serving the model
+    of a configured pool (``pools``: pool name -> model). Keyed by engine name."""
+    out: dict[str, tuple[str, EngineConfig]] = {}
+    for record in records:
+        if not record.ready or record.draining or pools.get(record.pool) != record.model:
+            continue
+        try:
+            out[record.name] = (
+                record.pool,
+                EngineConfig(record.name, record.url, record.metrics_url),
+            )
+        except ConfigError:
+            log.warning("ignoring registered engine %r with an invalid URL", record.name)
+    return out
+
+
+class RegistrySync:
+    """Keeps the engines discovered in the registry in the fleet; configured engines are never
+    touched (a registered engine with a configured engine's name is ignored)."""
+
+    def __init__(self, fleet: FleetLike, pools: Mapping[str, str]) -> None:
+        self._fleet = fleet
+        self._pools = dict(pools)
+        self._static = {e.name for e in fleet}
+        self.discovered: dict[str, tuple[str, EngineConfig]] = {}
+
+    def __call__(self, records: list[EngineRecord]) -> None:
+        wanted = {
+            name: entry
+            for name, entry in routable_records(records, self._pools).items()
+            if name not in self._static
+        }
+        for name, entry in list(self.discovered.items()):
+            if wanted.get(name) != entry:
+                self._fleet.remove(name)
+                del self.discovered[name]
+                log.info("engine %s left the registry", name)
+        for name, (pool, engine) in wanted.items():
+            if name not in self.discovered:
+                self._fleet.add(pool, engine)
+                self.discovered[name] = (pool, engine)
+                log.info(
+                    "engine %s (%s pool, %s) discovered in the registry", name, pool, engine.url
+                )
+
+
+class RegistryWatcher:
+    """Polls the registry and calls ``on_change`` with the full list whenever it changes."""
+
+    def __init__(
+        self,
+        link: RedisLink,
+        on_change: Callable[[list[EngineRecord]], None],
+        *,
+        poll_s: float = 1.0,
+    ) -> None:
+        self._link = link
+        self._on_change = on_change
+        self.poll_s = poll_s
+        self.current: list[EngineRecord] | None = None
+
+    async def poll(self) -> None:
+        try:
+            records = await list_engines(self._link)
+        except RedisUnavailable:
+            return  # keep the engines we know; a Redis outage is not an engine outage
+        if records != self.current:
+            self.current = records
+            self._on_change(records)
+
+    async def run(self) -> None:
+        await every(self.poll_s, self.poll, "engine registry sync")

@@ -1,0 +1,238 @@
+"""What engines and clients can make the proxy do: redirects are never followed, deep JSON is a 400,
+nothing internal leaks either way, and every proxied answer carries ``X-Cache`` and a request id.
+
+Real servers on loopback: the proxy in front of rogue engines (or the simulated stack).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+from integration.stack import TARGET_MODEL, Stack, StackFactory, chat_body
+from multidict import CIMultiDict
+
+from proxy.core.cache_key import _normalise
+from proxy.core.config import TelemetryConfig, UpstreamConfig
+from proxy.core.door_config import LimitsConfig
+
+from .rogue import RogueEngine
+from .shell import CHAT, COMPLETIONS, chat, proxy_for, server_config
+
+
+async def _post(
+    url: str, body: object, **headers: str
+) -> tuple[int, CIMultiDict[str], bytes]:
+    data = body if isinstance(body, bytes) else orjson.dumps(body)
+    headers.setdefault("Content-Type", "application/json")
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(url, data=data, headers=headers) as resp,
+    ):
+        return resp.status, CIMultiDict(resp.headers), await resp.read()
+
+
+def _error(body: bytes) -> dict[str, Any]:
+    error: dict[str, Any] = orjson.loads(body)["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    return error
+
+
+# --- redirects ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("status", [302, 307])
+async def test_an_engine_redirect_is_a_502_and_is_never_followed(
+    rogue: RogueEngine, stream: bool, status: int
+) -> None:
+    elsewhere = RogueEngine()
+    await elsewhere.start()
+    rogue.behaviour.completions = "status"
+    rogue.behaviour.completion_status = status
+    rogue.behaviour.completion_headers = {"Location": elsewhere.url + CHAT}
+    try:
+        async with proxy_for(rogue) as proxy:
+            code, headers, body = await _post(proxy.url + CHAT, chat(stream=stream))
+    finally:
+        await elsewhere.stop()
+    assert code == 502
+    error = _error(body)
+    assert "rogue0" in error["message"] and "redirected" in error["message"]
+    assert elsewhere.url not in error["message"]
+    assert elsewhere.seen == []
+    assert len(rogue.requests_to(CHAT)) == 1
+    assert headers["X-Cache"] and headers["X-Request-Id"]
+
+
+async def test_a_redirect_counts_as_an_engine_failure(rogue: RogueEngine) -> None:
+    rogue.behaviour.completions = "status"
+    rogue.behaviour.completion_status = 307
+    rogue.behaviour.completion_headers = {"Location": rogue.url + "/elsewhere"}
+    async with proxy_for(rogue) as proxy:
+        await _post(proxy.url + CHAT, chat())
+        async with aiohttp.ClientSession() as http, http.get(proxy.url + "/metrics") as resp:
+            text = await resp.text()
+    assert 'kvproxy_upstream_errors_total{engine="rogue0",kind="http_307"} 1.0' in text
+    assert rogue.requests_to("/elsewhere") == []
+
+
+# --- deep JSON ------------------------------------------------------------------------------------
+
+
+def _nested(depth: int) -> object:
+    value: object = "leaf"
+    for i in range(depth):
+        value = [value] if i % 2 else {"k": value}
+    return value
+
+
+def _nested_json(depth: int) -> bytes:
+    """``_nested(depth)`` as JSON, written without recursion (encoders refuse such depths)."""
+    opens = [b"[" if i % 2 else b'{"k":' for i in reversed(range(depth))]
+    closes = [b"]" if i % 2 else b"}" for i in range(depth)]
+    return b"".join(opens) + b'"leaf"' + b"".join(closes)
+
+
+def _depth(value: object) -> int:
+    depth = 0
+    while isinstance(value, dict | list):
+        depth += 1
+        value = value["k"] if isinstance(value, dict) else value[0]
+    return depth
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+@pytest.mark.parametrize("depth", [100, 300, 5000])
+async def test_deeply_nested_bodies_are_a_400_naming_the_problem(
+    stack: Stack, path: str, depth: int
+) -> None:
+    plain = chat_body("hi") if path == CHAT else {"model": TARGET_MODEL, "prompt": "hi"}
+    start = orjson.dumps(plain)[:-1]  # the object left open for one more member
+    body = start + b',"metadata":' + _nested_json(depth) + b"}"
+    status, headers, raw = await _post(stack.url + path, body)
+    assert status == 400
+    assert "nested more than 64 levels" in _error(raw)["message"]
+    assert headers["X-Cache"] == "BYPASS"
+
+
+async def test_the_depth_limit_is_configurable(make_stack: StackFactory) -> None:
+    stack = await make_stack(targets=1, server=server_config(max_json_depth=8))
+    # The top-level object is level 1, chat_body's "metadata" value starts at level 2.
+    status, _, raw = await _post(stack.url + CHAT, chat_body("hi", metadata=_nested(7)))
+    assert status == 200, raw
+    status, _, raw = await _post(stack.url + CHAT, chat_body("hi", metadata=_nested(8)))
+    assert status == 400
+    assert "nested more than 8 levels" in _error(raw)["message"]
+
+
+def test_cache_key_normalisation_survives_any_depth() -> None:
+    assert _depth(_normalise(_nested(50_000))) == 50_000
+    assert _normalise({"a": [1.0, {"b": 2.5, "c": 3.0}]}) == {"a": [1, {"b": 2.5, "c": 3}]}
+
+
+# --- leaks ----------------------------------------------------------------------------------------
+
+_CLIENT_HEADERS = {
+    "X-Real-IP": "203.0.113.7",
+    "Via": "1.1 edge-7",
+    "Forwarded": "for=203.0.113.7",
+    "X-Forwarded-For": "203.0.113.7",
+    "X-Forwarded-Host": "api.example",
+    "Cookie": "session=client-secret",
+    "Authorization": "Bearer sk-client",
+    "X-Custom": "kept",
+}
+_ENGINE_HEADERS = {
+    "Set-Cookie": "engine-session=internal",
+    "X-Internal-Node": "gpu-17.cluster.local",
+    "Server": "uvicorn",
+    "X-Powered-By": "vllm",
+    "openai-processing-ms": "12",
+    "x-ratelimit-remaining-requests": "99",
+    "Cache-Control": "no-cache",
+}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_nothing_internal_crosses_the_proxy(rogue: RogueEngine, stream: bool) -> None:
+    rogue.behaviour.completion_headers = dict(_ENGINE_HEADERS)
+    async with proxy_for(rogue) as proxy:
+        status, headers, _ = await _post(proxy.url + CHAT, chat(stream=stream), **_CLIENT_HEADERS)
+    assert status == 200
+    sent = {k.lower() for k in rogue.requests_to(CHAT)[0].headers}
+    for name in ("x-real-ip", "via", "forwarded", "x-forwarded-for", "x-forwarded-host",
+                 "cookie", "authorization"):
+        assert name not in sent
+    assert "x-custom" in sent
+    got = {k.lower(): v for k, v in headers.items()}
+    assert "set-cookie" not in got
+    assert "x-internal-node" not in got
+    assert "x-powered-by" not in got
+    assert got["server"] == "kvproxy"
+    assert got["openai-processing-ms"] == "12"
+    assert got["x-ratelimit-remaining-requests"] == "99"
+    assert got["x-cache"] and got["x-request-id"]
+
+
+async def test_the_proxy_names_itself_plainly_everywhere(stack: Stack) -> None:
+    for method, path in (("GET", "/health"), ("GET", "/nowhere"), ("POST", CHAT)):
+        async with stack.http.request(method, stack.url + path, json={}) as resp:
+            assert resp.headers["Server"] == "kvproxy"
+
+
+async def test_engine_failures_name_the_engine_but_not_its_address(rogue: RogueEngine) -> None:
+    # Scrapes far apart: the proxy still believes in the engine after it has gone.
+    telemetry = TelemetryConfig(interval_s=5.0, timeout_s=1.0, stale_after_s=30.0)
+    async with proxy_for(rogue, telemetry=telemetry) as proxy:
+        port = rogue.port
+        await rogue.stop()
+        status, _, raw = await _post(proxy.url + CHAT, chat())
+    assert status == 502
+    message = _error(raw)["message"]
+    assert "rogue0" in message
+    assert "127.0.0.1" not in message and str(port) not in message
+    assert "Cannot connect" not in message
+
+
+# --- X-Cache and X-Request-Id on every proxied answer ---------------------------------------------
+
+_FULL_KV = (
+    b'vllm:kv_cache_usage_perc{model_name="m",engine="0"} 0.99\n'
+    b'vllm:num_requests_running{model_name="m",engine="0"} 0\n'
+    b'vllm:num_requests_waiting{model_name="m",engine="0"} 0\n'
+)
+
+
+async def test_a_shed_503_carries_x_cache_and_the_request_id(rogue: RogueEngine) -> None:
+    rogue.behaviour.metrics_body = _FULL_KV
+    async with proxy_for(rogue) as proxy:
+        body = chat(temperature=0)
+        status, headers, _ = await _post(
+            proxy.url + CHAT, body, **{"X-Priority": "sheddable", "X-Request-Id": "shed-1"}
+        )
+    assert status == 503
+    assert headers["X-Cache"] == "MISS"
+    assert headers["X-Request-Id"] == "shed-1"
+
+
+async def test_a_rate_limited_429_carries_x_cache(rogue: RogueEngine) -> None:
+    async with proxy_for(rogue, limits=LimitsConfig(enabled=True, requests_per_min=1)) as proxy:
+        first, _, _ = await _post(proxy.url + CHAT, chat())
+        status, headers, _ = await _post(proxy.url + CHAT, chat())
+    assert (first, status) == (200, 429)
+    assert headers["X-Cache"] == "BYPASS"
+    assert headers["X-Request-Id"]
+
+
+async def test_an_upstream_504_carries_x_cache(rogue: RogueEngine) -> None:
+    rogue.behaviour.completions = "hang"
+    cfg = UpstreamConfig(connect_timeout_s=1.0, first_byte_timeout_s=0.3, response_timeout_s=0.3,
+                         idle_timeout_s=0.3)
+    async with proxy_for(rogue, upstream=cfg) as proxy:
+        status, headers, _ = await _post(proxy.url + CHAT, chat(temperature=0))
+    assert status == 504
+    assert headers["X-Cache"] == "MISS"
+    assert headers["X-Request-Id"]
