@@ -43,7 +43,7 @@ import asyncio
 import random
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import orjson
@@ -57,6 +57,7 @@ from bench.prompts import random_tokens
 from bench.report import RESULTS
 from bench.slo import Objectives, meets
 from bench.stats import RequestRecord, percentile
+from proxy.core.config import PressureConfig
 
 CLASSES = ("critical", "standard", "sheddable")
 ARMS: dict[str, list[str]] = {
@@ -132,6 +133,13 @@ def schedule(args: argparse.Namespace) -> list[Arrival]:
         length = rng.randint(o_lo, o_hi)
         cap = length if args.exact_max_tokens else caps_rng.choice(caps)
         out.append(Arrival(t, cls, prompt, length, cap, forced=args.exact_max_tokens))
+
+
+def guard_marks() -> dict[str, object]:
+    """The guard arm's committed-KV marks (the proxy's defaults), recorded with the results."""
+    cfg = PressureConfig()
+    return {"committed_sheddable": asdict(cfg.committed_sheddable),
+            "committed_standard": asdict(cfg.committed_standard)}
 
 
 def proxy_toml(arm: str, urls: list[str], model: str, port: int) -> str:
@@ -253,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {"fleet": spec.settings(), **{k: v for k, v in vars(args).items()
                                                   if k not in ("out", "no_report")},
                      "requests": len(arrivals), "scheduling_policy": "fcfs",
-                     "objectives": objectives(args).as_dict()},
+                     "objectives": objectives(args).as_dict(), "guard": guard_marks()},
         "rounds": [],
     }
     work = args.out / "raw" / "overcommit"
