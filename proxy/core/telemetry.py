@@ -310,12 +310,16 @@ class EngineState:
         if self.health is Health.HEALTHY and self.snapshot_age(now) > stale_after_s:
             self._move(HealthEvent.AGED)
 
-    def body_is_news(self, digest: int, started: float, fetched_at: float) -> bool:
+    def body_is_news(
+        self, digest: int, started: float, fetched_at: float, settle_s: float = 0.0
+    ) -> bool:
         """Record the metrics text fetched at ``fetched_at`` by a scrape begun at ``started``.
 
         False when it repeats the previous text although a request dispatched after that text
-        was fetched completed before this scrape began: the engine counted that request in
-        between, so an unchanged text is frozen. Anything else is news, idle repeats included.
+        was fetched completed at least ``settle_s`` before this scrape began: the engine counted
+        that request in between, so an unchanged text is frozen. Anything else is news, idle
+        repeats included. ``settle_s`` gives an exporter that counts a request a moment after
+        answering it (vLLM records its stats after handing the output over) time to do so.
         """
         previous, self._last_body = self._last_body, (digest, fetched_at)
         if previous is None:
@@ -327,7 +331,7 @@ class EngineState:
         )
         if previous[0] != digest:
             return True
-        return not any(done < started for _, done in self._completions)
+        return not any(done < started - settle_s for _, done in self._completions)
 
     # -- in-flight accounting
 

@@ -15,9 +15,11 @@ Rules:
   machine's decision, not ours. Every change of an engine's health is logged once, with its reason.
 - After each round every engine is ticked, so staleness is noticed even when scrapes hang.
 - Frozen metrics: a repeated text is news unless a request dispatched after the previous text was
-  fetched completed before this scrape began (``EngineState.body_is_news``). A text proven frozen
-  is a failed scrape (``frozen``): the old snapshot ages, the engine is probed again each round and
-  recovers by itself once its text changes or it has had no such request.
+  fetched completed at least half an interval before this scrape began
+  (``EngineState.body_is_news``; the margin lets an exporter that counts a request just after
+  answering it catch up). A text proven frozen is a failed scrape (``frozen``): the old snapshot
+  ages, the engine is probed again each round and recovers by itself once its text changes or it
+  has had no such request.
 """
 
 from __future__ import annotations
@@ -104,7 +106,9 @@ class Scraper:
 
     def _judge(self, engine: Engine, body: bytes, started: float) -> EngineSnapshot:
         """The snapshot in ``body``, or ``_Failed`` / ``MetricsError`` when it is not usable."""
-        news = engine.state.body_is_news(hash(body), started, self._clock())
+        news = engine.state.body_is_news(
+            hash(body), started, self._clock(), settle_s=self._cfg.interval_s / 2
+        )
         try:
             text = body.decode("utf-8")
         except UnicodeDecodeError:
