@@ -26,11 +26,13 @@ import random
 import sys
 import time
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import aiohttp
 
-from bench import machine, report
+from bench import fit, machine, proxywatch, report
 from bench.fleet import Fleet, FleetSpec
 from bench.loadgen import Endpoint, closed_loop, make_session, request_body, run_async
 from bench.peers import Router, launch_ready, parse_router_list
@@ -39,7 +41,7 @@ from bench.prompts import random_tokens
 from bench.report import RESULTS, report_args
 from bench.stats import RequestRecord, percentile, summarize
 
-RAMP_S = 1.0  # streams start spread over this, not in one burst
+RAMP_S = 4.0  # streams start spread over this, not in one burst (a steady state, not waves)
 DEFAULT_ROUTERS = ("kvproxy/prefix_affinity,kvproxy/round_robin,vllm-router/round_robin,"
                    "sglang-router/round_robin,litellm/least-busy")
 
@@ -48,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.overhead",
                                 description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="fewer, shorter slices")
-    p.add_argument("--concurrency", default="1,16,64")
+    p.add_argument("--concurrency", default="64,256,1024,2048")
     p.add_argument("--slice-s", type=float, default=None, help="seconds per slice (6; quick 3)")
     p.add_argument("--rounds", type=int, default=None, help="rounds per concurrency (3; quick 2)")
     p.add_argument("--routers", default=DEFAULT_ROUTERS)
@@ -59,6 +61,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--engine-cores", default="1")
     p.add_argument("--router-cores", default="0")
+    p.add_argument("--loadgen-cores", default=None,
+                   help="cores of the load generator (default: the engines' cores, never the "
+                        "router's)")
+    p.add_argument("--ramp-s", type=float, default=RAMP_S)
+    p.add_argument("--fit-tokens", default="16,256",
+                   help="answer lengths for the CPU fit a + b*tokens ('' to skip)")
+    p.add_argument("--fit-concurrency", type=int, default=64)
     p.add_argument("--no-relay", action="store_true", help="skip the relay-rate test")
     p.add_argument("--relay-events", type=int, default=2000)
     p.add_argument("--relay-s", type=float, default=8.0)
@@ -101,7 +110,9 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {"fleet": spec.settings(), "concurrency": levels, "slice_s": slice_s,
                      "rounds": rounds, "prompt_tokens": args.prompt_tokens,
                      "output_tokens": args.output_tokens, "engine_cores": args.engine_cores,
-                     "router_cores": args.router_cores, "loadgen_cores": "unpinned"},
+                     "router_cores": args.router_cores,
+                     "loadgen_cores": _loadgen_cores(args) or "unpinned", "ramp_s": args.ramp_s,
+                     "fit_tokens": args.fit_tokens, "fit_concurrency": args.fit_concurrency},
         "unavailable": {}, "levels": {},
     }
     work = args.out / "raw" / "overhead"
@@ -111,7 +122,15 @@ def main(argv: list[str] | None = None) -> int:
         fleet.start()
         started = start_routers(routers, fleet, spec.model, work, args, result)
         paths = Paths(fleet.urls, spec.model, args.prompt_tokens, args.output_tokens)
-        result["levels"] = run_async(measure(paths, started, levels, rounds, slice_s))
+        result["load_before"] = os.getloadavg()
+        with pinned(_loadgen_cores(args)):
+            result["levels"] = run_async(measure(paths, started, levels, rounds, slice_s,
+                                                 args.ramp_s))
+            if args.fit_tokens:
+                result["fit"] = run_async(fit.measure_fit(
+                    paths, started, [int(t) for t in args.fit_tokens.split(",")],
+                    args.fit_concurrency, rounds, slice_s, args.ramp_s))
+        result["load_after"] = os.getloadavg()
     finally:
         for _, proc, _ in started:
             proc.stop()
@@ -147,14 +166,32 @@ def start_routers(routers: list[Router], fleet: Fleet, model: str, work: Path,
     return out
 
 
+def _loadgen_cores(args: argparse.Namespace) -> str | None:
+    return args.loadgen_cores or args.engine_cores or None
+
+
+@contextmanager
+def pinned(cores: str | None) -> Iterator[None]:
+    """This process (the load generator) on ``cores`` while inside; None: left as it is."""
+    old = os.sched_getaffinity(0)
+    if cores:
+        os.sched_setaffinity(0, {int(c) for c in cores.split(",")})
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, old)
+
+
 async def measure(paths: Paths, started: list[tuple[Router, Managed, Endpoint]],
-                  levels: list[int], rounds: int, slice_s: float) -> dict[str, object]:
+                  levels: list[int], rounds: int, slice_s: float,
+                  ramp_s: float = RAMP_S) -> dict[str, object]:
     out: dict[str, object] = {}
     async with make_session() as session:
         await _warm(session, paths, started)
         for conc in levels:
             print(f"== {conc} streams", flush=True)
-            out[str(conc)] = await measure_level(session, paths, started, conc, rounds, slice_s)
+            out[str(conc)] = await measure_level(session, paths, started, conc, rounds, slice_s,
+                                                 ramp_s)
     return out
 
 
@@ -168,16 +205,19 @@ async def _warm(session: aiohttp.ClientSession, paths: Paths,
 
 async def measure_level(session: aiohttp.ClientSession, paths: Paths,
                         started: list[tuple[Router, Managed, Endpoint]], conc: int, rounds: int,
-                        slice_s: float) -> dict[str, object]:
+                        slice_s: float, ramp_s: float = RAMP_S) -> dict[str, object]:
     names = ["direct", *(r.name for r, _, _ in started)]
     records: dict[str, list[RequestRecord]] = {n: [] for n in names}
     spans = dict.fromkeys(names, 0.0)
     cpu = dict.fromkeys(names, 0.0)
     round_p50: dict[str, list[float]] = {n: [] for n in names}
+    watches = {n: proxywatch.Watch() for n in names if n.startswith("kvproxy/")}
+    lag: dict[str, dict[float, float]] = {}
     start = time.perf_counter()
     for _ in range(rounds):
         for name in names:
-            recs, span, used = await _slice(session, paths, started, name, conc, slice_s, start)
+            recs, span, used = await _slice(session, paths, started, name, conc, slice_s, start,
+                                            ramp_s, watches.get(name), lag)
             records[name] += recs
             spans[name] += span
             cpu[name] += used
@@ -185,19 +225,29 @@ async def measure_level(session: aiohttp.ClientSession, paths: Paths,
     level: dict[str, object] = {}
     for name in names:
         ok = sum(1 for r in records[name] if r.ok)
-        level[name] = {
+        entry: dict[str, object] = {
             "summary": summarize(records[name], duration_s=spans[name]),
             "cpu_ms_per_request": cpu[name] * 1000.0 / ok if name != "direct" and ok else None,
             "round_ttft_p50_ratios": [a / b for a, b in zip(round_p50[name], round_p50["direct"],
                                                             strict=True) if b == b and b > 0]
             if name != "direct" else None,
         }
+        if name in watches:
+            entry["proxy"] = {
+                **watches[name].summary(),
+                "loop_lag_p99_s": proxywatch.histogram_quantile(0.99, {}, lag.get(name, {})),
+                "loop_lag_p50_s": proxywatch.histogram_quantile(0.5, {}, lag.get(name, {})),
+            }
+        level[name] = entry
     return level
 
 
 async def _slice(session: aiohttp.ClientSession, paths: Paths,
                  started: list[tuple[Router, Managed, Endpoint]], name: str, conc: int,
-                 slice_s: float, start: float) -> tuple[list[RequestRecord], float, float]:
+                 slice_s: float, start: float, ramp_s: float = RAMP_S,
+                 watch: proxywatch.Watch | None = None,
+                 lag: dict[str, dict[float, float]] | None = None,
+                 ) -> tuple[list[RequestRecord], float, float]:
     proc = next((p for r, p, _ in started if r.name == name), None)
     endpoint = next((e for r, _, e in started if r.name == name), None)
 
@@ -205,10 +255,25 @@ async def _slice(session: aiohttp.ClientSession, paths: Paths,
         target = endpoint or paths.direct[n % len(paths.direct)]
         return target, paths.body(target)
 
+    watching = watch is not None and endpoint is not None and lag is not None
+    stop = asyncio.Event()
+    if watching:
+        assert endpoint is not None and watch is not None and lag is not None
+        before = proxywatch.lag_buckets(await proxywatch.metrics_text(session, endpoint.base_url))
+        sampler = asyncio.create_task(proxywatch.watch(session, endpoint.base_url, watch, stop),
+                                      name="proxy-watch")
     cpu0 = proc.cpu_seconds() if proc else 0.0
     recs, span = await closed_loop(session, pick, concurrency=conc, duration_s=slice_s,
-                                   run_start=start, ramp_s=RAMP_S)
+                                   run_start=start, ramp_s=ramp_s)
     cpu1 = proc.cpu_seconds() if proc else 0.0
+    if watching:
+        assert endpoint is not None and lag is not None
+        stop.set()
+        await sampler
+        after = proxywatch.lag_buckets(await proxywatch.metrics_text(session, endpoint.base_url))
+        total = lag.setdefault(name, {})
+        for bound, count in after.items():  # only this slice's observations, summed over slices
+            total[bound] = total.get(bound, 0.0) + count - before.get(bound, 0.0)
     return recs, span, cpu1 - cpu0
 
 

@@ -81,6 +81,46 @@ def relay_text(data: Mapping[str, object]) -> str:
     return "\n".join(lines)
 
 
+PROXY_HEADER = ("streams", "router", "event-loop lag p50 ms", "lag p99 ms", "scrape age p99 ms",
+                "scrape age max ms", "samples with a stale engine", "/metrics p99 ms",
+                "samples missed")
+
+
+def proxy_rows(data: Mapping[str, object]) -> list[list[object]]:
+    """kvproxy's own view of itself under load, per level (from ``bench.proxywatch``)."""
+    levels = data["levels"]
+    assert isinstance(levels, dict)
+    rows: list[list[object]] = []
+    for conc_text in sorted(levels, key=int):
+        for name, entry in levels[conc_text].items():
+            p = entry.get("proxy")
+            if not isinstance(p, dict):
+                continue
+            rows.append([conc_text, name, fmt(ms(p.get("loop_lag_p50_s")), 1),
+                         fmt(ms(p.get("loop_lag_p99_s")), 1), fmt(ms(p.get("scrape_age_p99_s")), 0),
+                         fmt(ms(p.get("scrape_age_max_s")), 0),
+                         f"{num(p.get('stale_samples')):.0f} of {num(p.get('samples')):.0f}",
+                         fmt(ms(p.get("metrics_latency_p99_s")), 1),
+                         f"{num(p.get('missed_samples')):.0f}"])
+    return rows
+
+
+def fit_text(data: Mapping[str, object]) -> str:
+    found = data.get("fit")
+    if not isinstance(found, dict) or not found.get("routers"):
+        return "Not measured in this run."
+    tokens = found.get("tokens", [])
+    header = ("router", *(f"CPU ms/req at {t} tokens" for t in tokens), "a (ms per request)",
+              "b (us per token)")
+    rows = []
+    for name, r in found["routers"].items():
+        per = r.get("cpu_ms_per_request", {})
+        rows.append([name, *(fmt(num(per.get(str(t))), 3) for t in tokens),
+                     fmt(num(r.get("a_ms")), 3), fmt(num(r.get("b_us_per_token")), 1)])
+    return (f"At {found.get('concurrency')} streams, interleaved; the line through CPU per "
+            f"request at each answer length.\n\n" + table(header, rows))
+
+
 def overhead_settings(data: Mapping[str, object]) -> str:
     s = data["settings"]
     assert isinstance(s, dict)
@@ -93,8 +133,17 @@ def overhead_settings(data: Mapping[str, object]) -> str:
         f"- interleaving: {s['rounds']} rounds; in each, every path (direct first) gets a "
         f"{s['slice_s']} s slice; direct = the client round-robins over the engines itself",
         f"- pinning: engines core(s) {s['engine_cores'] or 'any'}, routers core(s) "
-        f"{s['router_cores'] or 'any'}, load generator {s['loadgen_cores']}",
+        f"{s['router_cores'] or 'any'}, load generator {s['loadgen_cores']}; streams ramp up "
+        f"over {s.get('ramp_s', 1.0)} s",
+        f"- load average (1, 5, 15 min) before / after: {_load(data.get('load_before'))} / "
+        f"{_load(data.get('load_after'))}",
     ])
+
+
+def _load(value: object) -> str:
+    if not isinstance(value, list | tuple):
+        return "-"
+    return ", ".join(f"{float(v):.2f}" for v in value)
 
 
 def overhead_markdown(data: Mapping[str, object], png: str | None) -> str:
@@ -105,6 +154,12 @@ def overhead_markdown(data: Mapping[str, object], png: str | None) -> str:
         "", "## Results", "", table(OVERHEAD_HEADER, overhead_rows(data)), "",
         "`x` columns are ratios to `direct` at the same concurrency over all rounds; "
         "`TTFT p50 x per round` is the range of that ratio over the rounds (its noise).", "",
+        "## kvproxy under load: event-loop lag and telemetry age", "",
+        table(PROXY_HEADER, proxy_rows(data)) if proxy_rows(data) else "Not measured.", "",
+        "Sampled from kvproxy's own `/metrics` every 0.25 s during its slices: "
+        "`kvproxy_event_loop_lag_seconds` (the probe's lateness), "
+        "`kvproxy_engine_snapshot_age_seconds` (every engine's) and `kvproxy_engine_health`.", "",
+        "## Router CPU per request: a + b x tokens", "", fit_text(data), "",
         "## kvproxy relay rate", "", relay_text(data), "",
         "## Targets", "", overhead_targets(overhead_ratios(data)), "",
         "## Routers that did not run", "",

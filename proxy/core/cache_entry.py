@@ -208,11 +208,22 @@ def _merge_fields(into: dict[str, Any], delta: dict[str, Any]) -> bool:
 
 class Recorder(Protocol):
     """What the relay tells a recorder: the engine's status and shape, then every byte the engine
-    sent (the final usage event included, even when it is stripped from the client's stream)."""
+    sent (the final usage event included, even when it is stripped from the client's stream). A
+    stream's bytes are told once, when it has ended: the first ``max_bytes`` of them with ``feed``
+    and, for a longer answer, only their count with ``skipped``."""
+
+    @property
+    def max_bytes(self) -> int:
+        """Bytes of an answer worth keeping: a longer one is never stored."""
+        ...
 
     def start(self, status: int, *, streamed: bool) -> None: ...
 
     def feed(self, data: bytes) -> None: ...
+
+    def skipped(self, size: int) -> None:
+        """``size`` more bytes were relayed but not kept (past ``max_bytes``)."""
+        ...
 
 
 class Recording:
@@ -225,6 +236,11 @@ class Recording:
         self.status = 0
         self.streamed: bool | None = None
         self.bytes_seen = 0
+        self._skipped = False
+
+    @property
+    def max_bytes(self) -> int:
+        return self._max_bytes
 
     def start(self, status: int, *, streamed: bool) -> None:
         """The engine answered with ``status``; ``streamed``: its body is SSE."""
@@ -242,9 +258,14 @@ class Recording:
         elif len(self._body) <= self._max_bytes:
             self._body += data
 
+    def skipped(self, size: int) -> None:
+        """Bytes relayed but not kept: counted, and the answer is too long to store."""
+        self.bytes_seen += size
+        self._skipped = True
+
     def response(self) -> dict[str, Any] | None:
         """The complete answer in the non-streamed shape, or None."""
-        if self.status != 200 or self.streamed is None:
+        if self.status != 200 or self.streamed is None or self._skipped:
             return None
         return self._assembler.result() if self.streamed else complete_json(bytes(self._body))
 

@@ -10,8 +10,9 @@ Rules:
   waiting makes the whole snapshot unusable (``ImplausibleMetrics``); routing on part of a lying
   exposition would be worse than routing without it.
 - A snapshot carries the time it was taken. An engine whose snapshot is older than ``stale_after_s``
-  (no successful scrape recently) is STALE: neither idle nor full, routable only when no engine is
-  fresh.
+  with at least one failed scrape since (no successful scrape recently) is STALE: neither idle nor
+  full, routable only when no engine is fresh. Age alone is not enough: a proxy too busy to scrape
+  on time must not hold that against its engines.
 - Frozen metrics: an idle engine legitimately repeats its text. A repeat proves the exporter stuck
   only when a request dispatched after the previous text was fetched completed before this scrape
   began (the engine counted it in between); ``body_is_news`` says so, and the caller treats it as
@@ -306,8 +307,14 @@ class EngineState:
             self.tick(now, self.stale_after_s)
 
     def tick(self, now: float, stale_after_s: float) -> None:
-        """Age the snapshot: a HEALTHY engine whose snapshot is too old becomes STALE."""
-        if self.health is Health.HEALTHY and self.snapshot_age(now) > stale_after_s:
+        """Age the snapshot: a HEALTHY engine whose snapshot is too old becomes STALE, once a
+        scrape since it has failed (a snapshot that is old only because the proxy was too busy
+        to scrape on time says nothing against the engine)."""
+        if (
+            self.health is Health.HEALTHY
+            and self.consecutive_failures > 0
+            and self.snapshot_age(now) > stale_after_s
+        ):
             self._move(HealthEvent.AGED)
 
     def body_is_news(

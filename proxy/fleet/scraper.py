@@ -14,6 +14,12 @@ Rules:
   failures, without a traceback; what it means for the engine's health is the telemetry state
   machine's decision, not ours. Every change of an engine's health is logged once, with its reason.
 - After each round every engine is ticked, so staleness is noticed even when scrapes hang.
+- A timeout is measured on this process's own event loop: when the loop ran late during a scrape
+  (its timer fired late, or the loop-lag probe saw a wake-up late by a quarter of the timeout or
+  more), the answer may be sitting unread in the socket, so the scrape gets one more timeout's
+  worth of time. Still unanswered with the loop still lagging, it is counted as ``proxy_busy``
+  and not charged to the engine: an engine is never failed or aged because the proxy was busy
+  (staleness itself needs a failed scrape, ``EngineState.tick``).
 - Frozen metrics: a repeated text is news unless a request dispatched after the previous text was
   fetched completed at least half an interval before this scrape began
   (``EngineState.body_is_news``; the margin lets an exporter that counts a request just after
@@ -25,6 +31,7 @@ Rules:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 
@@ -34,6 +41,7 @@ from proxy.core.config import TelemetryConfig
 from proxy.core.telemetry import EngineSnapshot, Health, MetricsError, parse_metrics
 from proxy.fleet.engines import Engine, Fleet
 from proxy.fleet.periodic import stop_if_cancelled
+from proxy.observe.looplag import LoopLag
 from proxy.observe.metrics import ProxyMetrics
 
 log = logging.getLogger(__name__)
@@ -51,7 +59,10 @@ class Scraper:
         cfg: TelemetryConfig,
         metrics: ProxyMetrics,
         clock: Clock,
+        *,
+        lag: LoopLag | None = None,
     ) -> None:
+        self._lag = lag
         self._fleet = fleet
         self._session = session
         self._cfg = cfg
@@ -82,9 +93,10 @@ class Scraper:
     async def _scrape(self, engine: Engine) -> None:
         started = self._clock()
         try:
-            async with asyncio.timeout(self._cfg.timeout_s):
-                body = await self._fetch(engine.metrics_url)
+            body = await self._fetch_in_time(engine.metrics_url)
             snapshot = self._judge(engine, body, started)
+        except _Busy:
+            self._metrics.scrape_failures.labels(engine.name, "proxy_busy").inc()
         except _Failed as exc:
             self._failed(engine, exc.reason, exc.detail)
         except TimeoutError:
@@ -119,6 +131,35 @@ class Scraper:
         if not news:
             raise _Failed("frozen", "frozen metrics: unchanged although requests completed")
         return snapshot
+
+    async def _fetch_in_time(self, url: str) -> bytes:
+        """The metrics body within the timeout; ``_Busy`` when only this process was too slow."""
+        loop = asyncio.get_running_loop()
+        timeout = self._cfg.timeout_s
+        started = loop.time()
+        fetch = asyncio.ensure_future(self._fetch(url))
+        try:
+            done, _ = await asyncio.wait((fetch,), timeout=timeout)
+            if not done and self._busy(started, loop.time()):
+                busy_since = loop.time()
+                done, _ = await asyncio.wait((fetch,), timeout=timeout)
+                if not done and self._busy(busy_since, loop.time()):
+                    raise _Busy()
+            if not done:
+                raise TimeoutError
+            return fetch.result()
+        finally:
+            if not fetch.done():
+                fetch.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await fetch
+
+    def _busy(self, since: float, now: float) -> bool:
+        """Whether the loop ran late enough since ``since`` to explain a missed timeout."""
+        timeout = self._cfg.timeout_s
+        overdue = now - (since + timeout)  # how late the timeout itself fired
+        lag = 0.0 if self._lag is None else self._lag.worst_since(since, now)
+        return max(overdue, lag) >= timeout / 4
 
     async def _fetch(self, url: str) -> bytes:
         async with self._session.get(url, allow_redirects=False) as resp:
@@ -165,6 +206,10 @@ async def _read_capped(resp: aiohttp.ClientResponse, limit: int) -> bytes:
             resp.close()
             raise too_large
     return bytes(body)
+
+
+class _Busy(Exception):
+    """The scrape missed its timeout while this process's loop lagged: nobody's fault but ours."""
 
 
 class _Failed(Exception):

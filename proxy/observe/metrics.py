@@ -25,6 +25,7 @@ _LATENCY_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
 )  # fmt: skip
 _SCRAPE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+_LAG_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 BREAKER_VALUES = {"closed": 0.0, "half_open": 1.0, "open": 2.0}
 OUTLIER_VALUES = {"active": 0.0, "probation": 1.0, "ejected": 2.0}
@@ -127,8 +128,21 @@ class ProxyMetrics:
         self.draining = Gauge(
             "kvproxy_draining", "1 while the proxy drains for shutdown", registry=r
         )
+        self._loop_metrics(r)
         self._engine_gauges(r)
         self._tenant_counters(r)
+
+    def _loop_metrics(self, r: CollectorRegistry) -> None:
+        self.loop_lag = Histogram(
+            "kvproxy_event_loop_lag_seconds",
+            "How late the event loop ran a periodic probe (time it could not attend to anything)",
+            buckets=_LAG_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.relay_pauses = Counter(
+            "kvproxy_relay_pauses",
+            "Times a stream's engine reading paused because its client's buffer was full",
+            registry=r,
+        )  # fmt: skip
 
     def _tenant_counters(self, r: CollectorRegistry) -> None:
         self.tenant_labels = TenantLabels()

@@ -2,8 +2,9 @@
 
 Rules:
 - ``build_app`` wires pure-core objects into a ``ShellContext`` reachable only via typed keys.
-- The upstream sessions and the named scraper task are created and destroyed by ``cleanup_ctx``;
-  nothing outlives the application.
+- The upstream sessions, the named scraper task and the named event-loop lag probe
+  (``kvproxy-loop-lag``) are created and destroyed by ``cleanup_ctx``; nothing outlives the
+  application.
 - One middleware turns every exception into a response: ``KvproxyError`` renders itself,
   aiohttp's own HTTP errors (unknown route, wrong method) become OpenAI-shaped errors, anything else
   is logged and becomes a 500. ``asyncio.CancelledError`` always propagates.
@@ -33,6 +34,7 @@ from proxy.fleet.discovery import REFRESH_S, ModelDiscovery
 from proxy.fleet.engines import Engine, Fleet
 from proxy.fleet.scraper import Scraper
 from proxy.fleet.upstream import make_data_session, make_scrape_session
+from proxy.observe.looplag import LoopLag
 from proxy.observe.metrics import ProxyMetrics
 from proxy.server import handlers
 from proxy.server.connections import SERVER_NAME
@@ -126,15 +128,19 @@ async def _upstream_sessions(app: web.Application) -> AsyncIterator[None]:
 async def _scraper(app: web.Application) -> AsyncIterator[None]:
     ctx = app[SHELL]
     assert ctx.scrape_session is not None
-    scraper = Scraper(ctx.fleet, ctx.scrape_session, ctx.cfg.telemetry, ctx.metrics, ctx.clock)
+    lag = LoopLag(ctx.metrics.loop_lag)
+    probe = asyncio.create_task(lag.run(), name="kvproxy-loop-lag")
+    scraper = Scraper(ctx.fleet, ctx.scrape_session, ctx.cfg.telemetry, ctx.metrics, ctx.clock,
+                      lag=lag)
     task = asyncio.create_task(scraper.run(), name="kvproxy-scraper")
     app[SCRAPER_TASK] = task
     try:
         yield
     finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        for owned in (task, probe):
+            owned.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await owned
 
 
 async def _front_door(app: web.Application) -> AsyncIterator[None]:

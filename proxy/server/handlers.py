@@ -53,8 +53,9 @@ from proxy.fleet.upstream import request_headers
 from proxy.observe import accesslog
 from proxy.observe.metrics import CONTENT_TYPE
 from proxy.server.context import ShellContext
+from proxy.server.job import Job
 from proxy.server.keys import MODELS, REQUEST_ID, SHELL
-from proxy.server.relay import CLIENT_CLOSED, REASON_CONNECTIONS_FULL, Job, Relay
+from proxy.server.relay import CLIENT_CLOSED, REASON_CONNECTIONS_FULL, Relay
 from proxy.tenancy.frontdoor import CHARS_PER_TOKEN, DOOR, replay, wants_usage
 
 

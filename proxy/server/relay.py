@@ -4,7 +4,8 @@ Rules:
 - Nothing is sent to the client until the engine has produced its first body byte (or, for a plain
   JSON answer, the whole body). Until then a connect failure, a 5xx or a 429 may be retried on the
   next engine of the ranking (``upstream.retries`` times); after it, never.
-- SSE bytes are written as they arrive (``iter_any``), never re-encoded.
+- SSE bytes are written as they arrive, never re-encoded (``splice``: after the first read, the
+  engine connection's parser callback writes each decoded piece to the client's transport).
 - Redirects are not followed: an engine's 3xx is a failure (502, retried like a 5xx).
 - A stream still open when the drain times out is cut by the proxy like any broken stream: one SSE
   error event, no ``[DONE]``, and the engine's connection closed so it aborts.
@@ -25,28 +26,48 @@ Rules:
 - An engine with ``upstream.max_connections_per_engine`` requests open is not sent another (the
   retry target included): nothing ever queues inside the proxy's connection pool.
 - KV commitments (``proxy.core.commitment``): each dispatch is booked as a flight on its engine
-  until it settles; the pump adds each chunk's length to it (nothing more per chunk), and the
+  until it settles; the splice adds each read's length to it (nothing more per read), and the
   answer's length is learned once, at its end, from the engine's ``usage``.
+- The response cache and the limits' token count (the recorder) get a stream's bytes once, at
+  its end, from a bounded list of references kept only for a request that has a recorder.
+
+Design of a streamed answer (why it is not aiohttp's stream classes end to end): relaying through
+``StreamReader.readany`` and ``StreamResponse.write`` costs a task wake-up, a future and a
+coroutine chain per SSE event, about twice the bare cost of the two system calls. aiohttp still
+does everything else here (the client request and its pooled connection, the engine's response
+head and its HTTP framing in the C parser, the server, the client's request and response head);
+only the body's hand-over moves down a level:
+
+1. The response head and the first body read are awaited the ordinary way, under the first-byte
+   budget, so the retry rules above see exactly what they saw before.
+2. The first read goes to the client through the ``StreamResponse`` (which sends its head, chunked
+   for HTTP/1.1, close-delimited for HTTP/1.0).
+3. ``splice.Splice`` then takes over the body reader: the parser's body callback writes straight
+   to the client's transport, framed like aiohttp's writer would, with flow control both ways,
+   one idle timer per stream, and the client's deadline as one more timer. The relay's coroutine
+   sleeps until the splice ends (EOF, engine failure, timeout, client gone, drain cut).
+4. The ending (the last chunk, or an SSE error event) is written through the ``StreamResponse``
+   again; once per stream.
+There is no fallback path: a body that ended with its first read is simply finished.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 
 import aiohttp
 from aiohttp import web
+from aiohttp.streams import StreamReader
 
 from proxy.core.admission import REASON_NO_ENGINE
 from proxy.core.breaker import Outcome, classify_status
-from proxy.core.cache_entry import Recorder
 from proxy.core.commitment import Flight
-from proxy.core.errors import KvproxyError, NoCapacity, UpstreamError, UpstreamTimeout
+from proxy.core.errors import KvproxyError, NoCapacity, UpstreamError
 from proxy.core.outlier import Result
-from proxy.core.usage import StreamTail, Usage, UsageStrip, usage_of_body
+from proxy.core.usage import UsageStrip, usage_of_body
 from proxy.fleet.engines import Engine
 from proxy.fleet.upstream import (
     DATA_POST,
@@ -56,64 +77,22 @@ from proxy.fleet.upstream import (
     translate,
 )
 from proxy.server.context import ShellContext
+from proxy.server.job import Job, deadline_error
+from proxy.server.splice import (
+    Capture,
+    DeadlinePassed,
+    Ending,
+    Splice,
+    StreamEnd,
+    cut_event,
+    tell_recorder,
+)
 
 log = logging.getLogger(__name__)
 
 REASON_CONNECTIONS_FULL = "engine_connections_full"
 
 CLIENT_CLOSED = 499  # nginx's convention for "client went away", used as a metrics label only
-
-
-@dataclass
-class Job:
-    """One proxied request on its way through; fields fill in as decisions are made."""
-
-    request_id: str
-    started_at: float
-    cls: str
-    pool: str = "none"
-    stream: bool = False
-    path: str = ""
-    body: bytes = b""
-    headers: dict[str, str] = field(default_factory=dict)
-    engine: str = "none"
-    status: int = 0
-    first_byte_at: float | None = None
-    # Sees the engine's status and every byte relayed (response cache, token accounting).
-    recorder: Recorder | None = None
-    extra_headers: dict[str, str] = field(default_factory=dict)
-    shed_reason: str | None = None
-    # Per engine name: prompt blocks it is expected to compute for this request (routing's view).
-    prefill: dict[str, float] = field(default_factory=dict)
-    # For the access log and accounting: who asked for what, retries made, the engine's usage.
-    tenant: str | None = None
-    model: str | None = None
-    asked_pool: str | None = None
-    retries: int = 0
-    # The whole stream reached the client: a disconnect after that is not an abort (499).
-    delivered: bool = False
-    # The client's own limit: seconds it gave, and when that ends on the event loop's clock.
-    timeout_s: float | None = None
-    deadline: float | None = None
-    strip_usage: bool = False  # the engine was asked for usage the client did not ask for
-    usage: Usage | None = None
-    # Per engine name: prompt tokens it does not hold yet; the client's output cap (KV commitments).
-    prompt_tokens: dict[str, float] = field(default_factory=dict)
-    max_tokens: int | None = None
-
-    def client_headers(self) -> dict[str, str]:
-        ids = {"X-Request-Id": self.request_id, "X-Engine": self.engine, "X-Served-By": self.pool}
-        return ids | self.extra_headers
-
-
-class DeadlinePassed(TimeoutError):
-    """The client's deadline, not one of the proxy's own limits, ran out."""
-
-
-def deadline_error(job: Job) -> UpstreamTimeout:
-    return UpstreamTimeout(
-        f"the request's deadline of {job.timeout_s:g} s passed before the answer was complete"
-    )
 
 
 class _Retry(Exception):
@@ -345,10 +324,10 @@ class Relay:
         return web.Response(status=resp.status, body=body, headers=headers)
 
     async def _stream(self, engine: Engine, resp: aiohttp.ClientResponse) -> web.StreamResponse:
-        chunks = resp.content.iter_any()
+        reader = resp.content
         try:
             async with asyncio.timeout_at(self._first_byte_deadline):
-                first = await anext(chunks, b"")
+                first = await reader.readany()
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise self._failed(engine, exc, "first_byte") from None
         out = web.StreamResponse(
@@ -358,26 +337,57 @@ class Relay:
         self._job.status = resp.status
         self._answered(engine)
         recorder = self._job.recorder
+        capture = None
         if recorder is not None:
             recorder.start(resp.status, streamed=True)
-        pump = _Pump(
-            out,
-            self._up.idle_timeout_s,
-            None if recorder is None else recorder.feed,
-            strip=UsageStrip() if self._job.strip_usage else None,
-            deadline=self._job.deadline,
-            flight=self._flight,
-        )
-        with self._ctx.drain.cuttable(pump.cut):
-            failure = await pump.run(chunks) if await pump.write(first) else None
-        self._job.delivered = not pump.client_gone
-        self._settle_stream(engine, pump, failure)
+            capture = Capture(recorder.max_bytes)
+        try:
+            outcome = await self._relay(out, reader, first, capture)
+        finally:
+            if recorder is not None and capture is not None:
+                tell_recorder(recorder, capture)
+        self._job.delivered = not outcome.client_gone
+        self._settle_stream(engine, outcome)
         return out
 
-    def _settle_stream(self, engine: Engine, pump: _Pump, failure: BaseException | None) -> None:
-        if pump.client_gone:
+    async def _relay(
+        self, out: web.StreamResponse, reader: StreamReader, first: bytes, capture: Capture | None
+    ) -> StreamEnd:
+        """The first read through the response object, the rest spliced, then the ending."""
+        strip = UsageStrip() if self._job.strip_usage else None
+        ending = Ending(out, strip)
+        try:
+            splice = Splice(self._request, idle_timeout_s=self._up.idle_timeout_s,
+                            deadline=self._job.deadline, strip=strip, flight=self._flight,
+                            capture=capture, on_pause=self._ctx.metrics.relay_pauses.inc)
+        except ConnectionResetError:
+            return StreamEnd(client_gone=True)
+        splice.record(first)
+        sent = first if strip is None else strip(first)
+        if sent and not await ending.send(sent):
+            return StreamEnd(client_gone=True)
+        with self._ctx.drain.cuttable(splice.cut):
+            failure = await splice.run(reader)
+        outcome = StreamEnd(splice.client_gone, splice.was_cut, failure, splice.tail)
+        if splice.client_gone:
+            return outcome
+        boundary = splice.at_event_boundary
+        if splice.was_cut:
+            draining = NoCapacity(
+                "the proxy is shutting down; the answer is incomplete", reason="draining"
+            )
+            outcome.client_gone = not await ending.error(draining, boundary)
+        elif failure is not None:
+            outcome.client_gone = not await ending.error(cut_event(failure), boundary)
+        else:
+            outcome.client_gone = not await ending.finish()
+        return outcome
+
+    def _settle_stream(self, engine: Engine, outcome: StreamEnd) -> None:
+        failure = outcome.failure
+        if outcome.client_gone:
             self._job.status = CLIENT_CLOSED
-        elif pump.was_cut:
+        elif outcome.was_cut:
             # The proxy's own shutdown ended it: no verdict on the engine.
             log.warning("stream from %s cut off by the drain timeout", engine.name)
         elif isinstance(failure, DeadlinePassed):
@@ -389,122 +399,5 @@ class Relay:
         else:
             self._outcome(engine, Outcome.SUCCESS, None)
             engine.state.on_complete(self._ticket, self._ctx.clock())
-            self._job.usage = pump.tail.usage()
+            self._job.usage = outcome.tail.usage()
             self._learn(engine, self._flight.relayed, streamed=True)
-
-
-class _Pump:
-    """Copies SSE bytes to the client; turns a mid-stream failure into one SSE error event.
-
-    Reading from the engine and writing to the client fail differently and are guarded apart:
-    an engine failure is reported to the client, a client failure ends the relay silently.
-    ``tap`` and ``tail`` see the engine's bytes; the client gets them through ``strip``, if set.
-    """
-
-    def __init__(
-        self,
-        out: web.StreamResponse,
-        idle_timeout_s: float,
-        tap: Callable[[bytes], None] | None = None,
-        *,
-        strip: UsageStrip | None = None,
-        deadline: float | None = None,
-        flight: Flight | None = None,
-    ) -> None:
-        self._out = out
-        self._tap = tap
-        self._strip = strip
-        self._flight = flight if flight is not None else Flight(0.0, 0.0)
-        self._idle = idle_timeout_s
-        self._deadline = deadline
-        self._at_event_boundary = True
-        self._waiting: asyncio.Timeout | None = None
-        self.client_gone = False
-        self.was_cut = False
-        self.tail = StreamTail()
-
-    def cut(self) -> None:
-        """End the stream now (drain timeout): the pending read gives up, the client is told."""
-        self.was_cut = True
-        if self._waiting is not None:
-            self._waiting.reschedule(asyncio.get_running_loop().time())
-
-    async def write(self, chunk: bytes) -> bool:
-        """Send ``chunk``; False once the client is gone."""
-        sent = chunk if self._strip is None else self._strip(chunk)
-        if sent and not await self._send(sent):
-            return False
-        self.tail.feed(chunk)
-        self._flight.relayed += len(chunk)
-        if self._tap is not None:
-            self._tap(chunk)
-        return True
-
-    async def _send(self, data: bytes) -> bool:
-        try:
-            await self._out.write(data)
-        except ConnectionResetError:
-            self.client_gone = True
-            return False
-        self._at_event_boundary = data.endswith(b"\n\n")
-        return True
-
-    def _read_deadline(self) -> tuple[float, bool]:
-        """When the next read must have arrived, and whether that is the client's deadline."""
-        idle_end = asyncio.get_running_loop().time() + self._idle
-        if self._deadline is not None and self._deadline <= idle_end:
-            return self._deadline, True
-        return idle_end, False
-
-    async def run(self, chunks: AsyncIterator[bytes]) -> BaseException | None:
-        """Relay until the engine's EOF; return the engine failure that cut the stream, if any."""
-        while not self.was_cut:
-            until, is_deadline = self._read_deadline()
-            try:
-                async with asyncio.timeout_at(until) as self._waiting:
-                    chunk = await anext(chunks, b"")
-            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-                if self.was_cut:
-                    break
-                failure = DeadlinePassed() if is_deadline and isinstance(exc, TimeoutError) else exc
-                await self._error_event(failure)
-                return failure
-            finally:
-                self._waiting = None
-            if not chunk:
-                break
-            if not await self.write(chunk):
-                return None
-        if self.was_cut:
-            draining = NoCapacity(
-                "the proxy is shutting down; the answer is incomplete", reason="draining"
-            )
-            await self._send_error(draining)
-            return None
-        await self._finish()
-        return None
-
-    async def _error_event(self, exc: BaseException) -> None:
-        error = UpstreamTimeout if isinstance(exc, TimeoutError) else UpstreamError
-        kind = "stalled between chunks" if isinstance(exc, TimeoutError) else "broke off"
-        event = error(f"the engine's stream {kind}; the answer is incomplete")
-        if isinstance(exc, DeadlinePassed):
-            event = UpstreamTimeout("the request's deadline passed; the answer is incomplete")
-        await self._send_error(event)
-
-    async def _send_error(self, event: KvproxyError) -> None:
-        if self._strip is not None:
-            self._strip.flush()  # a held-back partial event: incomplete, never sent
-        # A cut mid-event would glue our event onto a partial line; end that event first.
-        lead = b"" if self._at_event_boundary else b"\n\n"
-        if await self.write(lead + b"data: " + event.body() + b"\n\n"):
-            await self._finish()
-
-    async def _finish(self) -> None:
-        rest = b"" if self._strip is None else self._strip.flush()
-        if rest and not await self._send(rest):
-            return
-        try:
-            await self._out.write_eof()
-        except ConnectionResetError:
-            self.client_gone = True

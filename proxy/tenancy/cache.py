@@ -314,8 +314,15 @@ class Fill:
     def start(self, status: int, *, streamed: bool) -> None:
         self.recording.start(status, streamed=streamed)
 
+    @property
+    def max_bytes(self) -> int:
+        return self.recording.max_bytes
+
     def feed(self, data: bytes) -> None:
         self.recording.feed(data)
+
+    def skipped(self, size: int) -> None:
+        self.recording.skipped(size)
 
     def result(self) -> CachedResponse | None:
         """The complete answer relayed so far, if any."""

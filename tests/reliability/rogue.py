@@ -8,6 +8,8 @@ tests can tell what reached it.
 from __future__ import annotations
 
 import asyncio
+import socket
+import time
 from dataclasses import dataclass, field
 
 import orjson
@@ -31,6 +33,10 @@ class Behaviour:
     # When > 0: ``/metrics`` streams ``metrics_body`` padded with comment lines to this many bytes,
     # chunked (no Content-Length), and records in ``metrics_bytes_sent`` how much it got out.
     metrics_stream_bytes: int = 0
+    # When > 0: ``/metrics`` blocks the whole process (``time.sleep``) this long before answering;
+    # since the rogue shares the test's event loop with the proxy, this stalls the proxy's loop in
+    # the middle of a scrape (a GC pause, a blocking call).
+    metrics_block_s: float = 0.0
     # Completions: "ok" answers normally, "hang" never answers, "hold" answers normally once
     # ``RogueEngine.release`` is set, "status" answers ``completion_status`` with
     # ``completion_headers`` and an empty body.
@@ -40,6 +46,16 @@ class Behaviour:
     tokens: int = 4
     # Pause before each streamed chunk (a slow engine); 0 streams at once.
     chunk_delay_s: float = 0.0
+    # Characters of content per streamed token (a large answer for flow-control tests).
+    token_bytes: int = 1
+    # When set, a streamed answer's body is exactly these pieces, each its own HTTP chunk (split
+    # mid-event, several events in one, ...), ``chunk_delay_s`` apart; ``stream_sized`` sends
+    # them with a Content-Length instead of chunked.
+    stream_pieces: list[bytes] = field(default_factory=list)
+    stream_sized: bool = False
+    # When > 0: the send buffer of a streamed answer's socket (a small one makes the engine feel
+    # the proxy's backpressure at once instead of after the kernel's buffers fill).
+    send_buffer_bytes: int = 0
 
 
 @dataclass
@@ -59,6 +75,8 @@ class RogueEngine:
         self.streams_cut = 0
         self.release = asyncio.Event()
         self.metrics_bytes_sent: list[int] = []
+        # Per streamed answer: body bytes whose write had completed (the proxy took them).
+        self.stream_bytes_sent: list[int] = []
         self._runner: web.AppRunner | None = None
         self.port = 0
 
@@ -94,6 +112,8 @@ class RogueEngine:
     async def _metrics(self, request: web.Request) -> web.Response:
         await self._record(request)
         b = self.behaviour
+        if b.metrics_block_s > 0:
+            time.sleep(b.metrics_block_s)  # noqa: ASYNC251 - blocking is the point
         if b.metrics_stream_bytes > 0:
             return await self._metrics_stream(request)
         return web.Response(
@@ -153,22 +173,34 @@ class RogueEngine:
                             headers=b.completion_headers)
 
     async def _stream(self, request: web.Request) -> web.StreamResponse:
+        b = self.behaviour
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                          **self.behaviour.completion_headers})
+                                          **b.completion_headers})
+        pieces = b.stream_pieces or self._events()
+        if b.stream_sized:
+            out.content_length = sum(len(p) for p in pieces)
+        sock = request.transport.get_extra_info("socket") if request.transport else None
+        if b.send_buffer_bytes and sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, b.send_buffer_bytes)
         await out.prepare(request)
         finished = False
+        self.stream_bytes_sent.append(0)
         try:
-            for _ in range(self.behaviour.tokens):
-                if self.behaviour.chunk_delay_s:
-                    await asyncio.sleep(self.behaviour.chunk_delay_s)
-                chunk = {"id": "cmpl-rogue", "object": "chat.completion.chunk",
-                         "model": self.model, "choices": [
-                             {"index": 0, "delta": {"content": "x"}, "finish_reason": None}]}
-                await out.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
-            await out.write(b"data: [DONE]\n\n")
+            for piece in pieces:
+                if b.chunk_delay_s:
+                    await asyncio.sleep(b.chunk_delay_s)
+                await out.write(piece)
+                self.stream_bytes_sent[-1] += len(piece)
             await out.write_eof()
             finished = True
         finally:
             if not finished:
                 self.streams_cut += 1
         return out
+
+    def _events(self) -> list[bytes]:
+        content = "x" * self.behaviour.token_bytes
+        chunk = {"id": "cmpl-rogue", "object": "chat.completion.chunk", "model": self.model,
+                 "choices": [{"index": 0, "delta": {"content": content}, "finish_reason": None}]}
+        event = b"data: " + orjson.dumps(chunk) + b"\n\n"
+        return [event] * self.behaviour.tokens + [b"data: [DONE]\n\n"]

@@ -14,7 +14,7 @@ from proxy.core.errors import ConfigError
 from proxy.core.usage import Usage
 from proxy.observe import accesslog
 from proxy.observe.accesslog import access_fields
-from proxy.server.relay import Job
+from proxy.server.job import Job
 
 
 def _job(**kw: object) -> Job:

@@ -198,7 +198,12 @@ def test_lifecycle() -> None:
     view = s.view(0.5, True)
     assert view.routable and view.fresh and view.load == 1.0 and view.kv_usage == 0.1
     assert not s.view(0.5, False).routable  # breaker says no
-    # Older than stale_after_s: STALE, still routable (as a last resort), but not fresh.
+    # Older than stale_after_s without a failed scrape (the proxy was too busy to scrape): the
+    # engine is not held to blame and stays fresh.
+    assert s.view(1.6, True).fresh and health(s) is Health.HEALTHY
+    # Older than stale_after_s with a failed scrape since: STALE, still routable (as a last
+    # resort), but not fresh.
+    s.on_scrape_failed(1.6, "timeout")
     view = s.view(1.6, True)
     assert health(s) is Health.STALE and view.routable and not view.fresh
     s.on_scrape_ok(snap(2.0), 2.0)
@@ -307,7 +312,7 @@ def test_any_event_sequence_stays_in_the_table(seq: list[tuple[str, bool]]) -> N
         view = s.view(now, True)
         assert view.routable == (s.health in (Health.HEALTHY, Health.STALE))
         assert view.fresh == (health(s) is Health.HEALTHY)
-        if view.fresh:
+        if view.fresh and s.consecutive_failures:  # age alone (no failed scrape) is no fault
             assert s.snapshot is not None and now - s.snapshot.taken_at <= 1.0
 
 

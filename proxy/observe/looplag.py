@@ -1,0 +1,51 @@
+"""The event loop's lag: how late a periodic probe wakes, exported and kept for the scraper.
+
+Rules:
+- One named task per process runs the probe (the app owns and cancels it): it sleeps a fixed
+  ``interval_s`` and records how much later than asked it woke, in
+  ``kvproxy_event_loop_lag_seconds``. That lateness is time the loop could not attend to anything:
+  callbacks queued behind other work, a GC pause, a blocking call.
+- The probe costs one timer per interval, whatever the load; it never allocates per request.
+- ``worst_since`` answers "was this process too busy to read its sockets in time?" for timeouts
+  measured on the same loop (the scraper's), from the last ``_KEPT`` wake-ups.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from typing import NoReturn
+
+from prometheus_client import Histogram
+
+DEFAULT_INTERVAL_S = 0.05
+_KEPT = 64  # 3.2 s of wake-ups at the default interval
+
+
+class LoopLag:
+    def __init__(self, histogram: Histogram, interval_s: float = DEFAULT_INTERVAL_S) -> None:
+        self._histogram = histogram
+        self.interval_s = interval_s
+        self._recent: deque[tuple[float, float]] = deque(maxlen=_KEPT)  # (woke at, lag)
+
+    async def run(self) -> NoReturn:
+        """Probe until cancelled."""
+        loop = asyncio.get_running_loop()
+        while True:
+            due = loop.time() + self.interval_s
+            await asyncio.sleep(self.interval_s)
+            woke = loop.time()
+            self.observe(woke, max(0.0, woke - due))
+
+    def observe(self, woke: float, lag: float) -> None:
+        self._recent.append((woke, lag))
+        self._histogram.observe(lag)
+
+    def worst_since(self, since: float, now: float) -> float:
+        """The largest lag seen by wake-ups after ``since``, counting a probe overdue at ``now``
+        (one that should have woken by then and has not) as late by as much."""
+        worst = max((lag for woke, lag in self._recent if woke >= since), default=0.0)
+        if self._recent:
+            overdue = now - (self._recent[-1][0] + self.interval_s)
+            worst = max(worst, overdue)
+        return worst

@@ -1,0 +1,351 @@
+"""The per-event path of a streamed answer: engine connection to client transport, in callbacks.
+
+Rules:
+- After the first body byte (read the ordinary way, under the first-byte budget) the body's
+  ``StreamReader`` is turned into a tap: aiohttp's C parser still does the engine side's HTTP
+  framing (chunked or sized), and each piece of body it decodes goes straight from that callback
+  to the client's transport, framed for the client (chunked, or as is for HTTP/1.0). No task wakes
+  per event and no coroutine runs; the relay's coroutine sleeps until the stream ends or the
+  client's buffer fills.
+- Flow control both ways: when a write leaves the client's transport above its high-water mark
+  (the transport pauses the server protocol), reading from the engine pauses (the parser keeps
+  what it has not decoded, the socket stops being read) until the client's buffer drains below its
+  low-water mark. Memory per stream is bounded by the transport's high-water mark plus one read.
+- One idle deadline per stream: a single ``call_at`` timer, re-armed only when it fires, from the
+  time of the last read; while the client holds the stream up, the engine is not idle. The
+  client's deadline is a second single timer. Nothing is scheduled per event.
+- Per read, only: the time, the byte count (KV commitments), a reference kept in a short tail
+  (usage at the end), the usage strip's substring check when the proxy asked for usage, and, for
+  a request that may be recorded, a bounded list of references (``Capture``; dropped past its
+  limit). Recording and usage parsing happen once, at the end.
+- The engine's bytes are never re-encoded: the client gets each decoded piece as it came, less a
+  usage event the proxy asked for on the client's behalf.
+- The tap ends once: at the engine's EOF, its failure, an idle or deadline timeout, the client
+  going away, or ``cut`` (drain). After that no byte is written by the tap; the relay writes the
+  ending (error event or the last chunk) through the response object.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+from aiohttp import web
+from aiohttp.base_protocol import BaseProtocol
+from aiohttp.helpers import _EXC_SENTINEL as _NO_CAUSE
+from aiohttp.http_writer import StreamWriter
+from aiohttp.streams import StreamReader
+
+from proxy.core.cache_entry import Recorder
+from proxy.core.commitment import Flight
+from proxy.core.errors import KvproxyError, UpstreamError, UpstreamTimeout
+from proxy.core.usage import StreamTail, UsageStrip
+
+
+class DeadlinePassed(TimeoutError):
+    """The client's deadline, not one of the proxy's own limits, ran out."""
+
+
+class Capture:
+    """The engine's bytes kept for a recorder, by reference, up to ``limit`` bytes in all."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.size = 0
+        self.chunks: list[bytes] = []
+        self.overflowed = False
+
+    def add(self, data: bytes) -> None:
+        self.size += len(data)
+        if self.overflowed:
+            return
+        if self.size > self.limit:
+            self.overflowed = True  # past what may be stored: nothing more is worth keeping
+            self.chunks.clear()
+            return
+        self.chunks.append(data)
+
+
+class _TappedReader(StreamReader):
+    """A body reader whose parser callbacks hand the bytes to a ``Splice`` (its ``_protocol``)."""
+
+    __slots__ = ()
+
+    def feed_data(self, data: bytes, size: int = 0) -> bool:
+        cast("Splice", self._protocol).feed(data)
+        return False
+
+    def begin_http_chunk_receiving(self) -> None:
+        pass  # no reader keeps chunk offsets: nothing is buffered here
+
+    def end_http_chunk_receiving(self) -> None:
+        pass
+
+    def feed_eof(self) -> None:
+        super().feed_eof()  # runs the response's EOF callbacks: the connection goes to its pool
+        cast("Splice", self._protocol).end(None)
+
+    def set_exception(self, exc: BaseException, exc_cause: BaseException = _NO_CAUSE) -> None:
+        super().set_exception(exc, exc_cause)
+        cast("Splice", self._protocol).end(exc)
+
+
+_PENDING: Any = object()
+
+
+class Splice:
+    """Relays one stream's body from the engine's connection to the client's transport."""
+
+    def __init__(
+        self,
+        request: web.Request,
+        *,
+        idle_timeout_s: float,
+        deadline: float | None,
+        strip: UsageStrip | None,
+        flight: Flight,
+        capture: Capture | None,
+        on_pause: Callable[[], None] | None = None,
+    ) -> None:
+        writer = request.writer
+        if not isinstance(writer, StreamWriter) or writer.transport is None:
+            raise ConnectionResetError("the client's connection is gone")
+        self._writer = writer
+        self._client = writer.transport
+        self._client_proto = writer.protocol
+        self._chunked = writer.chunked
+        self._loop = asyncio.get_running_loop()
+        self._time = self._loop.time
+        self._idle = idle_timeout_s
+        self._deadline = deadline
+        self._strip = strip
+        self._flight = flight
+        self._capture = capture
+        self.tail = StreamTail()
+        self._tail = self.tail.feed
+        self._reader: StreamReader | None = None
+        self._upstream: BaseProtocol | None = None
+        self._last = self._time()
+        self._last_sent = b"\n\n"
+        self._paused = False
+        self._result: BaseException | None = _PENDING
+        self._wake: asyncio.Future[None] | None = None
+        self._idle_timer: asyncio.TimerHandle | None = None
+        self._deadline_timer: asyncio.TimerHandle | None = None
+        self.client_gone = False
+        self.was_cut = False
+        self._on_pause = on_pause  # told each time the client's buffer holds the engine up
+
+    @property
+    def at_event_boundary(self) -> bool:
+        """Whether what the client got so far ends between two SSE events."""
+        return self._last_sent.endswith(b"\n\n")
+
+    def record(self, data: bytes) -> None:
+        """Account for engine bytes relayed outside the tap (the first read)."""
+        self._flight.relayed += len(data)
+        self._tail(data)
+        if self._capture is not None:
+            self._capture.add(data)
+
+    def sent(self, data: bytes) -> None:
+        """Note bytes the relay wrote to the client itself (for the ending's framing)."""
+        if data:
+            self._last_sent = data
+
+    async def run(self, reader: StreamReader) -> BaseException | None:
+        """Relay until the stream ends; the engine failure (or timeout) that ended it, if any."""
+        self._take_over(reader)
+        try:
+            while self._result is _PENDING:
+                if self._paused:
+                    await self._wait_for_client()
+                    continue
+                self._wake = self._loop.create_future()
+                await self._wake
+        finally:
+            self._release()
+        return self._result
+
+    def cut(self) -> None:
+        """End the stream now (drain timeout); the relay tells the client."""
+        if self._result is _PENDING:
+            self.was_cut = True
+            self.end(None)
+
+    def _take_over(self, reader: StreamReader) -> None:
+        if reader.exception() is not None:
+            self.end(reader.exception())
+            return
+        if reader.is_eof() or type(reader) is not StreamReader:
+            self.end(None)  # the whole body came with the first read (or there is none)
+            return
+        self._reader = reader
+        self._upstream = reader._protocol
+        reader.__class__ = _TappedReader
+        reader._protocol = cast(BaseProtocol, self)
+        self._idle_timer = self._loop.call_at(self._time() + self._idle, self._check_idle)
+        if self._deadline is not None:
+            self._deadline_timer = self._loop.call_at(self._deadline, self._deadline_passed)
+
+    def feed(self, data: bytes) -> None:
+        """One piece of body, decoded by the engine connection's parser (hot path)."""
+        if self._result is not _PENDING:
+            return
+        self._last = self._time()
+        self._flight.relayed += len(data)
+        self._tail(data)
+        if self._capture is not None:
+            self._capture.add(data)
+        sent = data if self._strip is None else self._strip(data)
+        if not sent:
+            return
+        client = self._client
+        if client.is_closing():
+            self.client_gone = True
+            self.end(None)
+            return
+        client.write(b"%x\r\n%b\r\n" % (len(sent), sent) if self._chunked else sent)
+        self._last_sent = sent
+        if self._client_proto.writing_paused and not self._paused:
+            self._pause()
+
+    def end(self, failure: BaseException | None) -> None:
+        if self._result is not _PENDING:
+            return
+        self._result = failure
+        self._notify()
+
+    # The StreamReader calls these on its "protocol": they are the engine connection's.
+    def pause_reading(self) -> None:
+        if self._upstream is not None:
+            self._upstream.pause_reading()
+
+    def resume_reading(self, resume_parser: bool = True) -> None:
+        if self._upstream is not None:
+            self._upstream.resume_reading(resume_parser)
+
+    def _pause(self) -> None:
+        self._paused = True
+        if self._on_pause is not None:
+            self._on_pause()
+        if self._upstream is not None:
+            self._upstream.pause_reading()
+        self._notify()
+
+    async def _wait_for_client(self) -> None:
+        """Until the client's buffer drains (or the stream ends meanwhile: cut, deadline)."""
+        drained = asyncio.ensure_future(self._writer.drain())
+        self._wake = self._loop.create_future()
+        lost = False
+        try:
+            await asyncio.wait((drained, self._wake), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not drained.done():
+                drained.cancel()
+            elif not drained.cancelled():
+                lost = drained.exception() is not None  # retrieved either way: no stray warning
+        if self._result is not _PENDING:
+            return
+        if lost or self._client.is_closing():
+            self.client_gone = True
+            self.end(None)
+            return
+        self._paused = False
+        self._last = self._time()  # the engine was held up by us, not idle
+        if self._result is _PENDING and self._upstream is not None:
+            # Decodes what the parser held back; may pause again at once.
+            self._upstream.resume_reading()
+
+    def _notify(self) -> None:
+        wake, self._wake = self._wake, None
+        if wake is not None and not wake.done():
+            wake.set_result(None)
+
+    def _check_idle(self) -> None:
+        if self._result is not _PENDING:
+            return
+        now = self._time()
+        due = (now if self._paused else self._last) + self._idle
+        if due > now:
+            self._idle_timer = self._loop.call_at(due, self._check_idle)
+            return
+        self.end(TimeoutError())
+
+    def _deadline_passed(self) -> None:
+        self.end(DeadlinePassed())
+
+    def _release(self) -> None:
+        for timer in (self._idle_timer, self._deadline_timer):
+            if timer is not None:
+                timer.cancel()
+        self._idle_timer = self._deadline_timer = None
+        self._upstream = None
+
+
+@dataclass
+class StreamEnd:
+    """How a relayed stream ended."""
+
+    client_gone: bool = False
+    was_cut: bool = False
+    failure: BaseException | None = None
+    tail: StreamTail = field(default_factory=StreamTail)
+
+
+def tell_recorder(recorder: Recorder, capture: Capture) -> None:
+    """Hand the recorder what was kept of the stream, once, at its end."""
+    if capture.overflowed:
+        recorder.skipped(capture.size)
+    else:
+        recorder.feed(b"".join(capture.chunks))
+
+
+def cut_event(exc: BaseException) -> KvproxyError:
+    """The error event that ends a stream the engine broke off, stalled, or ran past a deadline."""
+    if isinstance(exc, DeadlinePassed):
+        return UpstreamTimeout("the request's deadline passed; the answer is incomplete")
+    if isinstance(exc, TimeoutError):
+        stalled = "the engine's stream stalled between chunks; the answer is incomplete"
+        return UpstreamTimeout(stalled)
+    return UpstreamError("the engine's stream broke off; the answer is incomplete")
+
+
+class Ending:
+    """The last writes of a stream, through the response object: once per stream, not per event.
+    Each returns False when the client turned out to be gone."""
+
+    def __init__(self, out: web.StreamResponse, strip: UsageStrip | None) -> None:
+        self._out = out
+        self._strip = strip
+
+    async def send(self, data: bytes) -> bool:
+        try:
+            await self._out.write(data)
+        except ConnectionResetError:
+            return False
+        return True
+
+    async def error(self, event: KvproxyError, at_boundary: bool) -> bool:
+        if self._strip is not None:
+            self._strip.flush()  # a held-back partial event: incomplete, never sent
+        # A cut mid-event would glue our event onto a partial line; end that event first.
+        lead = b"" if at_boundary else b"\n\n"
+        if not await self.send(lead + b"data: " + event.body() + b"\n\n"):
+            return False
+        return await self._eof()
+
+    async def finish(self) -> bool:
+        rest = b"" if self._strip is None else self._strip.flush()
+        if rest and not await self.send(rest):
+            return False
+        return await self._eof()
+
+    async def _eof(self) -> bool:
+        try:
+            await self._out.write_eof()
+        except ConnectionResetError:
+            return False
+        return True
