@@ -249,6 +249,8 @@ def _admin_row(engine: Engine, now: float) -> dict[str, Any]:
         "fresh": view.fresh,
         "load": view.load,
         "inflight": state.open_requests,
+        # Reported by the other proxy processes sharing routing state (``proxy.core.sharing``).
+        "inflight_other_proxies": state.remote_open,
         "completed": state.completed,
         "prefill_pending_blocks": view.prefill,
         "dispatched_since_snapshot": state.dispatched_since_snapshot,
