@@ -6,6 +6,8 @@ Rules:
   ``hub.sock`` and the worker serves its own exposition on ``worker-<index>.sock``.
 - The worker connects to the hub only once its port is listening: its hello is how the parent
   knows it serves. Without Redis, routing state goes through the hub (``shared_routing``).
+- A worker whose parent is gone (killed without passing on a signal) drains and stops as if it had
+  been sent SIGTERM: a worker never outlives its parent by more than a drain.
 - ``/metrics`` answered by any worker is the whole proxy's: it asks every sibling's socket for its
   own exposition (at most ``_SIBLING_TIMEOUT_S``; a sibling that does not answer, e.g. one being
   restarted, is left out of that exposition) and merges them (``proxy.observe.merge``).
@@ -17,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import signal
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -29,6 +32,7 @@ from proxy.tenancy.hub import HubBus
 log = logging.getLogger(__name__)
 
 _SIBLING_TIMEOUT_S = 1.0
+_PARENT_CHECK_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -52,7 +56,9 @@ class WorkerLink:
         self.seat = seat
         self.bus = HubBus(seat.hub_path, seat.index)
         self._task: asyncio.Task[None] | None = None
+        self._orphan_watch: asyncio.Task[None] | None = None
         self._runner: web.AppRunner | None = None
+        self._parent = os.getppid()
 
     async def start(self, own_metrics: Callable[[], bytes]) -> None:
         """Serve this worker's own exposition, then say hello to the parent."""
@@ -68,12 +74,21 @@ class WorkerLink:
             os.unlink(path)  # left by this seat's previous worker
         await web.UnixSite(self._runner, path).start()
         self._task = asyncio.create_task(self.bus.run(), name="kvproxy-workers-hub")
+        self._orphan_watch = asyncio.create_task(self._watch_parent(), name="kvproxy-parent-watch")
+
+    async def _watch_parent(self) -> None:
+        # No event tells a process its parent died (PR_SET_PDEATHSIG would need ctypes): poll.
+        while os.getppid() == self._parent:  # noqa: ASYNC110
+            await asyncio.sleep(_PARENT_CHECK_S)
+        log.warning("worker %d: the parent process is gone; shutting down", self.seat.index)
+        os.kill(os.getpid(), signal.SIGTERM)
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        for task in (self._task, self._orphan_watch):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         await self.bus.close()
         if self._runner is not None:
             await self._runner.cleanup()

@@ -40,7 +40,9 @@ Replicas = Callable[..., Awaitable[list[ProxyServer]]]
 async def replicas(cluster: SimCluster) -> AsyncIterator[Replicas]:
     started: list[ProxyServer] = []
 
-    async def make(redis_url: str, n: int = 2, share: bool = True, **redis: Any) -> list[ProxyServer]:
+    async def make(
+        redis_url: str, n: int = 2, share: bool = True, **redis: Any
+    ) -> list[ProxyServer]:
         cfg = proxy_config(cluster.urls, [e.name for e in cluster.engines], [MODEL] * 4)
         # A bound no burst here reaches: these tests are about what replicas know, not spilling.
         cfg = dataclasses.replace(cfg, routing=RoutingConfig(min_load_bound=16),
@@ -78,7 +80,7 @@ async def engines_used(http: aiohttp.ClientSession, servers: list[ProxyServer]) 
 
 async def wait_for(check: Callable[[], Awaitable[bool]], timeout_s: float = 5.0) -> None:
     async with asyncio.timeout(timeout_s):
-        while not await check():
+        while not await check():  # noqa: ASYNC110 (polled over HTTP, no event to wait on)
             await asyncio.sleep(0.02)
 
 
