@@ -114,9 +114,7 @@ async def _all_engines_healthy(parent: Parent, engines: int) -> None:
     """Every worker has scraped every engine (each worker scrapes for itself)."""
     async with asyncio.timeout(20):
         for _, path in parent.workers().values():
-            while total(await own_metrics(path), "kvproxy_engine_health",
-                        state="healthy") < engines:  # noqa: ASYNC110 (polled over HTTP)
-                await asyncio.sleep(0.05)
+            await wait_metric(path, "kvproxy_engine_health", engines, state="healthy")
 
 
 async def _keep_log(stream: asyncio.StreamReader, log: list[str]) -> None:
@@ -145,6 +143,12 @@ async def own_metrics(socket_path: str) -> str:
         http.get("http://worker/metrics") as resp,
     ):
         return await resp.text()
+
+
+async def wait_metric(path: str, name: str, at_least: float, **labels: str) -> None:
+    """Until one worker's own exposition shows ``name`` at ``at_least`` (callers bound it)."""
+    while total(await own_metrics(path), name, **labels) < at_least:  # noqa: ASYNC110
+        await asyncio.sleep(0.05)
 
 
 async def post(url: str, body: dict[str, object]) -> int:
@@ -181,9 +185,7 @@ async def test_a_burst_sharing_a_new_prefix_lands_on_one_engine(parent: Parent) 
         # Both workers have seen that engine busy (their own scrapes show it running).
         async with asyncio.timeout(5):
             for _, path in seats.values():
-                while total(await own_metrics(path), "kvproxy_engine_running",
-                            engine=home) < 1:  # noqa: ASYNC110 (polled over HTTP)
-                    await asyncio.sleep(0.05)
+                await wait_metric(path, "kvproxy_engine_running", 1, engine=home)
         statuses = await asyncio.gather(*(post(parent.url, chat(PREFIX + f" q{i}"))
                                           for i in range(8)))  # fmt: skip
         assert statuses == [200] * 8
