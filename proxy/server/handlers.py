@@ -400,7 +400,9 @@ async def metrics(request: web.Request) -> web.Response:
 
 def own_metrics(ctx: ShellContext) -> bytes:
     """This process's exposition, engine gauges refreshed now."""
-    ctx.metrics.refresh_engines(ctx.fleet.gauge_rows(ctx.clock()), HEALTH_STATES)
+    now = ctx.clock()
+    ctx.metrics.refresh_engines(ctx.fleet.gauge_rows(now), HEALTH_STATES)
+    ctx.metrics.pools.refresh(ctx.fleet.pool_rows(now), ctx.metrics.sheds, now)
     return ctx.metrics.render()
 
 
