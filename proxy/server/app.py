@@ -189,6 +189,7 @@ async def _sharing(app: web.Application) -> AsyncIterator[None]:
     try:
         yield
     finally:
+        shared.stop()
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task

@@ -18,6 +18,7 @@ Rules:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping
@@ -28,7 +29,6 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from proxy.core.routing import Policy, RouteKey
 from proxy.core.sharing import BadMessage, Dispatch, Message, Outbox, PeerTable, decode, encode
 from proxy.core.telemetry import EngineState
-from proxy.fleet.periodic import every
 from proxy.tenancy.hub import MAX_FRAME, BusDown
 from proxy.tenancy.redis_link import RedisClient, RedisLink, RedisUnavailable
 
@@ -178,6 +178,7 @@ class SharedRouting:
         self._last_sent = -1e18
         self._live: bool | None = None
         self._dropped_seen = 0
+        self._stopped = False
 
     async def sync(self) -> None:
         """One round: publish, merge, and say whether sharing is live."""
@@ -262,4 +263,14 @@ class SharedRouting:
         self.metrics.peers.set(self._peers.live(now))
 
     async def run(self) -> None:
-        await every(self.interval_s, self.sync, "sharing routing state")
+        """Rounds until ``stop``. Not ``periodic.every``: redis-py can swallow a cancellation that
+        lands inside a pipeline, and this loop must end on shutdown even then."""
+        while not self._stopped:
+            try:
+                await self.sync()
+            except Exception:
+                log.exception("sharing routing state failed; trying again")
+            await asyncio.sleep(self.interval_s)
+
+    def stop(self) -> None:
+        self._stopped = True
