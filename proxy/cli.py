@@ -24,6 +24,8 @@ from proxy.core.errors import ConfigError
 from proxy.demo import run_demo
 from proxy.observe import accesslog
 from proxy.server.lifecycle import run_server
+from proxy.server.worker import WorkerSeat
+from proxy.server.workers import run_workers, worker_command
 
 EXIT_CONFIG = 2
 EXIT_START = 1
@@ -50,6 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_logging(serve, top=False)
     serve.add_argument("--config", metavar="FILE.toml", help="configuration file")
     _add_listen(serve, default_port=None)
+    serve.add_argument(
+        "--workers", default="1", metavar="N",
+        help="worker processes on the one port, routing as one (default 1; auto: one per core)",
+    )
+    # Set by the parent of ``--workers N`` on each worker: DIR:INDEX:COUNT.
+    serve.add_argument("--worker-seat", default=None, help=argparse.SUPPRESS)
     serve.add_argument(
         "--set",
         dest="overrides",
@@ -102,8 +110,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "serve":
             cfg = _serve_config(args)
+            workers, seat = _workers(args.workers), _seat(args.worker_seat)
+            if seat is None and workers > 1:
+                command = worker_command(_worker_args(args))
+                return int(uvloop.run(run_workers(cfg, command, workers)))
             accesslog.install(cfg.log)
-            return _run(run_server(cfg))
+            return _run(run_server(cfg, worker=seat))
         return _run(_demo(args))
     except ConfigError as exc:
         print(f"kvproxy: configuration error: {exc}", file=sys.stderr)
@@ -112,6 +124,38 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Most often the port is taken; a traceback would hide the one line that matters.
         print(f"kvproxy: cannot start: {exc}", file=sys.stderr)
         return EXIT_START
+
+
+def _workers(raw: str) -> int:
+    """``--workers``: a count >= 1, or ``auto`` (the cores this process may run on)."""
+    if raw.strip().lower() == "auto":
+        return max(1, len(os.sched_getaffinity(0)))
+    try:
+        count = int(raw)
+    except ValueError:
+        count = 0
+    if not 1 <= count <= 256:
+        raise ConfigError("--workers", f"{raw!r} is not a count in 1..256 or 'auto'")
+    return count
+
+
+def _seat(raw: str | None) -> WorkerSeat | None:
+    if raw is None:
+        return None
+    directory, index, count = raw.rsplit(":", 2)
+    return WorkerSeat(directory, int(index), int(count))
+
+
+def _worker_args(args: argparse.Namespace) -> list[str]:
+    """The command line of one worker: this one without ``--workers`` (the port comes later)."""
+    out = ["--log-level", args.log_level, "--log-format", args.log_format, "serve"]
+    if args.config is not None:
+        out += ["--config", args.config]
+    if args.host is not None:
+        out += ["--host", args.host]
+    for item in args.overrides:
+        out += ["--set", item]
+    return out
 
 
 def _logging_problem(level: str, fmt: str) -> str | None:

@@ -377,6 +377,28 @@ ACCESS_FORMATS: tuple[str, ...] = ("json", "logfmt")
 
 
 @dataclass(frozen=True)
+class SharingConfig:
+    """Routing state shared between proxy processes (``proxy.core.sharing``): through Redis
+    between replicas when ``[redis] url`` is set, else through the parent's hub between the
+    workers of one ``kvproxy serve --workers N``; a lone process shares nothing."""
+
+    enabled: bool = True
+    # Dispatches are batched and published this often; the request path does no I/O for it.
+    interval_s: float = 0.025
+    # Another process's in-flight counts hold this long after its last message.
+    ttl_s: float = 2.0
+    # Dispatches one process publishes per interval at most (more are dropped and counted).
+    max_batch: int = 1024
+    # Messages kept in the Redis stream (approximately; older ones are trimmed).
+    stream_len: int = 10000
+
+    def __post_init__(self) -> None:
+        _positive(self, "interval_s", "ttl_s", "max_batch", "stream_len")
+        _require(self.interval_s <= 1.0, "interval_s", "must be <= 1.0")
+        _require(self.ttl_s >= 4 * self.interval_s, "ttl_s", "must be >= 4 * sharing.interval_s")
+
+
+@dataclass(frozen=True)
 class LogConfig:
     """The access log (``proxy.observe.accesslog``): on or off, and its line format."""
 
@@ -405,6 +427,7 @@ class Config:
     redis: RedisConfig = field(default_factory=RedisConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    sharing: SharingConfig = field(default_factory=SharingConfig)
 
     def __post_init__(self) -> None:
         _check_pools(self.pools)
@@ -493,6 +516,7 @@ SCALAR_SECTIONS: tuple[str, ...] = (
     "redis",
     "limits",
     "log",
+    "sharing",
 )
 
 

@@ -22,6 +22,8 @@ Rules:
 - Load between scrapes is ``running + waiting`` of the last snapshot plus the requests dispatched
   after that snapshot was taken and still open, so a burst does not pile onto an engine that looked
   idle a moment ago. No clock is read here: callers pass ``now``.
+- Other proxy processes' requests count too: ``remote_pending`` (their requests sent since their
+  own last snapshot, set by ``proxy.tenancy.shared_routing``) adds to the load like this proxy's.
 """
 
 from __future__ import annotations
@@ -261,6 +263,10 @@ class EngineState:
         self.last_error: str | None = None
         self.open_requests = 0
         self.completed = 0  # requests this proxy saw the engine answer in full
+        # What the other proxy processes report in flight here (``proxy.core.sharing``): sent
+        # since their last snapshot (counted in the load), and open in all.
+        self.remote_pending = 0.0
+        self.remote_open = 0.0
         # ticket -> dispatch time (None: unknown, counted until the next snapshot of any age).
         self._since_snapshot: dict[int, float | None] = {}
         # Per open ticket: prompt blocks the engine is expected to prefill, until the first byte.
@@ -409,7 +415,7 @@ class EngineState:
 
     def load(self) -> float:
         base = 0.0 if self.snapshot is None else self.snapshot.running + self.snapshot.waiting
-        return base + len(self._since_snapshot)
+        return base + len(self._since_snapshot) + self.remote_pending
 
     def view(self, now: float, breaker_allows: bool) -> EngineView:
         """What routing and admission see of this engine at ``now``."""

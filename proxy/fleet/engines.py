@@ -24,6 +24,7 @@ from proxy.core.pressure import NO_PRESSURE, Pressure, PressureTracker
 from proxy.core.routing import EngineView
 from proxy.core.telemetry import EngineState, Health
 from proxy.observe.metrics import EngineGaugeRow
+from proxy.observe.signals import PoolRow
 
 
 @dataclass
@@ -206,6 +207,22 @@ class Fleet:
     def gauge_rows(self, now: float) -> list[EngineGaugeRow]:
         return [_gauge_row(e, now) for e in self]
 
+    def pool_rows(self, now: float) -> list[PoolRow]:
+        """Each pool's autoscaling signals, from its fresh engines (``observe.signals``)."""
+        return [_pool_row(name, engines, now) for name, engines in self._pools.items()]
+
+
+def _pool_row(pool: str, engines: Sequence[Engine], now: float) -> PoolRow:
+    waiting, kv = 0.0, []
+    for engine in engines:
+        state, snap = engine.state, engine.state.snapshot
+        state.tick(now, state.stale_after_s)
+        if snap is None or state.health is not Health.HEALTHY:
+            continue
+        waiting += snap.waiting + state.dispatched_since_snapshot + state.remote_pending
+        kv.append(snap.kv_usage)
+    return PoolRow(pool, waiting, sum(kv) / len(kv) if kv else None)
+
 
 def _engine(cfg: Config, pool: str, engine: EngineConfig) -> Engine:
     auth: dict[str, str] = {}
@@ -249,6 +266,8 @@ def _admin_row(engine: Engine, now: float) -> dict[str, Any]:
         "fresh": view.fresh,
         "load": view.load,
         "inflight": state.open_requests,
+        # Reported by the other proxy processes sharing routing state (``proxy.core.sharing``).
+        "inflight_other_proxies": state.remote_open,
         "completed": state.completed,
         "prefill_pending_blocks": view.prefill,
         "dispatched_since_snapshot": state.dispatched_since_snapshot,

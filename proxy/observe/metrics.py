@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from proxy.observe.signals import PoolGauges
+
 __all__ = ["CONTENT_TYPE", "EngineGaugeRow", "ProxyMetrics", "TenantLabels"]
 
 MAX_DYNAMIC_TENANTS = 200
@@ -131,6 +133,7 @@ class ProxyMetrics:
         self._loop_metrics(r)
         self._engine_gauges(r)
         self._tenant_counters(r)
+        self.pools = PoolGauges(r)
 
     def _loop_metrics(self, r: CollectorRegistry) -> None:
         self.loop_lag = Histogram(

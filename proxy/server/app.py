@@ -30,6 +30,7 @@ from proxy.core.door_config import DoorConfig
 from proxy.core.errors import KvproxyError
 from proxy.core.isolation import TenantSalts
 from proxy.core.routing import make_policy
+from proxy.core.sharing import Outbox
 from proxy.fleet.discovery import REFRESH_S, ModelDiscovery
 from proxy.fleet.engines import Engine, Fleet
 from proxy.fleet.scraper import Scraper
@@ -39,8 +40,10 @@ from proxy.observe.metrics import ProxyMetrics
 from proxy.server import handlers
 from proxy.server.connections import SERVER_NAME
 from proxy.server.context import Drain, ShellContext
-from proxy.server.keys import MODELS, REQUEST_ID, SCRAPER_TASK, SHELL
+from proxy.server.keys import MODELS, REQUEST_ID, SCRAPER_TASK, SHARING, SHELL, WORKER
+from proxy.server.worker import WorkerLink, WorkerSeat
 from proxy.tenancy.frontdoor import DOOR, FrontDoor
+from proxy.tenancy.shared_routing import Bus, RedisStreamBus, SharedRouting
 from proxy.tenancy.shared_state import RegistrySync
 
 log = logging.getLogger(__name__)
@@ -54,9 +57,11 @@ def build_app(
     engines_override: Sequence[Engine] | None = None,
     clock: Callable[[], float] = time.monotonic,
     door: DoorConfig | None = None,
+    worker: WorkerSeat | None = None,
 ) -> web.Application:
     """The proxy application for ``cfg`` (``engines_override``: a prepared fleet, for tests;
-    ``door``: tenant, limit, cache and Redis settings to use instead of those in ``cfg``)."""
+    ``door``: tenant, limit, cache and Redis settings to use instead of those in ``cfg``;
+    ``worker``: this process is one of the workers of ``kvproxy serve --workers N``)."""
     app = web.Application(
         middlewares=[error_middleware], client_max_size=cfg.server.max_body_bytes + 1
     )
@@ -71,10 +76,13 @@ def build_app(
         [door_cfg.auth.default_tenant, *(t.name for t in door_cfg.auth.tenants)]
     )
     app[MODELS] = make_discovery(app[SHELL])
+    if worker is not None:
+        app[WORKER] = WorkerLink(worker)
     app.cleanup_ctx.append(_upstream_sessions)
     app.cleanup_ctx.append(_scraper)
     app.cleanup_ctx.append(model_discovery)
     app.cleanup_ctx.append(_front_door)
+    app.cleanup_ctx.append(_sharing)
     app.on_response_prepare.append(_server_header)
     _routes(app)
     return app
@@ -160,6 +168,37 @@ async def _front_door(app: web.Application) -> AsyncIterator[None]:
         yield
     finally:
         await door.close()
+
+
+async def _sharing(app: web.Application) -> AsyncIterator[None]:
+    """Share routing state over Redis if there is one, else with the sibling workers if this is
+    a worker; a lone process without Redis shares nothing."""
+    ctx = app[SHELL]
+    sharing = ctx.cfg.sharing
+    link, worker = app[DOOR].link, app.get(WORKER)
+    bus: Bus | None = None
+    if sharing.enabled and link is not None:
+        bus = RedisStreamBus(link, maxlen=sharing.stream_len, ttl_s=sharing.ttl_s)
+        transport = "redis"
+    elif sharing.enabled and worker is not None:
+        bus, transport = worker.bus, "the workers' hub"
+    if bus is None:
+        yield
+        return
+    ctx.outbox = Outbox(sharing.max_batch)
+    shared = app[SHARING] = SharedRouting(
+        bus, ctx.outbox, ctx.policies, lambda: ctx.fleet, ttl_s=sharing.ttl_s,
+        interval_s=sharing.interval_s, max_chain=ctx.cfg.routing.max_blocks, clock=ctx.clock,
+        registry=ctx.metrics.registry, transport=transport,
+    )  # fmt: skip
+    task = asyncio.create_task(shared.run(), name="kvproxy-shared-routing")
+    try:
+        yield
+    finally:
+        shared.stop()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
 @web.middleware

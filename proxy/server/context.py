@@ -21,6 +21,7 @@ from proxy.core.config import Config
 from proxy.core.errors import NoCapacity
 from proxy.core.isolation import TenantSalts
 from proxy.core.routing import Policy
+from proxy.core.sharing import Outbox
 from proxy.fleet.engines import Fleet
 from proxy.observe.metrics import ProxyMetrics
 
@@ -98,6 +99,8 @@ class ShellContext:
     scrape_session: aiohttp.ClientSession | None = None
     # Engine cache salts per tenant; ``build_app`` sets them from the front door's settings.
     salts: TenantSalts = field(default_factory=lambda: TenantSalts("", tenants_known=False))
+    # Dispatches to share with the other proxy processes; off until ``app`` finds a transport.
+    outbox: Outbox = field(default_factory=lambda: Outbox(1, enabled=False))
 
     @property
     def session(self) -> aiohttp.ClientSession:

@@ -54,7 +54,7 @@ from proxy.observe import accesslog
 from proxy.observe.metrics import CONTENT_TYPE
 from proxy.server.context import ShellContext
 from proxy.server.job import Job
-from proxy.server.keys import MODELS, REQUEST_ID, SHELL
+from proxy.server.keys import MODELS, REQUEST_ID, SHELL, WORKER
 from proxy.server.relay import CLIENT_CLOSED, REASON_CONNECTIONS_FULL, Relay
 from proxy.tenancy.frontdoor import CHARS_PER_TOKEN, DOOR, replay, wants_usage
 
@@ -283,6 +283,7 @@ def _rank(
     job.prompt_tokens = _uncached_tokens(len(inbound.prompt_text), len(chain), job.prefill,
                                          routing.block_chars)
     policy.observe(key, ranked[0])
+    ctx.outbox.dispatched(pool, ranked[0], chain)
     return ranked
 
 
@@ -391,8 +392,19 @@ async def ready(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     ctx = request.app[SHELL]
-    ctx.metrics.refresh_engines(ctx.fleet.gauge_rows(ctx.clock()), HEALTH_STATES)
-    return web.Response(body=ctx.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+    body = own_metrics(ctx)
+    worker = request.app.get(WORKER)
+    if worker is not None:
+        body = await worker.merged_metrics(body)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
+def own_metrics(ctx: ShellContext) -> bytes:
+    """This process's exposition, engine gauges refreshed now."""
+    now = ctx.clock()
+    ctx.metrics.refresh_engines(ctx.fleet.gauge_rows(now), HEALTH_STATES)
+    ctx.metrics.pools.refresh(ctx.fleet.pool_rows(now), ctx.metrics.sheds, now)
+    return ctx.metrics.render()
 
 
 async def admin_engines(request: web.Request) -> web.Response:

@@ -11,8 +11,12 @@ from aiohttp import web
 
 from proxy.fleet.discovery import ModelDiscovery
 from proxy.server.context import ShellContext
+from proxy.server.worker import WorkerLink
+from proxy.tenancy.shared_routing import SharedRouting
 
 SHELL = web.AppKey("shell", ShellContext)
 SCRAPER_TASK = web.AppKey("scraper_task", asyncio.Task[None])
 REQUEST_ID = web.RequestKey("request_id", str)
 MODELS = web.AppKey("model_discovery", ModelDiscovery)
+WORKER = web.AppKey("worker", WorkerLink)
+SHARING = web.AppKey("sharing", SharedRouting)

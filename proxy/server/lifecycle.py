@@ -25,7 +25,9 @@ from aiohttp import web
 from proxy.core.config import Config
 from proxy.server.app import build_app
 from proxy.server.connections import GuardedRunner
-from proxy.server.keys import SHELL
+from proxy.server.handlers import own_metrics
+from proxy.server.keys import SHELL, WORKER
+from proxy.server.worker import WorkerSeat
 
 log = logging.getLogger(__name__)
 
@@ -34,9 +36,11 @@ _FINAL_GRACE_S = 0.5
 
 
 class ProxyServer:
-    def __init__(self, cfg: Config, app: web.Application | None = None) -> None:
+    def __init__(self, cfg: Config, app: web.Application | None = None, *,
+                 reuse_port: bool = False) -> None:
         self.cfg = cfg
         self.app = app if app is not None else build_app(cfg)
+        self._reuse_port = reuse_port
         self._runner = GuardedRunner(
             self.app,
             header_timeout_s=cfg.server.header_timeout_s,
@@ -56,7 +60,8 @@ class ProxyServer:
 
     async def start(self) -> None:
         await self._runner.setup()
-        self._site = web.TCPSite(self._runner, self.cfg.server.host, self.cfg.server.port)
+        self._site = web.TCPSite(self._runner, self.cfg.server.host, self.cfg.server.port,
+                                 reuse_port=self._reuse_port or None)
         await self._site.start()
         self.port = _bound_port(self._runner)
 
@@ -94,21 +99,33 @@ def _bound_port(runner: web.AppRunner) -> int:
     raise RuntimeError("the proxy is not listening on a TCP port")
 
 
-async def run_server(cfg: Config, on_started: Callable[[ProxyServer], None] | None = None) -> None:
-    """Serve until SIGTERM or SIGINT, then drain and stop."""
-    server = ProxyServer(cfg)
+async def run_server(
+    cfg: Config,
+    on_started: Callable[[ProxyServer], None] | None = None,
+    worker: WorkerSeat | None = None,
+) -> None:
+    """Serve until SIGTERM or SIGINT, then drain and stop. ``worker``: serve as one of the
+    workers of ``kvproxy serve --workers N`` (shared port; see ``proxy.server.workers``)."""
+    server = ProxyServer(cfg, build_app(cfg, worker=worker), reuse_port=worker is not None)
     await server.start()
-    stop = _stop_event()
+    stop = stop_event()
+    link = server.app.get(WORKER)
     try:
-        log.info("kvproxy listening on %s", server.url)
+        if link is not None:
+            ctx = server.app[SHELL]
+            await link.start(lambda: own_metrics(ctx))
+        else:
+            log.info("kvproxy listening on %s", server.url)
         if on_started is not None:
             on_started(server)
         await stop.wait()
     finally:
         await server.drain_and_stop()
+        if link is not None:
+            await link.close()
 
 
-def _stop_event() -> asyncio.Event:
+def stop_event() -> asyncio.Event:
     """An event set by the first SIGTERM or SIGINT."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()

@@ -1,0 +1,193 @@
+"""Routing state shared between proxy processes: what each one sent where, and what it has open.
+
+Several kvproxy processes in front of the same engines (replicas behind a load balancer, or the
+workers of one ``kvproxy serve --workers N``) route as one only if each knows what the others just
+dispatched: the provisional prefix entries (``routing.Policy.observe``) and the requests sent since
+the last scrape (``telemetry.EngineState``'s in-flight accounting). This module is the pure part of
+that: the outbox the request path appends to, the message format, and the table of what the other
+processes reported. The transports (Redis stream, the workers' local hub) live in ``tenancy``.
+
+Rules:
+- The request path only appends to ``Outbox`` (no I/O, no encoding); a background task takes the
+  batch every ``sharing.interval_s``. An outbox holds at most ``max_batch`` dispatches; more in one
+  interval are dropped and counted (routing then merely learns less).
+- A message is one orjson object: ``{"v": 1, "r": sender, "s": seq, "d": [[pool, engine, chain],
+  ...], "p": {engine: pending}, "o": {engine: open}}``. ``pending`` is the sender's requests sent
+  since its last snapshot and still open (what adds to an engine's load); ``open``: all it has open.
+- Messages come from outside the process and are not trusted: ``decode`` refuses anything over
+  ``max_bytes``, of the wrong shape, with names or chains out of bounds, or with negative or absurd
+  counts. Unknown pools and engines are ignored by the caller, never created.
+- A sender's counts hold until ``ttl_s`` after its last message (senders repeat them at least every
+  ``ttl_s / 4``): a process that dies or loses the transport stops counting by itself.
+- No clock is read here: callers pass ``now``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+import orjson
+
+VERSION = 1
+MAX_NAME = 256
+MAX_COUNT = 1_000_000.0
+_MAX_HASH = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """One request's provisional prefix entry: ``chain`` was sent to ``engine`` of ``pool``."""
+
+    pool: str
+    engine: str
+    chain: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Message:
+    sender: str
+    seq: int
+    dispatches: tuple[Dispatch, ...] = ()
+    pending: Mapping[str, float] = field(default_factory=dict)
+    open: Mapping[str, float] = field(default_factory=dict)
+
+
+class Outbox:
+    """Dispatches waiting for the next publication; the request path's only sharing work."""
+
+    def __init__(self, max_batch: int, *, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.max_batch = max_batch
+        self._items: list[Dispatch] = []
+        self.dropped = 0
+
+    def dispatched(self, pool: str, engine: str, chain: tuple[int, ...]) -> None:
+        if not self.enabled:
+            return
+        if len(self._items) >= self.max_batch:
+            self.dropped += 1
+            return
+        self._items.append(Dispatch(pool, engine, chain))
+
+    def take(self) -> list[Dispatch]:
+        items, self._items = self._items, []
+        return items
+
+
+def encode(msg: Message) -> bytes:
+    doc = {
+        "v": VERSION,
+        "r": msg.sender,
+        "s": msg.seq,
+        "d": [[d.pool, d.engine, list(d.chain)] for d in msg.dispatches],
+        "p": dict(msg.pending),
+        "o": dict(msg.open),
+    }
+    return orjson.dumps(doc)
+
+
+class BadMessage(ValueError):
+    """A message that is not one this module writes (or one that is out of bounds)."""
+
+
+def decode(raw: bytes, *, max_bytes: int, max_chain: int) -> Message:
+    """The message in ``raw``; ``BadMessage`` for anything else."""
+    if len(raw) > max_bytes:
+        raise BadMessage("too large")
+    try:
+        doc = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        raise BadMessage("not JSON") from None
+    if not isinstance(doc, dict) or doc.get("v") != VERSION:
+        raise BadMessage("not a version 1 object")
+    sender, seq = doc.get("r"), doc.get("s")
+    if not _name(sender) or not isinstance(seq, int) or isinstance(seq, bool):
+        raise BadMessage("bad sender or sequence")
+    assert isinstance(sender, str)
+    return Message(
+        sender,
+        seq,
+        tuple(_dispatches(doc.get("d", []), max_chain)),
+        _counts(doc.get("p", {})),
+        _counts(doc.get("o", {})),
+    )
+
+
+def _name(value: object) -> bool:
+    return isinstance(value, str) and 0 < len(value) <= MAX_NAME
+
+
+def _dispatches(items: object, max_chain: int) -> Iterable[Dispatch]:
+    if not isinstance(items, list):
+        raise BadMessage("dispatches are not a list")
+    for item in items:
+        if not (isinstance(item, list) and len(item) == 3 and _name(item[0]) and _name(item[1])):
+            raise BadMessage("bad dispatch")
+        chain = item[2]
+        if not isinstance(chain, list) or len(chain) > max_chain:
+            raise BadMessage("bad chain")
+        if not all(type(h) is int and 0 <= h <= _MAX_HASH for h in chain):
+            raise BadMessage("bad block hash")
+        yield Dispatch(item[0], item[1], tuple(chain))
+
+
+def _counts(doc: object) -> dict[str, float]:
+    if not isinstance(doc, dict):
+        raise BadMessage("counts are not an object")
+    out: dict[str, float] = {}
+    for name, value in doc.items():
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not (_name(name) and ok and 0 <= value <= MAX_COUNT):
+            raise BadMessage("bad count")
+        out[name] = float(value)
+    return out
+
+
+@dataclass
+class _Peer:
+    pending: Mapping[str, float]
+    open: Mapping[str, float]
+    heard_at: float
+    seq: int
+
+
+class PeerTable:
+    """What the other processes last said they have in flight, per engine, until it expires."""
+
+    def __init__(self, ttl_s: float, max_peers: int = 1024) -> None:
+        self.ttl_s = ttl_s
+        self.max_peers = max_peers
+        self._peers: dict[str, _Peer] = {}
+
+    def heard(self, msg: Message, now: float) -> bool:
+        """Record ``msg``'s counts; False when it is older than what was heard from its sender."""
+        known = self._peers.get(msg.sender)
+        if known is not None and msg.seq <= known.seq:
+            return False
+        if known is None and len(self._peers) >= self.max_peers:
+            self.expire(now)
+            if len(self._peers) >= self.max_peers:
+                return False
+        self._peers[msg.sender] = _Peer(msg.pending, msg.open, now, msg.seq)
+        return True
+
+    def expire(self, now: float) -> None:
+        self._peers = {k: p for k, p in self._peers.items() if now - p.heard_at <= self.ttl_s}
+
+    def live(self, now: float) -> int:
+        """Processes heard from within ``ttl_s``."""
+        return sum(now - p.heard_at <= self.ttl_s for p in self._peers.values())
+
+    def totals(self, now: float) -> tuple[dict[str, float], dict[str, float]]:
+        """Per engine, the live peers' (pending, open) requests summed."""
+        pending: dict[str, float] = {}
+        opened: dict[str, float] = {}
+        for peer in self._peers.values():
+            if now - peer.heard_at > self.ttl_s:
+                continue
+            for name, n in peer.pending.items():
+                pending[name] = pending.get(name, 0.0) + n
+            for name, n in peer.open.items():
+                opened[name] = opened.get(name, 0.0) + n
+        return pending, opened

@@ -1,0 +1,177 @@
+"""The local transport between the workers of one ``kvproxy serve --workers N``: a hub on a Unix
+socket owned by the parent process, which forwards every worker's messages to its siblings.
+
+Rules:
+- A frame is a 4-byte big-endian length, one kind byte, then the payload. A worker's first frame is
+  ``HELLO`` with its index (that is also how the parent learns the worker is serving); every later
+  frame is ``DATA`` and is forwarded as it is to every other worker. The hub never parses payloads.
+- Bounded everywhere: a frame over ``max_frame`` closes that connection; a sibling whose socket
+  buffer already holds ``max_buffer`` bytes misses the frame (counted in ``dropped``) rather than
+  growing the hub's memory; a worker's inbound queue keeps at most ``max_queue`` frames (oldest go).
+- The socket lives in a directory only the parent's user can enter (``tempfile.mkdtemp``).
+- A worker that loses the hub keeps serving alone and reconnects with a bounded back-off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import struct
+from collections import deque
+from collections.abc import Callable
+
+log = logging.getLogger("kvproxy.hub")
+
+HELLO = 1
+DATA = 2
+MAX_FRAME = 1 << 20
+_HEAD = struct.Struct(">IB")
+
+
+class BusDown(Exception):
+    """The transport cannot carry messages now (not connected, Redis failing)."""
+
+
+def frame(kind: int, payload: bytes) -> bytes:
+    return _HEAD.pack(len(payload), kind) + payload
+
+
+async def read_frame(reader: asyncio.StreamReader, max_frame: int) -> tuple[int, bytes]:
+    """The next frame; ``EOFError`` at the end, ``ValueError`` for one over ``max_frame``."""
+    try:
+        head = await reader.readexactly(_HEAD.size)
+        size, kind = _HEAD.unpack(head)
+        if size > max_frame:
+            raise ValueError(f"frame of {size} bytes")
+        return kind, await reader.readexactly(size)
+    except asyncio.IncompleteReadError:
+        raise EOFError from None
+
+
+class Hub:
+    """The parent's side: accepts workers and forwards each one's frames to the others."""
+
+    def __init__(self, path: str, *, on_hello: Callable[[int], None] | None = None,
+                 max_frame: int = MAX_FRAME, max_buffer: int = 8 * MAX_FRAME) -> None:
+        self.path = path
+        self._on_hello = on_hello
+        self._max_frame = max_frame
+        self._max_buffer = max_buffer
+        self._workers: dict[int, asyncio.StreamWriter] = {}
+        self._server: asyncio.Server | None = None
+        self.forwarded = 0
+        self.dropped = 0
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_unix_server(self._serve, self.path)
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for writer in list(self._workers.values()):
+            writer.close()
+        self._workers.clear()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        index: int | None = None
+        try:
+            kind, payload = await read_frame(reader, self._max_frame)
+            if kind != HELLO:
+                return
+            index = int(payload)
+            old = self._workers.pop(index, None)
+            if old is not None:
+                old.close()
+            self._workers[index] = writer
+            if self._on_hello is not None:
+                self._on_hello(index)
+            while True:
+                kind, payload = await read_frame(reader, self._max_frame)
+                if kind == DATA:
+                    self._forward(index, frame(DATA, payload))
+        except (EOFError, ValueError, ConnectionError):
+            pass
+        finally:
+            if index is not None and self._workers.get(index) is writer:
+                del self._workers[index]
+            writer.close()
+
+    def _forward(self, sender: int, data: bytes) -> None:
+        for index, writer in self._workers.items():
+            if index == sender:
+                continue
+            if writer.transport.get_write_buffer_size() > self._max_buffer:
+                self.dropped += 1
+                continue
+            writer.write(data)
+            self.forwarded += 1
+
+
+class HubBus:
+    """A worker's side: publishes to the hub and queues what its siblings publish."""
+
+    def __init__(self, path: str, index: int, *, max_frame: int = MAX_FRAME,
+                 max_queue: int = 1024, max_buffer: int = 8 * MAX_FRAME) -> None:
+        self.path = path
+        self.index = index
+        self._max_frame = max_frame
+        self._max_buffer = max_buffer
+        self._inbox: deque[bytes] = deque(maxlen=max_queue)
+        self._writer: asyncio.StreamWriter | None = None
+        self.dropped = 0
+
+    @property
+    def live(self) -> bool:
+        return self._writer is not None and not self._writer.is_closing()
+
+    async def publish(self, payload: bytes) -> None:
+        writer = self._writer
+        if writer is None or writer.is_closing():
+            raise BusDown("not connected to the workers' hub")
+        if writer.transport.get_write_buffer_size() > self._max_buffer:
+            self.dropped += 1
+            return
+        writer.write(frame(DATA, payload))
+
+    async def fetch(self) -> list[bytes]:
+        if not self.live and not self._inbox:
+            raise BusDown("not connected to the workers' hub")
+        items = list(self._inbox)
+        self._inbox.clear()
+        return items
+
+    async def run(self) -> None:
+        """Stay connected (reconnecting with back-off) until cancelled."""
+        delay = 0.05
+        while True:
+            try:
+                await self._session()
+                delay = 0.05
+            except (OSError, EOFError, ValueError) as exc:
+                log.debug("workers' hub connection lost: %s", exc)
+            finally:
+                if self._writer is not None:
+                    self._writer.close()
+                    self._writer = None
+            await asyncio.sleep(delay)
+            delay = min(2.0, delay * 2)
+
+    async def _session(self) -> None:
+        reader, writer = await asyncio.open_unix_connection(self.path)
+        writer.write(frame(HELLO, str(self.index).encode()))
+        await writer.drain()
+        self._writer = writer
+        while True:
+            kind, payload = await read_frame(reader, self._max_frame)
+            if kind == DATA:
+                if len(self._inbox) == self._inbox.maxlen:
+                    self.dropped += 1
+                self._inbox.append(payload)
+
+    async def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            with contextlib.suppress(ConnectionError):
+                await self._writer.wait_closed()
+            self._writer = None

@@ -1,0 +1,276 @@
+"""Routing state shared between proxy processes: the shell around ``proxy.core.sharing``.
+
+Rules:
+- Every ``sharing.interval_s`` one round: take the outbox (dispatches the request path recorded),
+  read each engine's in-flight counts, publish them as one message (or several of at most
+  ``_PER_MESSAGE`` dispatches), then merge what the other processes published: their dispatches
+  go into this process's policies through ``Policy.observe`` exactly as local ones do, their
+  in-flight counts into each engine's ``remote_pending`` (part of its load). Own messages and
+  unknown pools or engines are skipped; bad messages are dropped and counted.
+- Counts are published when they change and at least every ``ttl_s / 4``, so a peer's figures
+  never lapse while it lives, and vanish ``ttl_s`` after it dies or loses the transport.
+- Two transports: ``RedisStreamBus`` (one Redis stream for every replica, trimmed to
+  ``sharing.stream_len`` entries and expiring ``ttl_s`` after the last write; read without blocking
+  from the last id seen) and the workers' hub (``proxy.tenancy.hub``). Transport trouble skips the
+  round: the process routes alone, ``kvproxy_sharing_live`` says 0, one log line says so, and
+  another says when sharing is back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from typing import Protocol, TypeVar
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from proxy.core.routing import Policy, RouteKey
+from proxy.core.sharing import BadMessage, Dispatch, Message, Outbox, PeerTable, decode, encode
+from proxy.core.telemetry import EngineState
+from proxy.tenancy.hub import MAX_FRAME, BusDown
+from proxy.tenancy.redis_link import RedisClient, RedisLink, RedisUnavailable
+
+log = logging.getLogger("kvproxy.sharing")
+T = TypeVar("T")
+
+_PER_MESSAGE = 64  # dispatches per message: a 512-block chain is ~11 kB, so a message stays small
+_READ_COUNT = 512  # stream entries read per round at most
+
+
+class Bus(Protocol):
+    @property
+    def live(self) -> bool: ...
+
+    async def publish(self, payload: bytes) -> None: ...
+
+    async def fetch(self) -> list[bytes]: ...
+
+
+class HasState(Protocol):
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def pool(self) -> str: ...
+
+    state: EngineState
+
+
+class RedisStreamBus:
+    """One Redis stream that every replica appends to and reads from."""
+
+    def __init__(self, link: RedisLink, *, maxlen: int, ttl_s: float) -> None:
+        self._link = link
+        self._key = link.key("routing")
+        self._maxlen = maxlen
+        self._ttl_ms = max(1, int(ttl_s * 1000))
+        self._last: str | None = None
+        self.live = False
+
+    async def publish(self, payload: bytes) -> None:
+        key, maxlen, ttl = self._key, self._maxlen, self._ttl_ms
+
+        async def write(r: RedisClient) -> None:
+            async with r.pipeline(transaction=False) as pipe:
+                pipe.xadd(key, {"m": payload}, maxlen=maxlen, approximate=True)
+                pipe.pexpire(key, ttl)
+                await pipe.execute()
+
+        await self._run("sharing_publish", write)
+
+    async def fetch(self) -> list[bytes]:
+        key = self._key
+        if self._last is None:
+            # Start after the newest entry: older ones describe dispatches long settled.
+            newest: object = await self._run("sharing_read", lambda r: r.xrevrange(key, count=1))
+            entries = _entries(newest)
+            self._last = entries[-1][0] if entries else "0-0"
+        last = self._last
+        found: object = await self._run(
+            "sharing_read", lambda r: r.xread({key: last}, count=_READ_COUNT)
+        )
+        out: list[bytes] = []
+        for stream in found if isinstance(found, list) else []:
+            for entry_id, payload in _entries(stream[1] if len(stream) == 2 else None):
+                self._last = entry_id
+                if payload is not None:
+                    out.append(payload)
+        return out
+
+    async def _run(self, op: str, call: Callable[[RedisClient], Awaitable[T]]) -> T:
+        try:
+            result = await self._link.run(op, call)
+        except RedisUnavailable as exc:
+            self.live = False
+            raise BusDown(str(exc)) from None
+        self.live = True
+        return result
+
+
+def _entries(raw: object) -> list[tuple[str, bytes | None]]:
+    """(id, payload) of stream entries as redis-py returns them: [(id, {field: value}), ...]."""
+    out: list[tuple[str, bytes | None]] = []
+    for item in raw if isinstance(raw, list) else []:
+        entry_id, fields = item
+        payload = fields.get(b"m") if isinstance(fields, dict) else None
+        out.append((entry_id.decode(), payload if isinstance(payload, bytes) else None))
+    return out
+
+
+class SharingMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.published = Counter(
+            "kvproxy_sharing_published", "Routing state this process published to the others",
+            ["kind"], registry=registry,
+        )  # fmt: skip
+        self.merged = Counter(
+            "kvproxy_sharing_merged", "Routing state merged from other proxy processes",
+            ["kind"], registry=registry,
+        )  # fmt: skip
+        self.dropped = Counter(
+            "kvproxy_sharing_dropped", "Routing state not shared, by reason",
+            ["reason"], registry=registry,
+        )  # fmt: skip
+        self.live = Gauge(
+            "kvproxy_sharing_live",
+            "1 while routing state is shared with the other proxy processes, 0 while routing alone",
+            registry=registry,
+        )  # fmt: skip
+        self.peers = Gauge(
+            "kvproxy_sharing_peers", "Other proxy processes heard from recently",
+            registry=registry,
+        )  # fmt: skip
+
+
+class SharedRouting:
+    """Publishes this process's dispatches and in-flight counts; merges the others'."""
+
+    def __init__(
+        self,
+        bus: Bus,
+        outbox: Outbox,
+        policies: Mapping[str, Policy],
+        engines: Callable[[], Iterable[HasState]],
+        *,
+        ttl_s: float,
+        interval_s: float,
+        max_chain: int,
+        clock: Callable[[], float],
+        registry: CollectorRegistry,
+        transport: str,
+    ) -> None:
+        self._bus = bus
+        self._outbox = outbox
+        self._policies = policies
+        self._engines = engines
+        self._peers = PeerTable(ttl_s)
+        self._heartbeat_s = ttl_s / 4
+        self.interval_s = interval_s
+        self._max_chain = max_chain
+        self._clock = clock
+        self.metrics = SharingMetrics(registry)
+        self.transport = transport
+        self.sender = uuid.uuid4().hex[:16]
+        self._seq = 0
+        self._last_counts: tuple[dict[str, float], dict[str, float]] = ({}, {})
+        self._last_sent = -1e18
+        self._live: bool | None = None
+        self._dropped_seen = 0
+        self._stopped = False
+
+    async def sync(self) -> None:
+        """One round: publish, merge, and say whether sharing is live."""
+        engines = list(self._engines())
+        now = self._clock()
+        try:
+            await self._publish(engines, now)
+            await self._merge(engines, now)
+        except BusDown as exc:
+            self._set_live(False, str(exc))
+            self._peers.expire(now - self._peers.ttl_s)  # keep figures until they expire
+        else:
+            self._set_live(True, "")
+        self._apply_counts(engines, self._clock())
+
+    def _set_live(self, live: bool, why: str) -> None:
+        if live != self._live:
+            if live:
+                log.info("sharing routing state with the other proxy processes (%s)",
+                         self.transport)  # fmt: skip
+            elif self._live is not None:
+                log.warning("routing alone: cannot share routing state over %s (%s)",
+                            self.transport, why)  # fmt: skip
+            self._live = live
+        self.metrics.live.set(1.0 if live else 0.0)
+
+    async def _publish(self, engines: list[HasState], now: float) -> None:
+        dispatches = self._outbox.take()
+        self._count_drops()
+        pending = {e.name: float(e.state.dispatched_since_snapshot) for e in engines}
+        opened = {e.name: float(e.state.open_requests) for e in engines}
+        changed = (pending, opened) != self._last_counts
+        if not dispatches and not changed and now - self._last_sent < self._heartbeat_s:
+            return
+        chunks = [dispatches[i : i + _PER_MESSAGE] for i in range(0, len(dispatches), _PER_MESSAGE)]
+        for i, chunk in enumerate(chunks or [[]]):
+            self._seq += 1
+            counts = (pending, opened) if i == len(chunks or [[]]) - 1 else ({}, {})
+            msg = Message(self.sender, self._seq, tuple(chunk), *counts)
+            await self._bus.publish(encode(msg))
+            self.metrics.published.labels("dispatches").inc(len(chunk))
+            self.metrics.published.labels("messages").inc()
+        self._last_counts, self._last_sent = (pending, opened), now
+
+    def _count_drops(self) -> None:
+        dropped = self._outbox.dropped - self._dropped_seen
+        if dropped:
+            self.metrics.dropped.labels("batch_full").inc(dropped)
+            self._dropped_seen = self._outbox.dropped
+
+    async def _merge(self, engines: list[HasState], now: float) -> None:
+        pools = {e.name: e.pool for e in engines}
+        for raw in await self._bus.fetch():
+            try:
+                msg = decode(raw, max_bytes=MAX_FRAME, max_chain=self._max_chain)
+            except BadMessage:
+                self.metrics.dropped.labels("invalid").inc()
+                continue
+            if msg.sender == self.sender:
+                continue
+            self._learn(msg.dispatches, pools)
+            if msg.pending or msg.open or not msg.dispatches:
+                self._peers.heard(msg, now)
+            self.metrics.merged.labels("messages").inc()
+
+    def _learn(self, dispatches: Iterable[Dispatch], pools: Mapping[str, str]) -> None:
+        merged = 0
+        for d in dispatches:
+            policy = self._policies.get(d.pool)
+            if policy is None or pools.get(d.engine) != d.pool:
+                continue
+            # The chain is already seeded by model, tenant and salt; the index needs no more.
+            policy.observe(RouteKey(chain=d.chain), d.engine)
+            merged += 1
+        self.metrics.merged.labels("dispatches").inc(merged)
+
+    def _apply_counts(self, engines: list[HasState], now: float) -> None:
+        pending, opened = self._peers.totals(now)
+        for engine in engines:
+            engine.state.remote_pending = pending.get(engine.name, 0.0)
+            engine.state.remote_open = opened.get(engine.name, 0.0)
+        self.metrics.peers.set(self._peers.live(now))
+
+    async def run(self) -> None:
+        """Rounds until ``stop``. Not ``periodic.every``: redis-py can swallow a cancellation that
+        lands inside a pipeline, and this loop must end on shutdown even then."""
+        while not self._stopped:
+            try:
+                await self.sync()
+            except Exception:
+                log.exception("sharing routing state failed; trying again")
+            await asyncio.sleep(self.interval_s)
+
+    def stop(self) -> None:
+        self._stopped = True

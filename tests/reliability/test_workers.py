@@ -1,0 +1,233 @@
+"""``kvproxy serve --workers 2`` as real processes on loopback before simulated engine processes:
+both workers serve, route as one (no Redis: through the parent's hub), ``/metrics`` is the whole
+proxy's, a dead worker comes back, and SIGTERM to the parent drains every worker."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import pytest
+from integration.stack import TARGET_MODEL
+from prometheus_client.parser import text_string_to_metric_families
+
+from .procs import EngineProcess, start_engine
+
+PREFIX = "".join(f"shared manual section {i:04d} " * 8 for i in range(64))
+
+
+@dataclass
+class Parent:
+    proc: asyncio.subprocess.Process
+    url: str
+    log: list[str] = field(default_factory=list)
+
+    def workers(self) -> dict[int, tuple[int, str]]:
+        """index -> (pid, own-metrics socket) of the live workers, from their command lines."""
+        out: dict[int, tuple[int, str]] = {}
+        children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text()
+        for pid in map(int, children.split()):
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except FileNotFoundError:
+                continue
+            if b"--worker-seat" not in argv:
+                continue  # one that has just died (a zombie has no command line)
+            seat = argv[argv.index(b"--worker-seat") + 1].decode()
+            directory, index, _ = seat.rsplit(":", 2)
+            out[int(index)] = (pid, f"{directory}/worker-{index}.sock")
+        return out
+
+
+@pytest.fixture
+async def engines() -> AsyncIterator[list[EngineProcess]]:
+    started: list[EngineProcess] = []
+    try:
+        for i in range(3):
+            started.append(await start_engine(f"w{i}", TARGET_MODEL, "--time-scale", "20",
+                                              "--seed", str(i)))  # fmt: skip
+        yield started
+    finally:
+        for engine in started:
+            await engine.stop()
+
+
+@pytest.fixture
+async def parent(engines: list[EngineProcess], tmp_path: Path) -> AsyncIterator[Parent]:
+    config = tmp_path / "kvproxy.toml"
+    lines = ["[server]", "drain_timeout_s = 10.0", "[telemetry]", "interval_s = 0.1",
+             "timeout_s = 0.09", "stale_after_s = 0.6",
+             # A bound no burst here reaches: the test is about what workers know, not spilling.
+             "[routing]", "min_load_bound = 16",
+             "[[pools]]", 'name = "target"', f'model = "{TARGET_MODEL}"']
+    for i, engine in enumerate(engines):
+        lines += ["[[pools.engines]]", f'name = "w{i}"', f'url = "{engine.url}"']
+    config.write_text("\n".join(lines) + "\n")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "proxy", "serve", "--config", str(config), "--port", "0",
+        "--workers", "2", stderr=asyncio.subprocess.PIPE,
+    )
+    assert proc.stderr is not None
+    log: list[str] = []
+    try:
+        async with asyncio.timeout(60):
+            while True:
+                line = (await proc.stderr.readline()).decode()
+                assert line, f"kvproxy exited before serving: {log}"
+                log.append(line)
+                found = re.search(r"listening on (http://\S+) \(2 workers\)", line)
+                if found:
+                    break
+    except BaseException:
+        proc.kill()
+        await proc.wait()
+        raise
+    running = Parent(proc, found.group(1), log)
+    reader = asyncio.get_running_loop().create_task(_keep_log(proc.stderr, log))
+    try:
+        await _all_engines_healthy(running, len(engines))
+        yield running
+    finally:
+        await _stop(proc)
+        reader.cancel()
+
+
+async def _stop(proc: asyncio.subprocess.Process) -> None:
+    if proc.returncode is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            async with asyncio.timeout(20):
+                await proc.wait()
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+
+
+async def _all_engines_healthy(parent: Parent, engines: int) -> None:
+    """Every worker has scraped every engine (each worker scrapes for itself)."""
+    async with asyncio.timeout(20):
+        for _, path in parent.workers().values():
+            await wait_metric(path, "kvproxy_engine_health", engines, state="healthy")
+
+
+async def _keep_log(stream: asyncio.StreamReader, log: list[str]) -> None:
+    while line := await stream.readline():
+        log.append(line.decode())
+
+
+def chat(content: str, **extra: object) -> dict[str, object]:
+    return {"model": TARGET_MODEL, "messages": [{"role": "user", "content": content}],
+            "max_tokens": 8, **extra}
+
+
+def total(text: str, name: str, **labels: str) -> float:
+    found = 0.0
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and labels.items() <= s.labels.items():
+                found += s.value
+    return found
+
+
+async def own_metrics(socket_path: str) -> str:
+    connector = aiohttp.UnixConnector(path=socket_path)
+    async with (
+        aiohttp.ClientSession(connector=connector) as http,
+        http.get("http://worker/metrics") as resp,
+    ):
+        return await resp.text()
+
+
+async def wait_metric(path: str, name: str, at_least: float, **labels: str) -> None:
+    """Until one worker's own exposition shows ``name`` at ``at_least`` (callers bound it)."""
+    while total(await own_metrics(path), name, **labels) < at_least:  # noqa: ASYNC110
+        await asyncio.sleep(0.05)
+
+
+async def post(url: str, body: dict[str, object]) -> int:
+    # A connection of its own each time, so SO_REUSEPORT spreads them over the workers.
+    async with aiohttp.ClientSession() as http, http.post(url + "/v1/chat/completions",
+                                                          json=body) as resp:
+        await resp.read()
+        return resp.status
+
+
+async def test_both_workers_serve_and_metrics_count_them_all(parent: Parent) -> None:
+    statuses = [await post(parent.url, chat(f"hello {i}")) for i in range(24)]
+    assert statuses == [200] * 24
+    seats = parent.workers()
+    assert len(seats) == 2
+    own = [total(await own_metrics(path), "kvproxy_requests_total") for _, path in seats.values()]
+    assert all(n > 0 for n in own), f"one worker served nothing: {own}"
+    async with aiohttp.ClientSession() as http, http.get(parent.url + "/metrics") as resp:
+        merged = await resp.text()
+    assert total(merged, "kvproxy_requests_total", status="200") == 24
+    assert total(merged, "kvproxy_sharing_live") == 1.0
+
+
+async def test_a_burst_sharing_a_new_prefix_lands_on_one_engine(parent: Parent) -> None:
+    seats = parent.workers()
+    async with aiohttp.ClientSession() as http:
+        # The first request of the prefix: a long stream, still open on one worker and engine.
+        stream = await http.post(parent.url + "/v1/chat/completions",
+                                 json=chat(PREFIX + " first", stream=True, max_tokens=300,
+                                           ignore_eos=True))  # fmt: skip
+        assert stream.status == 200
+        await stream.content.readline()
+        home = await _busy_engine(seats)
+        # Both workers have seen that engine busy (their own scrapes show it running).
+        async with asyncio.timeout(5):
+            for _, path in seats.values():
+                await wait_metric(path, "kvproxy_engine_running", 1, engine=home)
+        statuses = await asyncio.gather(*(post(parent.url, chat(PREFIX + f" q{i}"))
+                                          for i in range(8)))  # fmt: skip
+        assert statuses == [200] * 8
+        stream.close()
+        async with http.get(parent.url + "/metrics") as resp:
+            merged = await resp.text()
+    used = {e: total(merged, "kvproxy_requests_total", engine=e, status="200")
+            for e in ("w0", "w1", "w2")}  # fmt: skip
+    assert used[home] == 8, f"the burst was split across engines: {used}"
+
+
+async def _busy_engine(seats: dict[int, tuple[int, str]]) -> str:
+    for _, path in seats.values():
+        text = await own_metrics(path)
+        for engine in ("w0", "w1", "w2"):
+            if total(text, "kvproxy_engine_inflight", engine=engine) >= 1:
+                return engine
+    raise AssertionError("no worker has the stream open")
+
+
+async def test_a_dead_worker_is_restarted(parent: Parent) -> None:
+    before = parent.workers()
+    pid = before[0][0]
+    os.kill(pid, signal.SIGKILL)
+    async with asyncio.timeout(15):
+        while (seat := parent.workers().get(0)) is None or seat[0] == pid:  # noqa: ASYNC110
+            await asyncio.sleep(0.1)
+    assert any("worker 0" in line and "restarting" in line for line in parent.log)
+    statuses = [await post(parent.url, chat(f"after restart {i}")) for i in range(8)]
+    assert statuses == [200] * 8
+
+
+async def test_sigterm_drains_an_open_stream_and_the_parent_exits_0(parent: Parent) -> None:
+    async with aiohttp.ClientSession() as http:
+        resp = await http.post(parent.url + "/v1/chat/completions",
+                               json=chat("drain me", stream=True, max_tokens=150,
+                                         ignore_eos=True))  # fmt: skip
+        assert resp.status == 200
+        await resp.content.readline()
+        parent.proc.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(30):
+            body = await resp.read()
+    assert body.rstrip().endswith(b"data: [DONE]")
+    async with asyncio.timeout(30):
+        assert await parent.proc.wait() == 0

@@ -1,0 +1,99 @@
+"""The pure part of shared routing state: the outbox, the message format, the peers' counts."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from proxy.core.sharing import (
+    BadMessage,
+    Dispatch,
+    Message,
+    Outbox,
+    PeerTable,
+    decode,
+    encode,
+)
+from proxy.core.telemetry import EngineState
+
+
+def _decode(raw: bytes) -> Message:
+    return decode(raw, max_bytes=1 << 20, max_chain=512)
+
+
+def test_a_message_survives_the_round_trip() -> None:
+    msg = Message("r1", 7, (Dispatch("target", "t0", (1, 2, (1 << 64) - 1)),), {"t0": 2.0},
+                  {"t0": 3.0})
+    assert _decode(encode(msg)) == msg
+
+
+def test_the_outbox_is_bounded_and_counts_what_it_drops() -> None:
+    box = Outbox(2)
+    for i in range(5):
+        box.dispatched("p", "e", (i,))
+    assert [d.chain for d in box.take()] == [(0,), (1,)]
+    assert box.dropped == 3 and box.take() == []
+
+
+def test_a_disabled_outbox_keeps_nothing() -> None:
+    box = Outbox(8, enabled=False)
+    box.dispatched("p", "e", (1,))
+    assert box.take() == [] and box.dropped == 0
+
+
+@pytest.mark.parametrize("doc", [
+    [], {"v": 2, "r": "x", "s": 1}, {"v": 1, "r": "", "s": 1}, {"v": 1, "r": "x", "s": True},
+    {"v": 1, "r": "x", "s": 1, "d": [["p", "e", [-1]]]},
+    {"v": 1, "r": "x", "s": 1, "d": [["p", "e", list(range(600))]]},
+    {"v": 1, "r": "x", "s": 1, "d": [["p", "e" * 300, [1]]]},
+    {"v": 1, "r": "x", "s": 1, "d": [["p", "e", [1.5]]]},
+    {"v": 1, "r": "x", "s": 1, "p": {"e": -1}},
+    {"v": 1, "r": "x", "s": 1, "p": {"e": 1e12}},
+    {"v": 1, "r": "x", "s": 1, "o": {"e": "1"}},
+])  # fmt: skip
+def test_hostile_messages_are_refused(doc: object) -> None:
+    with pytest.raises(BadMessage):
+        _decode(orjson.dumps(doc))
+
+
+def test_oversized_and_garbled_messages_are_refused() -> None:
+    with pytest.raises(BadMessage):  # a hash past 64 bits (orjson itself refuses to write one)
+        _decode(b'{"v":1,"r":"x","s":1,"d":[["p","e",[18446744073709551616]]]}')
+    with pytest.raises(BadMessage):
+        decode(b"{" * 10, max_bytes=1 << 20, max_chain=4)
+    with pytest.raises(BadMessage):
+        decode(encode(Message("r", 1)), max_bytes=5, max_chain=4)
+
+
+def test_peer_counts_add_up_and_expire() -> None:
+    table = PeerTable(ttl_s=2.0)
+    assert table.heard(Message("a", 1, pending={"e": 2.0}, open={"e": 3.0}), now=10.0)
+    assert table.heard(Message("b", 1, pending={"e": 1.0, "f": 1.0}), now=11.0)
+    assert table.totals(11.5) == ({"e": 3.0, "f": 1.0}, {"e": 3.0})
+    assert table.live(11.5) == 2
+    assert table.totals(12.5) == ({"e": 1.0, "f": 1.0}, {})  # a's figures expired
+    table.expire(13.5)
+    assert table.live(13.5) == 0
+
+
+def test_an_older_message_from_a_peer_does_not_replace_a_newer_one() -> None:
+    table = PeerTable(ttl_s=2.0)
+    table.heard(Message("a", 5, pending={"e": 4.0}), now=1.0)
+    assert not table.heard(Message("a", 4, pending={"e": 0.0}), now=1.1)
+    assert table.totals(1.2)[0] == {"e": 4.0}
+
+
+def test_the_peer_table_is_bounded() -> None:
+    table = PeerTable(ttl_s=2.0, max_peers=2)
+    assert table.heard(Message("a", 1), now=0.0)
+    assert table.heard(Message("b", 1), now=0.0)
+    assert not table.heard(Message("c", 1), now=1.0)
+    assert table.heard(Message("c", 1), now=2.5)  # the others expired
+
+
+def test_other_processes_dispatches_count_in_an_engines_load() -> None:
+    state = EngineState("e", "p", "http://e")
+    state.on_dispatch(now=1.0)
+    state.remote_pending = 2.0
+    assert state.load() == 3.0
+    assert state.view(1.0, True).load == 3.0
