@@ -56,6 +56,8 @@ class ParsedRequest:
     ignore_eos: bool
     logprobs: int | None  # top alternatives wanted (0: only the chosen token); None: no logprobs
     cache_salt: str | None = None
+    prompt_logprobs: int | None = None  # top tokens per prompt position (vLLM's field)
+    return_token_ids: bool = False  # the answer's token ids in the response (non-streamed)
 
 
 @dataclass(frozen=True)
@@ -118,7 +120,20 @@ def parse(kind: Kind, raw: bytes, limits: Limits) -> ParsedRequest:
         temperature=_temperature(body), seed=_opt_int(body, "seed"),
         priority=_priority(body, limits), ignore_eos=_opt_bool(body, "ignore_eos"),
         logprobs=_logprobs(kind, body), cache_salt=_cache_salt(body),
+        prompt_logprobs=_prompt_logprobs(body, stream),
+        return_token_ids=_opt_bool(body, "return_token_ids"),
     )
+
+
+def _prompt_logprobs(body: dict[str, object], stream: bool) -> int | None:
+    wanted = _opt_int(body, "prompt_logprobs")
+    if wanted is None:
+        return None
+    if stream and wanted != 0:
+        raise _bad("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
+    if wanted < 0 or wanted > MAX_LOGPROBS:
+        raise _bad(f"`prompt_logprobs` must be in 0..{MAX_LOGPROBS}", "prompt_logprobs")
+    return wanted
 
 
 def _cache_salt(body: dict[str, object]) -> str | None:
