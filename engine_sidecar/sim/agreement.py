@@ -60,12 +60,13 @@ class AnswerWords(WordStream):
     words, or a draft's that agree with them with probability ``agreement``; EOS at ``stop_at``
     (the last position of an answer that stops by itself), if given."""
 
-    __slots__ = ("agreement", "position", "seed", "stop_at")
+    __slots__ = ("agreement", "only", "position", "seed", "stop_at")
 
     def __init__(self, seed: int, *, agreement: float = 1.0, start: int = 0,
-                 stop_at: int | None = None) -> None:
+                 stop_at: int | None = None, only: int | None = None) -> None:
         super().__init__(seed)
         self.seed = seed
+        self.only = only
         self.agreement = agreement
         self.position = 0
         self.stop_at = stop_at
@@ -76,6 +77,8 @@ class AnswerWords(WordStream):
         word = super().next()
         pos = self.position
         self.position += 1
+        if self.only is not None:
+            return self.only
         if self.stop_at is not None and pos >= self.stop_at:
             return EOS_INDEX
         if self.agreement >= 1.0 or _unit(self.seed, pos) < self.agreement:

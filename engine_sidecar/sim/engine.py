@@ -37,6 +37,7 @@ from engine_sidecar.sim.kvpublisher import KvEventPublisher
 from engine_sidecar.sim.metrics import EngineReading, LatencyMetrics, render
 from engine_sidecar.sim.profiles import PROFILES
 from engine_sidecar.sim.scheduler import FinishReason, Scheduler, SimRequest, Status, StepOutput
+from engine_sidecar.sim.tokenizer import EOS_INDEX
 from engine_sidecar.speculation.schedule import Schedule
 from engine_sidecar.vllm.metrics import spec_lines
 from engine_sidecar.vllm.spec import SpecCounters, SpecWindow
@@ -53,6 +54,7 @@ class Sampling:
     ignore_eos: bool = False
     cache_salt: str | None = None
     workload: str | None = None  # picks the acceptance class (sim/speculation.py)
+    only: int | None = None  # ``allowed_token_ids`` of one token: that word, once
 
 
 class RequestStream:
@@ -209,7 +211,9 @@ class SimEngine:
         target, reason = self._target(seed, sampling, begun)
         stop_at = begun + target - 1 if reason == "stop" else None
         words = AnswerWords(seed, agreement=self.agreement(sampling.workload), start=begun,
-                            stop_at=stop_at)
+                            stop_at=stop_at, only=sampling.only)
+        if sampling.only is not None:
+            target, reason = 1, "stop" if sampling.only == EOS_INDEX else "length"
         self._seq += 1
         req = SimRequest(
             request_id=public_id, token_ids=array("I", prompt_ids), prompt_len=len(prompt_ids),
@@ -262,7 +266,8 @@ class SimEngine:
         already (a stop then comes that much sooner, and at once if it is overdue)."""
         low, high = self.config.stop_len_range
         natural = max(1, low + (seed >> 11) % (high - low + 1) - begun)
-        if sampling.ignore_eos or sampling.max_tokens <= natural:
+        # At max_tokens == natural the last token is EOS: vLLM checks for a stop before length.
+        if sampling.ignore_eos or sampling.max_tokens < natural:
             return sampling.max_tokens, "length"
         return natural, "stop"
 

@@ -58,6 +58,7 @@ class ParsedRequest:
     cache_salt: str | None = None
     prompt_logprobs: int | None = None  # top tokens per prompt position (vLLM's field)
     return_token_ids: bool = False  # the answer's token ids in the response (non-streamed)
+    allowed_token_ids: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -122,7 +123,19 @@ def parse(kind: Kind, raw: bytes, limits: Limits) -> ParsedRequest:
         logprobs=_logprobs(kind, body), cache_salt=_cache_salt(body),
         prompt_logprobs=_prompt_logprobs(body, stream),
         return_token_ids=_opt_bool(body, "return_token_ids"),
+        allowed_token_ids=_allowed(body),
     )
+
+
+def _allowed(body: dict[str, object]) -> tuple[int, ...] | None:
+    value = body.get("allowed_token_ids")
+    if value is None:
+        return None
+    if not isinstance(value, list) or not value or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
+        raise _bad("allowed_token_ids must be a non-empty list of token ids",
+                   "allowed_token_ids")
+    return tuple(value)
 
 
 def _prompt_logprobs(body: dict[str, object], stream: bool) -> int | None:

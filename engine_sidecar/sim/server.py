@@ -24,7 +24,7 @@ from engine_sidecar.sim.engine import Sampling, SimEngine
 from engine_sidecar.sim.protocol import ApiError, Kind, Limits, ParsedRequest, parse
 from engine_sidecar.sim.responses import Identity
 from engine_sidecar.sim.streaming import ConnectionResetByFault, relay_full, relay_stream
-from engine_sidecar.sim.tokenizer import chat_prompt, decode, encode
+from engine_sidecar.sim.tokenizer import TOKEN_IDS, chat_prompt, decode, encode
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,8 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
     sampling = Sampling(max_tokens=parsed.max_tokens, temperature=parsed.temperature,
                         seed=parsed.seed, priority=parsed.priority, ignore_eos=parsed.ignore_eos,
                         cache_salt=parsed.cache_salt,
-                        workload=request.headers.get("X-Workload-Class", "")[:64] or None)
+                        workload=request.headers.get("X-Workload-Class", "")[:64] or None,
+                        only=_only(parsed.allowed_token_ids))
     stream = engine.submit(ident.response_id, parsed.prompt_ids, sampling, client_id=base_id)
     engine.in_flight += 1
     try:
@@ -133,6 +134,14 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
     finally:
         engine.in_flight -= 1
         stream.abort()
+
+
+def _only(allowed: tuple[int, ...] | None) -> int | None:
+    """The one word an ``allowed_token_ids`` list forces (the simulator honours one token of
+    its own vocabulary; otherwise the list is ignored)."""
+    if allowed is None or len(allowed) != 1 or allowed[0] not in TOKEN_IDS:
+        return None
+    return TOKEN_IDS.index(allowed[0])
 
 
 def _prompt_logprobs(engine: SimEngine, parsed: ParsedRequest, sampling: Sampling

@@ -321,6 +321,8 @@ class AcceptanceHistory:
     def record(self, key: tuple[str, str], accepted: int, mismatched: bool, now: float) -> bool:
         """Count one round; True when it made the key fall back to the target alone."""
         cfg, rec = self._cfg, self._record(key)
+        if rec.fallback_until is not None:
+            return False  # answers drafted before the fallback are not judged again
         rec.rounds.append((accepted, int(mismatched)))
         rec.accepted += accepted
         rec.mismatches += int(mismatched)

@@ -34,7 +34,7 @@ from proxy.fleet.engines import Engine, Fleet
 from proxy.fleet.scraper import Scraper
 from proxy.fleet.upstream import make_data_session, make_scrape_session
 from proxy.observe.metrics import ProxyMetrics
-from proxy.server import handlers
+from proxy.server import handlers, specfirst
 from proxy.server.connections import SERVER_NAME
 from proxy.server.context import Drain, ShellContext
 from proxy.server.keys import MODELS, REQUEST_ID, SCRAPER_TASK, SHELL
@@ -69,10 +69,12 @@ def build_app(
         [door_cfg.auth.default_tenant, *(t.name for t in door_cfg.auth.tenants)]
     )
     app[MODELS] = make_discovery(app[SHELL])
+    app[specfirst.SPECFIRST] = specfirst.build(app[SHELL])
     app.cleanup_ctx.append(_upstream_sessions)
     app.cleanup_ctx.append(_scraper)
     app.cleanup_ctx.append(model_discovery)
     app.cleanup_ctx.append(_front_door)
+    app.cleanup_ctx.append(specfirst.tokenizer_check)
     app.on_response_prepare.append(_server_header)
     _routes(app)
     return app
