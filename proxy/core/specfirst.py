@@ -8,8 +8,12 @@ Rules:
   token is kept, the token the target generated after the chunk is appended. Every token of the
   answer is therefore the target's greedy token for the context before it.
 - **Ends of answers are the target's.** A token ends the answer only if the *target* stops on it
-  (``TokenFacts``: learned from the target's own finish reasons, never from the draft's); a token
-  whose role is unknown is asked of the target before the answer goes on (``Step.ask``).
+  (``TokenFacts``: the configured ``eos_token_ids`` and what the target's own finish reasons
+  showed, never the draft's). The token that closes a round (the target's correction, its bonus
+  token, or the token the draft stopped on) is asked of the target when its role is unknown
+  (``Step.ask``). A kept drafted token the draft went on after is taken to go on unless it is a
+  known stop: draft and target share a tokenizer and so its EOS; a stop id that only the
+  target's generation config adds must be listed in ``eos_token_ids``.
 - **Approximate for sampling** (``temperature_policy = "approximate"``): the speculative-sampling
   test on the top-k log-probabilities both engines return; tokens outside the target's top-k count
   as probability 0. It is documented as approximate and never used unless configured.
@@ -221,6 +225,9 @@ class Step:
 def advance(rnd: Round, facts: TokenFacts, remaining: int) -> Step:
     """Apply one verified round to an answer that may still grow by ``remaining`` tokens."""
     kept = rnd.draft[: rnd.verdict.accepted]
+    stop = next((i for i, t in enumerate(kept) if t in facts.stops), None)
+    if stop is not None:  # a kept token the target is known to stop on ends the answer there
+        return Step(kept[: stop + 1], stop + 1, "stop")
     if rnd.verdict.correction is not None:
         return _close(kept, rnd.verdict.correction, False, facts, remaining)
     if rnd.draft_finish == "stop" and kept:

@@ -8,8 +8,9 @@ Rules:
 - ``usage`` counts what the target alone would have reported: the prompt's tokens and the
   answer's tokens (its EOS token included, as vLLM counts it). Who wrote which tokens is said in
   headers, not in ``usage``.
-- Text is emitted only once it is final: ``Detok`` holds back a trailing replacement character
-  (a UTF-8 sequence cut between tokens) until the next tokens complete it.
+- Text is emitted only once it is final: a trailing replacement character (a UTF-8 sequence cut
+  between tokens) is held back until the next tokens complete it, and dropped at the end of the
+  answer, as vLLM's incremental detokenizer does (``visible``).
 - Pure: bytes in, bytes out.
 """
 
@@ -94,16 +95,20 @@ def whole(shape: Shape, text: str, finish: str, prompt: int, completion: int) ->
     return orjson.dumps(payload)
 
 
+def visible(text: str) -> str:
+    """The text vLLM shows for an answer whose detokenized text is ``text``."""
+    return text.rstrip(_REPLACEMENT)
+
+
 @dataclass
 class Detok:
     """Turns the detokenized text of the whole answer so far into the part not yet sent."""
 
     sent: str = ""
 
-    def delta(self, text: str, *, final: bool) -> str:
-        """The new text of ``text`` (the whole answer so far); a trailing replacement character
-        is held back unless the answer is over."""
-        ready = text if final else text.rstrip(_REPLACEMENT)
+    def delta(self, text: str) -> str:
+        """The new text of ``text`` (the whole answer so far, detokenized)."""
+        ready = visible(text)
         if not ready.startswith(self.sent):
             # Detokenization rewrote text already sent (a tokenizer's clean-up of spaces):
             # what was sent stands, and only what lies beyond it is added.

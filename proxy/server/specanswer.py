@@ -47,6 +47,7 @@ from proxy.core.specshape import (
     role_chunk,
     text_chunk,
     usage_chunk,
+    visible,
     whole,
 )
 from proxy.core.usage import Usage
@@ -264,7 +265,7 @@ class SpecAnswer:
     async def _emit(self, answer: Answer, target: Leg) -> None:
         if not self.job.stream or answer.finish is not None:
             return
-        text = self.detok.delta(await speclegs.detokenize(target, answer.text_ids()), final=False)
+        text = self.detok.delta(await speclegs.detokenize(target, answer.text_ids()))
         if text:
             await self._write(text_chunk(self.shape, text, None))
 
@@ -283,7 +284,7 @@ class SpecAnswer:
         if self.cut:
             return await self._fail(answer, UpstreamTimeout("the proxy is shutting down"))
         self._account(answer)
-        text = await speclegs.detokenize(target, answer.text_ids())
+        text = visible(await speclegs.detokenize(target, answer.text_ids()))
         finish = answer.finish or "length"
         shape, prompt, done = self.shape, len(answer.prompt), len(answer.tokens)
         if not self.job.stream:
@@ -291,7 +292,7 @@ class SpecAnswer:
             body = whole(shape, text, finish, prompt, done)
             return web.Response(body=body, content_type="application/json",
                                 headers=self._headers(answer))
-        await self._write(text_chunk(shape, self.detok.delta(text, final=True), finish))
+        await self._write(text_chunk(shape, self.detok.delta(text), finish))
         if _wants_usage(self.inbound.body):
             await self._write(usage_chunk(shape, prompt, done))
         who = f"draft_tokens={answer.from_draft} target_tokens={done - answer.from_draft}"
