@@ -100,7 +100,7 @@ def _config(urls: Sequence[str]) -> Config:
     pools = (PoolConfig("target", TARGET, (EngineConfig("h100-0", urls[0]),)),
              PoolConfig("draft", DRAFT, (EngineConfig("l4-0", urls[1]),)))
     alias = AliasConfig(ALIAS, mode="speculative_first", draft="draft", target="target",
-                        chunk=8, fallback_retry_s=30.0)
+                        chunk=16, fallback_retry_s=30.0)
     tenants = tuple(TenantConfig(name, (f"key-{name}-000",)) for name in ("easy", "hard"))
     return Config(server=ServerConfig(host="127.0.0.1", port=0),
                   auth=AuthConfig(tenants=tenants),

@@ -56,10 +56,10 @@ def _wait(url: str, proc: subprocess.Popen[bytes]) -> None:
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             pytest.fail(f"vLLM exited while starting (code {proc.returncode})")
-        with contextlib.suppress(OSError):
-            with urllib.request.urlopen(url + "/v1/models", timeout=2) as resp:
-                if resp.status == 200:
-                    return
+        with contextlib.suppress(OSError), \
+                urllib.request.urlopen(url + "/v1/models", timeout=2) as resp:
+            if resp.status == 200:
+                return
         time.sleep(2)
     pytest.fail("vLLM did not start in time")
 
