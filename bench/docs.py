@@ -34,6 +34,7 @@ python -m bench.routing --suite     # routing over six workloads (--quick: under
 python -m bench.overhead            # overhead benchmark (full run; --quick for a few minutes)
 python -m bench.soak all            # soak: proxy memory over 100k requests, 2,000 idle streams
 python -m bench.speculation         # adaptive speculation vs static choices (simulated, ~2 min)
+python -m bench.specfirst           # speculative-first routing vs the target alone (~2 min)
 python -m bench.report              # rewrite bench/results/*.md, *.png and this page
 ```
 

@@ -25,6 +25,7 @@ from bench.report_overcommit import write_overcommit
 from bench.report_overhead import overhead_markdown, overhead_ratios
 from bench.report_routing import calibration_markdown, routing_markdown
 from bench.report_soak import soak_markdown
+from bench.report_specfirst import write_specfirst
 from bench.report_speculation import render as speculation_markdown
 from bench.report_suite import suite_markdown
 
@@ -125,6 +126,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if overcommit is not None:
         page += "\n" + "\n".join("##" + ln if ln.startswith("#") else ln
                                    for ln in overcommit.splitlines()) + "\n"
+    specfirst = write_specfirst(args.results)
+    if specfirst is not None:
+        page += "\n" + "\n".join("##" + ln if ln.startswith("#") else ln
+                                   for ln in specfirst.splitlines()) + "\n"
     args.docs.write_text(page)
     print(f"wrote {args.docs} and reports under {args.results}")
     return 0

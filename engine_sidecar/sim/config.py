@@ -134,6 +134,10 @@ class SimEngineConfig:
     seed: int = 0
     stop_len_range: tuple[int, int] = (64, 512)
     kv_events: KvEventsSettings = field(default_factory=KvEventsSettings)  # off: no endpoint
+    # A draft model's greedy words agree with the target's with this probability (1.0: this
+    # engine is the target model); per ``X-Workload-Class`` where listed (sim/agreement.py).
+    draft_agreement: float = 1.0
+    draft_agreement_by_workload: tuple[tuple[str, float], ...] = ()
     faults: FaultConfig = field(default_factory=FaultConfig, compare=False)
 
     def __post_init__(self) -> None:
@@ -157,6 +161,9 @@ class SimEngineConfig:
     def _validate_speculation(self) -> None:
         if self.num_speculative_tokens < 0:
             raise ValueError("num_speculative_tokens must be >= 0")
+        agreements = [self.draft_agreement, *(p for _, p in self.draft_agreement_by_workload)]
+        if not all(0.0 <= p <= 1.0 for p in agreements):
+            raise ValueError("draft agreement probabilities must be within 0..1")
         if not all(0.0 <= p <= 1.0 for p in self.acceptance):
             raise ValueError("acceptance probabilities must be within 0..1")
         if self.spec.schedule is not None:

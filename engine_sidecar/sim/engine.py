@@ -26,9 +26,10 @@ import random
 from array import array
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engine_sidecar.sim import speculation as simspec
+from engine_sidecar.sim.agreement import AnswerWords, answer_begun
 from engine_sidecar.sim.blockhash import root_for
 from engine_sidecar.sim.config import FaultConfig, SimEngineConfig
 from engine_sidecar.sim.kvcache import BlockPool
@@ -36,7 +37,7 @@ from engine_sidecar.sim.kvpublisher import KvEventPublisher
 from engine_sidecar.sim.metrics import EngineReading, LatencyMetrics, render
 from engine_sidecar.sim.profiles import PROFILES
 from engine_sidecar.sim.scheduler import FinishReason, Scheduler, SimRequest, Status, StepOutput
-from engine_sidecar.sim.tokenizer import WordStream
+from engine_sidecar.sim.tokenizer import EOS_INDEX
 from engine_sidecar.speculation.schedule import Schedule
 from engine_sidecar.vllm.metrics import spec_lines
 from engine_sidecar.vllm.spec import SpecCounters, SpecWindow
@@ -53,6 +54,7 @@ class Sampling:
     ignore_eos: bool = False
     cache_salt: str | None = None
     workload: str | None = None  # picks the acceptance class (sim/speculation.py)
+    only: int | None = None  # ``allowed_token_ids`` of one token: that word, once
 
 
 class RequestStream:
@@ -143,6 +145,8 @@ class SimEngine:
         self.aborted_ids: deque[str] = deque(maxlen=_ABORTED_KEPT)
         self.aborted_client_ids: deque[str] = deque(maxlen=_ABORTED_KEPT)
         self.in_flight = 0
+        # Simulated seconds the engine spent running steps (its GPU's busy time).
+        self.busy_s = 0.0
         self._streams: dict[SimRequest, RequestStream] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -202,13 +206,19 @@ class SimEngine:
                client_id: str | None = None) -> RequestStream:
         """Queue a request. ``public_id`` is the response id (``chatcmpl-...``), ``client_id`` the
         caller's own id (``X-Request-Id``); both are remembered if the request is aborted."""
-        seed = self._word_seed(prompt_ids, sampling)
-        target, reason = self._target(seed, sampling)
+        begun = answer_begun(prompt_ids) if sampling.temperature == 0 else 0
+        seed = self._word_seed(prompt_ids[:len(prompt_ids) - begun], sampling)
+        target, reason = self._target(seed, sampling, begun)
+        stop_at = begun + target - 1 if reason == "stop" else None
+        words = AnswerWords(seed, agreement=self.agreement(sampling.workload), start=begun,
+                            stop_at=stop_at, only=sampling.only)
+        if sampling.only is not None:
+            target, reason = 1, "stop" if sampling.only == EOS_INDEX else "length"
         self._seq += 1
         req = SimRequest(
             request_id=public_id, token_ids=array("I", prompt_ids), prompt_len=len(prompt_ids),
             target_len=target, finish_reason=reason, priority=sampling.priority, seq=self._seq,
-            words=WordStream(seed), root=root_for(sampling.cache_salt),
+            words=words, root=root_for(sampling.cache_salt),
             acceptance=simspec.acceptance_for(
                 self.config.spec, self.config.acceptance, sampling.workload, self.sim_time(),
                 self.config.num_speculative_tokens) if self.config.num_speculative_tokens else (),
@@ -235,10 +245,29 @@ class SimEngine:
         digest = hashlib.blake2b(prompt_ids.tobytes(), digest_size=8, key=key).digest()
         return int.from_bytes(digest, "little")
 
-    def _target(self, seed: int, sampling: Sampling) -> tuple[int, FinishReason]:
+    def agreement(self, workload: str | None) -> float:
+        """How often this engine's greedy words are the target's (1.0 unless it is a draft)."""
+        by_class = dict(self.config.draft_agreement_by_workload)
+        return by_class.get(workload or "", self.config.draft_agreement)
+
+    def answer_stream(self, prompt_ids: array[int], sampling: Sampling) -> tuple[int, AnswerWords]:
+        """For ``prompt_logprobs``: the answer begun at the prompt's end and this engine's words
+        from the start of that answer."""
+        begun = answer_begun(prompt_ids)
+        seed = self._word_seed(prompt_ids[:len(prompt_ids) - begun], replace(sampling,
+                               temperature=0.0))
+        natural, _ = self._target(seed, replace(sampling, max_tokens=1 << 30), 0)
+        return begun, AnswerWords(seed, agreement=self.agreement(sampling.workload),
+                                  stop_at=natural - 1)
+
+    def _target(self, seed: int, sampling: Sampling, begun: int = 0
+                ) -> tuple[int, FinishReason]:
+        """Tokens to generate and why the answer ends; ``begun`` tokens of it are in the prompt
+        already (a stop then comes that much sooner, and at once if it is overdue)."""
         low, high = self.config.stop_len_range
-        natural = low + (seed >> 11) % (high - low + 1)
-        if sampling.ignore_eos or sampling.max_tokens <= natural:
+        natural = max(1, low + (seed >> 11) % (high - low + 1) - begun)
+        # At max_tokens == natural the last token is EOS: vLLM checks for a stop before length.
+        if sampling.ignore_eos or sampling.max_tokens < natural:
             return sampling.max_tokens, "length"
         return natural, "stop"
 
@@ -306,6 +335,7 @@ class SimEngine:
             dt = self.profile.step_time(plan.batched_tokens, plan.context_tokens,
                                         plan.attn_work, plan.draft_len) / scale
             await asyncio.sleep(max(0.0, started + dt - loop.time()))
+            self.busy_s += dt * scale
             self._deliver(self.scheduler.complete(plan))
             self._publish_kv_events()
 
@@ -392,4 +422,5 @@ class SimEngine:
             "aborted_ids": list(self.aborted_ids),
             "aborted_request_ids": list(self.aborted_client_ids), "faults": self.faults.as_dict(),
             "kv_events": self.kv_events.state() if self.kv_events is not None else None,
+            "busy_s": self.busy_s,
         }

@@ -95,6 +95,14 @@ PROFILES: dict[str, Profile] = {
             peak_flops=121e12,
         ),
         Profile(
+            name="llama1b-l4",
+            description="Llama-3.2-1B, BF16 weights and KV cache, one NVIDIA L4 (a draft model "
+            "on a cheap GPU)",
+            params=1.24e9, weight_bytes_per_param=2, layers=16, kv_heads=8, head_dim=64,
+            q_heads=32, kv_bytes_per_elem=2, gpu_mem_bytes=24e9, bandwidth=300e9,
+            peak_flops=121e12,
+        ),
+        Profile(
             name="llama8b-h100",
             description="Llama-3.1-8B, BF16, one NVIDIA H100 SXM (80 GB, 3.35 TB/s)",
             params=8.03e9, weight_bytes_per_param=2, layers=32, kv_heads=8, head_dim=128,

@@ -56,6 +56,9 @@ class ParsedRequest:
     ignore_eos: bool
     logprobs: int | None  # top alternatives wanted (0: only the chosen token); None: no logprobs
     cache_salt: str | None = None
+    prompt_logprobs: int | None = None  # top tokens per prompt position (vLLM's field)
+    return_token_ids: bool = False  # the answer's token ids in the response (non-streamed)
+    allowed_token_ids: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -118,7 +121,32 @@ def parse(kind: Kind, raw: bytes, limits: Limits) -> ParsedRequest:
         temperature=_temperature(body), seed=_opt_int(body, "seed"),
         priority=_priority(body, limits), ignore_eos=_opt_bool(body, "ignore_eos"),
         logprobs=_logprobs(kind, body), cache_salt=_cache_salt(body),
+        prompt_logprobs=_prompt_logprobs(body, stream),
+        return_token_ids=_opt_bool(body, "return_token_ids"),
+        allowed_token_ids=_allowed(body),
     )
+
+
+def _allowed(body: dict[str, object]) -> tuple[int, ...] | None:
+    value = body.get("allowed_token_ids")
+    if value is None:
+        return None
+    if not isinstance(value, list) or not value or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
+        raise _bad("allowed_token_ids must be a non-empty list of token ids",
+                   "allowed_token_ids")
+    return tuple(value)
+
+
+def _prompt_logprobs(body: dict[str, object], stream: bool) -> int | None:
+    wanted = _opt_int(body, "prompt_logprobs")
+    if wanted is None:
+        return None
+    if stream and wanted != 0:
+        raise _bad("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
+    if wanted < 0 or wanted > MAX_LOGPROBS:
+        raise _bad(f"`prompt_logprobs` must be in 0..{MAX_LOGPROBS}", "prompt_logprobs")
+    return wanted
 
 
 def _cache_salt(body: dict[str, object]) -> str | None:

@@ -16,7 +16,8 @@ from typing import Any
 import orjson
 
 from engine_sidecar.sim.protocol import ApiError
-from engine_sidecar.sim.tokenizer import VOCAB, token_logprob, top_logprobs
+from engine_sidecar.sim.tokenizer import TOKEN_TEXT as VOCAB
+from engine_sidecar.sim.tokenizer import token_logprob, top_logprobs
 
 DONE = b"data: [DONE]\n\n"
 
@@ -123,7 +124,10 @@ def error_event(message: str, status: int = 500) -> bytes:
 
 
 def full_response(ident: Identity, words: list[int], finish_reason: str, prompt_tokens: int,
-                  cached_tokens: int) -> bytes:
+                  cached_tokens: int, *, token_ids: list[int] | None = None,
+                  prompt_logprobs: list[Any] | None = None) -> bytes:
+    """The whole answer; ``token_ids`` (``return_token_ids``) and ``prompt_logprobs`` are where
+    vLLM puts them: in the choice, and for chat the prompt logprobs at the top level."""
     text = "".join([VOCAB[w] for w in words])
     logprobs = _logprobs(ident, words, 0, 0)
     if ident.kind == "chat":
@@ -137,7 +141,12 @@ def full_response(ident: Identity, words: list[int], finish_reason: str, prompt_
         choice = {"index": 0, "text": text, "logprobs": logprobs}
     choice["finish_reason"] = finish_reason
     choice["stop_reason"] = None
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    if ident.kind == "chat":
+        payload["prompt_logprobs"] = prompt_logprobs
+    else:
+        choice["prompt_logprobs"] = prompt_logprobs
     payload["choices"] = [choice]
     payload["usage"] = usage(prompt_tokens, len(words), cached_tokens)
-    payload["prompt_logprobs"] = None
     return orjson.dumps(payload)

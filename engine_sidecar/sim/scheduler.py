@@ -31,7 +31,7 @@ from typing import Literal
 
 from engine_sidecar.sim.blockhash import PLAIN_ROOT, ChainRoot
 from engine_sidecar.sim.kvcache import BlockPool
-from engine_sidecar.sim.tokenizer import VOCAB_IDS, WordStream
+from engine_sidecar.sim.tokenizer import TOKEN_IDS, WordStream
 
 
 class Status(Enum):
@@ -315,7 +315,7 @@ class Scheduler:
             self.stats.prompt_tokens += req.prompt_len
         words = [req.words.next() for _ in range(min(1 + accepted, req.remaining))]
         req.output.extend(words)
-        req.token_ids.extend(VOCAB_IDS[w] for w in words)
+        req.token_ids.extend(TOKEN_IDS[w] for w in words)
         self.stats.generation_tokens += len(words)
         self._extend_hashes(req)
         done = req.remaining <= 0

@@ -19,11 +19,12 @@ import orjson
 from aiohttp import web
 
 from engine_sidecar.sim import adaptive
+from engine_sidecar.sim.agreement import prompt_logprobs
 from engine_sidecar.sim.engine import Sampling, SimEngine
 from engine_sidecar.sim.protocol import ApiError, Kind, Limits, ParsedRequest, parse
 from engine_sidecar.sim.responses import Identity
 from engine_sidecar.sim.streaming import ConnectionResetByFault, relay_full, relay_stream
-from engine_sidecar.sim.tokenizer import chat_prompt, encode
+from engine_sidecar.sim.tokenizer import TOKEN_IDS, chat_prompt, decode, encode
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,7 @@ def build_app(engine: SimEngine) -> web.Application:
     app.router.add_get("/version", _version)
     app.router.add_get("/metrics", _metrics)
     app.router.add_post("/tokenize", _tokenize)
+    app.router.add_post("/detokenize", _detokenize)
     app.router.add_post("/reset_prefix_cache", _reset_prefix_cache)
     app.router.add_get("/admin/state", _state)
     app.router.add_get("/admin/faults", _faults_get)
@@ -119,16 +121,35 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
     sampling = Sampling(max_tokens=parsed.max_tokens, temperature=parsed.temperature,
                         seed=parsed.seed, priority=parsed.priority, ignore_eos=parsed.ignore_eos,
                         cache_salt=parsed.cache_salt,
-                        workload=request.headers.get("X-Workload-Class", "")[:64] or None)
+                        workload=request.headers.get("X-Workload-Class", "")[:64] or None,
+                        only=_only(parsed.allowed_token_ids))
     stream = engine.submit(ident.response_id, parsed.prompt_ids, sampling, client_id=base_id)
     engine.in_flight += 1
     try:
         if parsed.stream:
             return await relay_stream(request, engine, stream, ident, parsed.include_usage)
-        return await relay_full(request, engine, stream, ident)
+        return await relay_full(request, engine, stream, ident,
+                                return_token_ids=parsed.return_token_ids,
+                                prompt_lp=_prompt_logprobs(engine, parsed, sampling))
     finally:
         engine.in_flight -= 1
         stream.abort()
+
+
+def _only(allowed: tuple[int, ...] | None) -> int | None:
+    """The one word an ``allowed_token_ids`` list forces (the simulator honours one token of
+    its own vocabulary; otherwise the list is ignored)."""
+    if allowed is None or len(allowed) != 1 or allowed[0] not in TOKEN_IDS:
+        return None
+    return TOKEN_IDS.index(allowed[0])
+
+
+def _prompt_logprobs(engine: SimEngine, parsed: ParsedRequest, sampling: Sampling
+                     ) -> list[Any] | None:
+    if parsed.prompt_logprobs is None:
+        return None
+    begun, words = engine.answer_stream(parsed.prompt_ids, sampling)
+    return prompt_logprobs(parsed.prompt_ids, begun, words, max(1, parsed.prompt_logprobs))
 
 
 async def _models(request: web.Request) -> web.StreamResponse:
@@ -192,6 +213,19 @@ async def _tokenize(request: web.Request) -> web.StreamResponse:
         raise ApiError(400, "Either prompt (a string) or messages must be given", "prompt")
     return _json({"count": len(ids), "max_model_len": engine.config.max_model_len,
                   "tokens": ids.tolist(), "token_strs": None})
+
+
+async def _detokenize(request: web.Request) -> web.StreamResponse:
+    engine = request.app[ENGINE]
+    body = await _json_object(request)
+    model = body.get("model")
+    if model is not None and model != engine.model:
+        raise ApiError(404, f"The model `{model}` does not exist.", "model")
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 32 for t in tokens):
+        raise ApiError(400, "tokens must be a list of token ids", "tokens")
+    return _json({"prompt": decode(tokens)})
 
 
 async def _reset_prefix_cache(request: web.Request) -> web.StreamResponse:

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import socket
 import struct
+from typing import Any
 
 from aiohttp import web
 
@@ -22,6 +23,7 @@ from engine_sidecar.sim.engine import RequestStream, SimEngine
 from engine_sidecar.sim.protocol import ApiError
 from engine_sidecar.sim.responses import Identity
 from engine_sidecar.sim.scheduler import Status
+from engine_sidecar.sim.tokenizer import TOKEN_IDS
 
 SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
 
@@ -116,7 +118,8 @@ async def _relay_words(request: web.Request, stream: RequestStream, ident: Ident
 
 
 async def relay_full(request: web.Request, engine: SimEngine, stream: RequestStream,
-                     ident: Identity) -> web.StreamResponse:
+                     ident: Identity, *, return_token_ids: bool = False,
+                     prompt_lp: list[Any] | None = None) -> web.StreamResponse:
     gate = _FaultGate(engine)
     words: list[int] = []
     while True:
@@ -135,6 +138,8 @@ async def relay_full(request: web.Request, engine: SimEngine, stream: RequestStr
             break
     if stream.request.status is not Status.FINISHED:
         raise ApiError(503, "The engine stopped before the request finished.")
+    token_ids = [TOKEN_IDS[w] for w in words] if return_token_ids else None
     body = responses.full_response(ident, words, stream.finish_reason, stream.prompt_tokens,
-                                   stream.cached_tokens)
+                                   stream.cached_tokens, token_ids=token_ids,
+                                   prompt_logprobs=prompt_lp)
     return web.Response(body=body, content_type="application/json")

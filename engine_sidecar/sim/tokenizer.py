@@ -11,6 +11,9 @@ Rules:
   a fixed 256-word vocabulary, so generated text re-tokenizes to the same count. Words come from a
   64-bit LCG: seeded from the prompt for temperature 0, from the prompt and ``seed`` when a seed is
   given, from the engine's RNG otherwise. Log-probabilities derive from the same state.
+- **End of sequence**: an answer that stops by itself (``finish_reason: "stop"``) ends with the
+  token ``EOS_ID`` (word index ``EOS_INDEX``, no text), counted in the answer's tokens and returned
+  in its ``token_ids`` as vLLM does; ``/detokenize`` renders it as nothing.
 """
 
 from __future__ import annotations
@@ -40,6 +43,21 @@ VOCAB: tuple[str, ...] = _vocabulary()
 VOCAB_IDS: tuple[int, ...] = tuple(
     int.from_bytes(w.encode(), "little") for w in VOCAB
 )
+
+
+EOS_INDEX = 256
+EOS_ID = 2  # the bytes 02 00 00 00: no text of printable characters encodes to it
+# Word index -> text and token id, the end-of-sequence token included.
+TOKEN_TEXT: tuple[str, ...] = (*VOCAB, "")
+TOKEN_IDS: tuple[int, ...] = (*VOCAB_IDS, EOS_ID)
+GENERATED_IDS: frozenset[int] = frozenset(TOKEN_IDS)
+
+
+def decode(ids: list[int]) -> str:
+    """The text of token ids: their bytes without the zero padding (the EOS token is empty)."""
+    kept = array("I", [i for i in ids if i != EOS_ID and 0 <= i < 1 << 32])
+    data = kept.tobytes().replace(b"\0", b"")
+    return data.decode("utf-8", errors="replace")
 
 
 def encode(text: str) -> array[int]:
@@ -108,7 +126,7 @@ def token_logprob(index: int, position: int) -> float:
 def top_logprobs(index: int, position: int, k: int) -> list[tuple[str, float]]:
     """``k`` alternatives, the chosen word first, each less likely than the one before."""
     chosen = token_logprob(index, position)
-    out = [(VOCAB[index], chosen)]
+    out = [(TOKEN_TEXT[index], chosen)]
     for rank in range(1, k):
         alt = (index + rank * 37 + position) % 256
         if alt == index:

@@ -336,19 +336,52 @@ class PoolConfig:
         return (self.model, *(m for m in self.models if m != self.model))
 
 
+ALIAS_MODES: tuple[str, ...] = ("route", "speculative_first")
+TEMPERATURE_POLICIES: tuple[str, ...] = ("target", "approximate")
+
+
 @dataclass(frozen=True)
 class AliasConfig:
     """A public model name for one pool (``pool``) or for a tier chain (``pools``, in degrade
     order). ``tiering = true`` on a single-pool alias is the two-pool form of a chain: it adds
-    the pool called ``draft``."""
+    the pool called ``draft``. ``mode = "speculative_first"`` serves the name from two pools
+    instead: the ``draft`` pool writes chunks of the answer, the ``target`` pool verifies them
+    (``proxy.core.specfirst``; the settings below it apply in that mode only)."""
 
     name: str
     pool: str = ""
     tiering: bool = False
     pools: tuple[str, ...] = ()
+    mode: str = "route"
+    draft: str = ""
+    target: str = ""
+    # Most draft tokens per round; fewer while the draft mostly disagrees (min_chunk at least).
+    chunk: int = 8
+    min_chunk: int = 2
+    # Sampled requests (temperature > 0): "target" serves them from the target pool alone;
+    # "approximate" drafts them with the speculative-sampling test on top-k log-probabilities.
+    temperature_policy: str = "target"
+    # A tenant's traffic on this alias goes target-only for fallback_retry_s once more than this
+    # share of its drafted tokens (over the last history_rounds rounds, once fallback_min_tokens
+    # have been judged) disagreed with the target.
+    fallback_rejection: float = 0.6
+    fallback_min_tokens: int = 32
+    fallback_retry_s: float = 30.0
+    history_rounds: int = 64
+    # Prompts longer than this (tokens) go to the target alone: each verification returns a
+    # log-probability per prompt token.
+    max_prompt_tokens: int = 16384
+    # One draft or verification call, connect to last byte.
+    leg_timeout_s: float = 60.0
+    # Token ids on which the target stops (its EOS), when known; others are learned.
+    eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         _require(bool(self.name.strip()), "name", "must not be empty")
+        _require(self.mode in ALIAS_MODES, "mode", f"must be one of {', '.join(ALIAS_MODES)}")
+        if self.mode == "speculative_first":
+            self._check_speculative()
+            return
         _require(
             bool(self.pool) != bool(self.pools),
             "pool" if not self.pools else "pools",
@@ -364,8 +397,31 @@ class AliasConfig:
         for i, pool in enumerate(self.pools):
             _require(pool not in self.pools[:i], f"pools[{i}]", f"{pool!r} is listed twice")
 
+    def _check_speculative(self) -> None:
+        _require(bool(self.draft), "draft", "is required in speculative_first mode")
+        _require(bool(self.target), "target", "is required in speculative_first mode")
+        _require(self.draft != self.target, "draft", "must differ from target")
+        _require(not (self.pool or self.pools or self.tiering), "pool",
+                 "speculative_first takes draft and target pools, not pool/pools/tiering")
+        _require(1 <= self.chunk <= 64, "chunk", "must be in 1..64")
+        _require(1 <= self.min_chunk <= self.chunk, "min_chunk", "must be in 1..chunk")
+        _require(self.temperature_policy in TEMPERATURE_POLICIES, "temperature_policy",
+                 f"must be one of {', '.join(TEMPERATURE_POLICIES)}")
+        _require(0.0 <= self.fallback_rejection <= 1.0, "fallback_rejection", "must be in 0..1")
+        _positive(self, "fallback_min_tokens", "history_rounds", "max_prompt_tokens",
+                  "leg_timeout_s")
+        _require(self.fallback_retry_s >= 0, "fallback_retry_s", "must be >= 0")
+        _require(all(t >= 0 for t in self.eos_token_ids), "eos_token_ids", "must be >= 0")
+
+    @property
+    def speculative(self) -> bool:
+        return self.mode == "speculative_first"
+
     def chain(self, configured: Sequence[str]) -> tuple[str, ...]:
-        """The pools in degrade order, ``configured`` being the pool names that exist."""
+        """The pools in degrade order, ``configured`` being the pool names that exist (a
+        speculative-first alias: its target pool, which answers when nothing is drafted)."""
+        if self.speculative:
+            return (self.target,)
         if self.pools:
             return self.pools
         if self.tiering and self.pool != DRAFT_POOL and DRAFT_POOL in configured:
@@ -466,6 +522,15 @@ def _servers(pools: tuple[PoolConfig, ...]) -> dict[str, list[str]]:
     return out
 
 
+def _alias_pools(alias: AliasConfig, where: str) -> list[tuple[str, str]]:
+    """(field, pool name) of every pool an alias names."""
+    if alias.speculative:
+        return [(f"{where}.draft", alias.draft), (f"{where}.target", alias.target)]
+    if alias.pools:
+        return [(f"{where}.pools[{j}]", pool) for j, pool in enumerate(alias.pools)]
+    return [(f"{where}.pool", alias.pool)]
+
+
 def _check_aliases(aliases: tuple[AliasConfig, ...], pools: tuple[PoolConfig, ...]) -> None:
     servers = _servers(pools)
     pool_names = [p.name for p in pools]
@@ -482,8 +547,7 @@ def _check_aliases(aliases: tuple[AliasConfig, ...], pools: tuple[PoolConfig, ..
         )
         _require(alias.name not in seen, f"{where}.name", f"duplicate alias {alias.name!r}")
         seen.add(alias.name)
-        for j, pool in enumerate(alias.pools or (alias.pool,)):
-            field_name = f"{where}.pools[{j}]" if alias.pools else f"{where}.pool"
+        for field_name, pool in _alias_pools(alias, where):
             _require(pool in pool_names, field_name, f"no pool {pool!r} configured")
         _require(
             not alias.tiering or DRAFT_POOL in pool_names,

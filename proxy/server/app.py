@@ -37,7 +37,7 @@ from proxy.fleet.scraper import Scraper
 from proxy.fleet.upstream import make_data_session, make_scrape_session
 from proxy.observe.looplag import LoopLag
 from proxy.observe.metrics import ProxyMetrics
-from proxy.server import handlers
+from proxy.server import handlers, specfirst
 from proxy.server.connections import SERVER_NAME
 from proxy.server.context import Drain, ShellContext
 from proxy.server.keys import MODELS, REQUEST_ID, SCRAPER_TASK, SHARING, SHELL, WORKER
@@ -78,11 +78,13 @@ def build_app(
     app[MODELS] = make_discovery(app[SHELL])
     if worker is not None:
         app[WORKER] = WorkerLink(worker)
+    app[specfirst.SPECFIRST] = specfirst.build(app[SHELL])
     app.cleanup_ctx.append(_upstream_sessions)
     app.cleanup_ctx.append(_scraper)
     app.cleanup_ctx.append(model_discovery)
     app.cleanup_ctx.append(_front_door)
     app.cleanup_ctx.append(_sharing)
+    app.cleanup_ctx.append(specfirst.tokenizer_check)
     app.on_response_prepare.append(_server_header)
     _routes(app)
     return app

@@ -52,10 +52,12 @@ from proxy.fleet.engines import HEALTH_STATES
 from proxy.fleet.upstream import request_headers
 from proxy.observe import accesslog
 from proxy.observe.metrics import CONTENT_TYPE
+from proxy.server import specanswer
 from proxy.server.context import ShellContext
 from proxy.server.job import Job
 from proxy.server.keys import MODELS, REQUEST_ID, SHELL, WORKER
 from proxy.server.relay import CLIENT_CLOSED, REASON_CONNECTIONS_FULL, Relay
+from proxy.server.specfirst import SPECFIRST
 from proxy.tenancy.frontdoor import CHARS_PER_TOKEN, DOOR, replay, wants_usage
 
 
@@ -127,6 +129,10 @@ async def _serve(
         job.recorder = visit.recorder
         job.extra_headers["X-Cache"] = visit.x_cache
         job.max_tokens = _max_tokens(inbound)
+        drafted = await _speculative(request, ctx, job, inbound, priority)
+        if drafted is not None:
+            visit.discard()  # assembled here, not relayed: the cache keeps engines' own answers
+            return drafted
         job.pool = _admit(ctx, plan, priority, inbound, job.max_tokens)
         if job.pool != plan.pool:
             visit.discard()  # another pool's answer is not the answer for the model asked for
@@ -141,6 +147,28 @@ async def _serve(
         )
         job.headers = request_headers(request.headers, job.request_id)
         return await Relay(ctx, request, job).run(ranked)
+
+
+async def _speculative(
+    request: web.Request, ctx: ShellContext, job: Job, inbound: Inbound, priority: Priority
+) -> web.StreamResponse | None:
+    """Serve a request for a speculative-first alias by drafting, when it may be (else None:
+    the target pool serves it unchanged, like any request; ``X-Speculative`` says why)."""
+    sf = request.app[SPECFIRST]
+    plan = sf.route(inbound.model, inbound, job.tenant or "", ctx.clock())
+    if plan is None:
+        return None
+    if isinstance(plan, str):
+        reason = plan
+    else:
+        try:
+            return await specanswer.serve(ctx, request, job, inbound=inbound, plan=plan,
+                                          priority=priority, metrics=sf.metrics)
+        except specanswer.PassThrough as passing:
+            reason = passing.reason
+    sf.metrics.requests.labels(inbound.model, reason).inc()
+    job.extra_headers["X-Speculative"] = f"target-only; reason={reason}"
+    return None
 
 
 def _deadline(job: Job, timeout_s: float | None) -> None:

@@ -96,7 +96,8 @@ async def test_sigterm_drains_open_streams_then_exits_zero(
     args = ["-m", "proxy", "serve", "--config", str(config)]
     async with _process(args, tmp_path / "proxy.log") as proxy, aiohttp.ClientSession() as http:
         await _wait_ready(http, url + "/ready", proxy)
-        body = {"model": MODEL, "prompt": "drain me", "max_tokens": 40, "stream": True}
+        body = {"model": MODEL, "prompt": "drain me", "max_tokens": 40, "ignore_eos": True,
+                "stream": True}
         async with http.post(url + "/v1/completions", json=body) as stream:
             assert stream.status == 200
             received = await stream.content.readany()
