@@ -29,7 +29,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine_sidecar.sim import speculation as simspec
-from engine_sidecar.sim.blockhash import root_for
 from engine_sidecar.sim.config import FaultConfig, SimEngineConfig
 from engine_sidecar.sim.kvcache import BlockPool
 from engine_sidecar.sim.kvpublisher import KvEventPublisher
@@ -40,6 +39,7 @@ from engine_sidecar.sim.tokenizer import WordStream
 from engine_sidecar.speculation.schedule import Schedule
 from engine_sidecar.vllm.metrics import spec_lines
 from engine_sidecar.vllm.spec import SpecCounters, SpecWindow
+from proxy.core.blockhash import root_for
 
 _ABORTED_KEPT = 1000
 
