@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from proxy.observe.kvmetrics import KvEventMetrics
+
 __all__ = ["CONTENT_TYPE", "EngineGaugeRow", "ProxyMetrics", "TenantLabels"]
 
 MAX_DYNAMIC_TENANTS = 200
@@ -129,6 +131,7 @@ class ProxyMetrics:
         )
         self._engine_gauges(r)
         self._tenant_counters(r)
+        self.kv_events = KvEventMetrics(r)
 
     def _tenant_counters(self, r: CollectorRegistry) -> None:
         self.tenant_labels = TenantLabels()

@@ -22,6 +22,7 @@ from proxy.core.errors import NoCapacity
 from proxy.core.isolation import TenantSalts
 from proxy.core.routing import Policy
 from proxy.fleet.engines import Fleet
+from proxy.fleet.precise import PreciseRouting
 from proxy.observe.metrics import ProxyMetrics
 
 
@@ -98,6 +99,8 @@ class ShellContext:
     scrape_session: aiohttp.ClientSession | None = None
     # Engine cache salts per tenant; ``build_app`` sets them from the front door's settings.
     salts: TenantSalts = field(default_factory=lambda: TenantSalts("", tenants_known=False))
+    # Precise routing from KV events, when a pool has a tokenizer; None: approximate only.
+    precise: PreciseRouting | None = None
 
     @property
     def session(self) -> aiohttp.ClientSession:

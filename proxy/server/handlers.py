@@ -35,6 +35,7 @@ from proxy.core.errors import (
     PayloadTooLarge,
     RequestTimeout,
 )
+from proxy.core.holdings import PreciseHoldings, as_chain_blocks
 from proxy.core.inbound import Endpoint, Inbound, accept, rewrite
 from proxy.core.isolation import Salting, client_salt
 from proxy.core.pools import (
@@ -267,10 +268,15 @@ def _rank(
         block_chars=routing.block_chars,
         max_blocks=routing.max_blocks,
     )
-    key = RouteKey(chain=chain, tenant=tenant, model=model)
     policy = ctx.policies[pool]
     need = _need(ctx, pool, inbound, job.max_tokens)
     views = ctx.admission.eligible(priority, _with_room(ctx, pool), need)
+    holdings = _precise(ctx, pool, inbound, salting.salt, views)
+    held = None if holdings is None else as_chain_blocks(
+        holdings, [v.name for v in views], prompt_chars=len(inbound.prompt_text),
+        prompt_tokens=len(holdings.token_ids), block_chars=routing.block_chars,
+        chain_len=len(chain))
+    key = RouteKey(chain=chain, tenant=tenant, model=model, held=held)
     ranked = policy.rank(key, views)
     if not ranked:
         raise NoEngine(pool, reason=REASON_NO_ENGINE, retry_after_s=ctx.cfg.admission.retry_after_s)
@@ -282,7 +288,21 @@ def _rank(
     job.prompt_tokens = _uncached_tokens(len(inbound.prompt_text), len(chain), job.prefill,
                                          routing.block_chars)
     policy.observe(key, ranked[0])
+    if holdings is not None and ctx.precise is not None:
+        ctx.precise.dispatched(ranked[0], holdings)
     return ranked
+
+
+def _precise(ctx: ShellContext, pool: str, inbound: Inbound, salt: str | None,
+             views: list[EngineView]) -> PreciseHoldings | None:
+    """What the pool's engines in sync with their KV events hold of this prompt, if any."""
+    if ctx.precise is None:
+        return None
+
+    def block_size(engine: str) -> int | None:
+        return next((v.block_size for v in views if v.name == engine), None)
+
+    return ctx.precise.holdings(pool, inbound, salt, [v.name for v in views], block_size)
 
 
 def _with_room(ctx: ShellContext, pool: str) -> list[EngineView]:
@@ -391,6 +411,8 @@ async def ready(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     ctx = request.app[SHELL]
     ctx.metrics.refresh_engines(ctx.fleet.gauge_rows(ctx.clock()), HEALTH_STATES)
+    if ctx.precise is not None:
+        ctx.precise.refresh_metrics()
     return web.Response(body=ctx.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
 
@@ -401,6 +423,8 @@ async def admin_engines(request: web.Request) -> web.Response:
     discovery = request.app[MODELS]
     for row in rows:
         row["models"] = discovery.view(row["name"])
+        row["kv_events"] = (ctx.precise.admin_row(row["name"]) if ctx.precise is not None
+                            else {"mode": "approximate", "state": "no_publisher"})
     return _json({"engines": rows, "draining": ctx.drain.draining})
 
 
