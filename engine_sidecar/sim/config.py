@@ -9,6 +9,7 @@ happens at the moment a fault could fire, so a change takes effect on the next r
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
@@ -134,6 +135,9 @@ class SimEngineConfig:
     seed: int = 0
     stop_len_range: tuple[int, int] = (64, 512)
     kv_events: KvEventsSettings = field(default_factory=KvEventsSettings)  # off: no endpoint
+    # A real model's tokenizer (tokenizer.json or its directory, chat template beside it) instead
+    # of the 4-bytes-per-token one: prompts get the token ids a vLLM engine of that model gives.
+    tokenizer: str | None = None
     faults: FaultConfig = field(default_factory=FaultConfig, compare=False)
 
     def __post_init__(self) -> None:
@@ -150,6 +154,10 @@ class SimEngineConfig:
         if self.time_scale <= 0:
             raise ValueError("time_scale must be > 0")
         self._validate_speculation()
+        if self.tokenizer is not None and not (
+                os.path.isfile(self.tokenizer)
+                or os.path.isfile(os.path.join(self.tokenizer, "tokenizer.json"))):
+            raise ValueError(f"tokenizer: no tokenizer.json at {self.tokenizer}")
         low, high = self.stop_len_range
         if not 1 <= low <= high:
             raise ValueError("stop_len_range must be (low, high) with 1 <= low <= high")

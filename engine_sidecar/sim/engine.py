@@ -40,6 +40,7 @@ from engine_sidecar.speculation.schedule import Schedule
 from engine_sidecar.vllm.metrics import spec_lines
 from engine_sidecar.vllm.spec import SpecCounters, SpecWindow
 from proxy.core.blockhash import root_for
+from proxy.fleet.tokenizer import load_tokenizer
 
 _ABORTED_KEPT = 1000
 
@@ -127,6 +128,9 @@ class SimEngine:
         self.rng = random.Random(config.seed)
         self.fault_rng = random.Random(config.seed + 2)
         self.last_metrics: bytes | None = None
+        # None: the simulator's own tokenizer (4 bytes per token).
+        self.tokenizer = (None if config.tokenizer is None
+                          else load_tokenizer(config.tokenizer, "tokenizer"))
         events = config.kv_events.enabled
         self.pool = BlockPool(config.blocks, config.block_size, config.enable_prefix_caching,
                               vllm_hashes=events, record_events=events)

@@ -89,6 +89,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--legacy-kv-metric", action="store_true",
                        help="emit vllm:gpu_cache_usage_perc (vLLM <= 0.10) instead")
     model.add_argument("--seed", type=int, default=0)
+    model.add_argument("--tokenizer", default=None,
+                       help="a model's tokenizer.json (or its directory): tokenize prompts as "
+                            "vLLM serving that model does, instead of 4 bytes per token")
     _add_kv_event_arguments(parser)
     _add_fault_arguments(parser)
 
@@ -168,7 +171,7 @@ def configs_from_args(args: argparse.Namespace) -> list[SimEngineConfig]:
             num_speculative_tokens=args.num_speculative_tokens, acceptance=args.spec_acceptance,
             legacy_kv_metric=args.legacy_kv_metric, seed=args.seed + i,
             stop_len_range=args.output_len, faults=_faults(args),
-            kv_events=kv_events.for_engine(i),
+            kv_events=kv_events.for_engine(i), tokenizer=args.tokenizer,
         )
         for i in range(args.engines)
     ]

@@ -37,7 +37,7 @@ from proxy.core.errors import ConfigError
 
 log = logging.getLogger(__name__)
 CUT_MARGIN = 16
-_CONTENT_LOOP = re.compile(r"for\s+\w+\s+in\s+\w+(?:\[['\"]content['\"]\]|\.content)\b")
+_CONTENT_LOOP = re.compile(r"for\s+\w+\s+in\s+\w+(?:\[['\"]content['\"]\]|\.content\b)")
 
 
 def _raise(message: str) -> None:
