@@ -171,8 +171,9 @@ class EngineListener:
         try:
             if len(frames) != 3 or len(frames[1]) != 8:
                 raise BadBatch("not [topic, seq, payload]")
-            body = msgpack.unpackb(frames[2], raw=False,
-                                   max_buffer_size=self.cfg.max_message_bytes)
+            # The socket already refused anything over max_message_bytes; msgpack bounds every
+            # container by the payload's own length.
+            body = msgpack.unpackb(frames[2], raw=False)
             return int.from_bytes(frames[1], "big"), parse_batch(body, self._limits)
         except (BadBatch, ValueError, TypeError, msgpack.UnpackException):
             self._metrics.bad.labels(self.engine).inc()
