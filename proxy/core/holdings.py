@@ -57,6 +57,13 @@ class PreciseHoldings:
         blocks = self.held.get(engine)
         return None if blocks is None else blocks * self.block_sizes[engine]
 
+    def chain_blocks(self, engines: Sequence[str], prompt_chars: int, block_chars: int,
+                     chain_len: int) -> Mapping[str, int]:
+        """``as_chain_blocks`` of this request (its own characters-per-token ratio)."""
+        return as_chain_blocks(self, engines, prompt_chars=prompt_chars,
+                               prompt_tokens=len(self.token_ids), block_chars=block_chars,
+                               chain_len=chain_len)
+
     def new_blocks(self, engine: str) -> list[int]:
         """The prompt's block keys that ``engine`` does not hold (it will store them)."""
         size = self.block_sizes.get(engine)

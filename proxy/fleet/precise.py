@@ -26,6 +26,7 @@ from proxy.core.blockhash import root_for
 from proxy.core.config import Config
 from proxy.core.holdings import PreciseHoldings
 from proxy.core.inbound import Endpoint, Inbound
+from proxy.core.routing import EngineView
 from proxy.fleet.kvevents import EngineListener
 from proxy.fleet.tokenizer import PromptTokenizer, loaded_tokenizers
 from proxy.observe.kvmetrics import KvEventMetrics
@@ -62,11 +63,13 @@ class PreciseRouting:
             self._ctx.term()
             self._ctx = None
 
-    def holdings(self, pool: str, inbound: Inbound, salt: str | None, engines: Sequence[str],
-                 block_size: Callable[[str], int | None]) -> PreciseHoldings | None:
-        """What each in-sync engine of ``engines`` holds of the request's prompt."""
+    def holdings(self, pool: str, inbound: Inbound, salt: str | None,
+                 views: Sequence[EngineView]) -> PreciseHoldings | None:
+        """What each in-sync engine of ``views`` holds of the request's prompt (its block size
+        from its events, else from its scraped ``block_size``)."""
         tokenizer = self.tokenizers.get(pool)
-        live = [(e, self.listeners[e]) for e in engines
+        sizes = {v.name: v.block_size for v in views}
+        live = [(e, self.listeners[e]) for e in sizes
                 if e in self.listeners and self.listeners[e].precise]
         if tokenizer is None or not live:
             return None
@@ -77,7 +80,7 @@ class PreciseRouting:
         found = PreciseHoldings(ids, root_for(salt), self.cfg.max_prompt_blocks)
         now = self._clock()
         for engine, listener in live:
-            size = listener.index.block_size or block_size(engine)
+            size = listener.index.block_size or sizes[engine]
             if size:
                 found.add(engine, listener.index, size, now)
         return found if found.held else None

@@ -35,7 +35,6 @@ from proxy.core.errors import (
     PayloadTooLarge,
     RequestTimeout,
 )
-from proxy.core.holdings import PreciseHoldings, as_chain_blocks
 from proxy.core.inbound import Endpoint, Inbound, accept, rewrite
 from proxy.core.isolation import Salting, client_salt
 from proxy.core.pools import (
@@ -271,11 +270,10 @@ def _rank(
     policy = ctx.policies[pool]
     need = _need(ctx, pool, inbound, job.max_tokens)
     views = ctx.admission.eligible(priority, _with_room(ctx, pool), need)
-    holdings = _precise(ctx, pool, inbound, salting.salt, views)
-    held = None if holdings is None else as_chain_blocks(
-        holdings, [v.name for v in views], prompt_chars=len(inbound.prompt_text),
-        prompt_tokens=len(holdings.token_ids), block_chars=routing.block_chars,
-        chain_len=len(chain))
+    holdings = (None if ctx.precise is None else
+                ctx.precise.holdings(pool, inbound, salting.salt, views))
+    held = None if holdings is None else holdings.chain_blocks(
+        [v.name for v in views], len(inbound.prompt_text), routing.block_chars, len(chain))
     key = RouteKey(chain=chain, tenant=tenant, model=model, held=held)
     ranked = policy.rank(key, views)
     if not ranked:
@@ -291,18 +289,6 @@ def _rank(
     if holdings is not None and ctx.precise is not None:
         ctx.precise.dispatched(ranked[0], holdings)
     return ranked
-
-
-def _precise(ctx: ShellContext, pool: str, inbound: Inbound, salt: str | None,
-             views: list[EngineView]) -> PreciseHoldings | None:
-    """What the pool's engines in sync with their KV events hold of this prompt, if any."""
-    if ctx.precise is None:
-        return None
-
-    def block_size(engine: str) -> int | None:
-        return next((v.block_size for v in views if v.name == engine), None)
-
-    return ctx.precise.holdings(pool, inbound, salt, [v.name for v in views], block_size)
 
 
 def _with_room(ctx: ShellContext, pool: str) -> list[EngineView]:
