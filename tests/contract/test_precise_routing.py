@@ -93,12 +93,19 @@ async def test_the_index_is_what_vllm_reported_and_a_shared_prefix_is_routed_the
     listener = precise.listeners["a"]
     await _until(lambda: asyncio.sleep(0, listener.precise), "engine a in sync")
 
+    seen: dict[str, Any] = {}
+
     async def matches() -> bool:
         while await sub.receive(0.05) is not None:
             pass
         await sub.until(lambda _: True, replay_endpoint=backend.kv_events.replay_at)  # type: ignore[union-attr]
         reported = reported_blocks(sub.events())
-        return bool(reported) and listener.index.keys() == reported
+        held = listener.index.keys()
+        # What differs, for the failure message: sizes, both differences, the listener's view.
+        seen.update(reported=len(reported), proxy=len(held), only_reported=len(reported - held),
+                    only_proxy=len(held - reported), row=listener.row(),
+                    batches=len(sub.batches), last=max(sub.batches, default=None))
+        return bool(reported) and held == reported
 
     prefixes = [f"{uuid.uuid4().hex} " + "the proxy keeps an exact index of engine blocks. " * 8
                 for _ in range(3)]
@@ -107,7 +114,10 @@ async def test_the_index_is_what_vllm_reported_and_a_shared_prefix_is_routed_the
             async with http.post(backend.a.url + "/v1/chat/completions",
                                  json=_chat(backend.model, prefix, "first")) as resp:
                 assert resp.status == 200, await resp.text()
-        await _until(matches, "the proxy's index to equal what vLLM reported")
+        try:
+            await _until(matches, "the proxy's index to equal what vLLM reported")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}: {seen}") from None
         served = []
         for prefix in prefixes:
             async with http.post(server.url + "/v1/chat/completions",
