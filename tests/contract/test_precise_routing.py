@@ -16,7 +16,7 @@ from typing import Any
 
 import aiohttp
 import pytest_asyncio
-from sim.kv_subscriber import Subscriber, reported_blocks
+from sim.kv_subscriber import Subscriber, replay, reported_blocks
 
 from contract.client import Backend, post_json
 from proxy.core.config import (
@@ -98,7 +98,9 @@ async def test_the_index_is_what_vllm_reported_and_a_shared_prefix_is_routed_the
     async def matches() -> bool:
         while await sub.receive(0.05) is not None:
             pass
-        await sub.until(lambda _: True, replay_endpoint=backend.kv_events.replay_at)  # type: ignore[union-attr]
+        # Batches sent before this subscriber connected come from the replay socket.
+        for batch in await replay(backend.kv_events.replay_at, 0):  # type: ignore[union-attr]
+            sub.batches.setdefault(batch.seq, batch)
         reported = reported_blocks(sub.events())
         held = listener.index.keys()
         # What differs, for the failure message: sizes, both differences, the listener's view.

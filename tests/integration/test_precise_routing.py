@@ -17,7 +17,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from sim.kv_subscriber import Subscriber, reported_blocks
+from sim.kv_subscriber import Subscriber, replay, reported_blocks
 from tokenizer_files import make_tokenizer_dir
 
 from engine_sidecar.sim.cluster import SimCluster, start_cluster
@@ -62,7 +62,8 @@ class Precise:
         sub = self.subscribers[name]
         while await sub.receive(0.05) is not None:
             pass
-        await sub.until(lambda _: True, replay_endpoint=self.replays[name])
+        for batch in await replay(self.replays[name], 0):  # what came before it connected
+            sub.batches.setdefault(batch.seq, batch)
         return reported_blocks(sub.events())
 
 
