@@ -9,6 +9,7 @@ happens at the moment a fault could fire, so a change takes effect on the next r
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
@@ -138,6 +139,9 @@ class SimEngineConfig:
     # engine is the target model); per ``X-Workload-Class`` where listed (sim/agreement.py).
     draft_agreement: float = 1.0
     draft_agreement_by_workload: tuple[tuple[str, float], ...] = ()
+    # A real model's tokenizer (tokenizer.json or its directory, chat template beside it) instead
+    # of the 4-bytes-per-token one: prompts get the token ids a vLLM engine of that model gives.
+    tokenizer: str | None = None
     faults: FaultConfig = field(default_factory=FaultConfig, compare=False)
 
     def __post_init__(self) -> None:
@@ -154,6 +158,10 @@ class SimEngineConfig:
         if self.time_scale <= 0:
             raise ValueError("time_scale must be > 0")
         self._validate_speculation()
+        if self.tokenizer is not None and not (
+                os.path.isfile(self.tokenizer)
+                or os.path.isfile(os.path.join(self.tokenizer, "tokenizer.json"))):
+            raise ValueError(f"tokenizer: no tokenizer.json at {self.tokenizer}")
         low, high = self.stop_len_range
         if not 1 <= low <= high:
             raise ValueError("stop_len_range must be (low, high) with 1 <= low <= high")

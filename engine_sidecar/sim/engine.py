@@ -30,7 +30,6 @@ from dataclasses import dataclass, replace
 
 from engine_sidecar.sim import speculation as simspec
 from engine_sidecar.sim.agreement import AnswerWords, answer_begun
-from engine_sidecar.sim.blockhash import root_for
 from engine_sidecar.sim.config import FaultConfig, SimEngineConfig
 from engine_sidecar.sim.kvcache import BlockPool
 from engine_sidecar.sim.kvpublisher import KvEventPublisher
@@ -41,6 +40,8 @@ from engine_sidecar.sim.tokenizer import EOS_INDEX
 from engine_sidecar.speculation.schedule import Schedule
 from engine_sidecar.vllm.metrics import spec_lines
 from engine_sidecar.vllm.spec import SpecCounters, SpecWindow
+from proxy.core.blockhash import root_for
+from proxy.fleet.tokenizer import load_tokenizer
 
 _ABORTED_KEPT = 1000
 
@@ -129,6 +130,9 @@ class SimEngine:
         self.rng = random.Random(config.seed)
         self.fault_rng = random.Random(config.seed + 2)
         self.last_metrics: bytes | None = None
+        # None: the simulator's own tokenizer (4 bytes per token).
+        self.tokenizer = (None if config.tokenizer is None
+                          else load_tokenizer(config.tokenizer, "tokenizer"))
         events = config.kv_events.enabled
         self.pool = BlockPool(config.blocks, config.block_size, config.enable_prefix_caching,
                               vllm_hashes=events, record_events=events)

@@ -28,14 +28,14 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from engine_sidecar.sim.blockhash import (
+from engine_sidecar.sim.kvevents import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+from proxy.core.blockhash import (
     PLAIN_ROOT,
     ChainRoot,
     ExtraKeys,
     event_extra_keys,
     hash_block_tokens,
 )
-from engine_sidecar.sim.kvevents import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
 
 ROOT_HASH = b"kvproxy-sim-root"
 Hasher = Callable[[bytes | None, Sequence[int], ExtraKeys], bytes]

@@ -27,14 +27,11 @@ from dataclasses import dataclass, replace
 
 import msgpack
 
+from proxy.core.blockhash import int_hash
+
 MEDIUM_GPU = "GPU"
 SPEC_KIND = "full_attention"
 WireHash = Callable[[bytes], bytes | int]
-
-
-def int_hash(digest: bytes) -> int:
-    """vLLM's ``maybe_convert_block_hash`` with int hashes on: the low 64 bits, big endian."""
-    return int.from_bytes(digest, "big") & 0xFFFF_FFFF_FFFF_FFFF
 
 
 def bytes_hash(digest: bytes) -> bytes:

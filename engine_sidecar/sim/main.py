@@ -91,6 +91,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--seed", type=int, default=0)
     model.add_argument("--draft-agreement", type=float, default=1.0,
                        help="as a draft model: how often its greedy words are the target's (1.0)")
+    model.add_argument("--tokenizer", default=None,
+                       help="a model's tokenizer.json (or its directory): tokenize prompts as "
+                            "vLLM serving that model does, instead of 4 bytes per token")
     _add_kv_event_arguments(parser)
     _add_fault_arguments(parser)
 
@@ -171,7 +174,7 @@ def configs_from_args(args: argparse.Namespace) -> list[SimEngineConfig]:
             legacy_kv_metric=args.legacy_kv_metric, seed=args.seed + i,
             stop_len_range=args.output_len, faults=_faults(args),
             draft_agreement=args.draft_agreement,
-            kv_events=kv_events.for_engine(i),
+            kv_events=kv_events.for_engine(i), tokenizer=args.tokenizer,
         )
         for i in range(args.engines)
     ]

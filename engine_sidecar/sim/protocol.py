@@ -15,6 +15,7 @@ from typing import Literal
 import orjson
 
 from engine_sidecar.sim.tokenizer import chat_prompt, encode
+from proxy.fleet.tokenizer import PromptTokenizer
 
 ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 413: "BadRequestError",
                429: "RateLimitError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
@@ -66,6 +67,8 @@ class Limits:
     model: str
     max_model_len: int
     priority_scheduling: bool
+    # A real model's tokenizer (``SimEngineConfig.tokenizer``); None: the simulator's own.
+    tokenizer: PromptTokenizer | None = None
 
 
 def _bad(message: str, param: str | None = None) -> ApiError:
@@ -111,7 +114,7 @@ def parse(kind: Kind, raw: bytes, limits: Limits) -> ParsedRequest:
     model = body.get("model")
     if model is not None and model != limits.model:
         raise ApiError(404, f"The model `{model}` does not exist.", "model")
-    prompt_ids = _chat_ids(body) if kind == "chat" else _completion_ids(body)
+    prompt_ids = prompt_ids_of(kind == "chat", body, limits.tokenizer)
     stream = _opt_bool(body, "stream")
     _check_n(body)
     return ParsedRequest(
@@ -165,6 +168,19 @@ def _check_n(body: dict[str, object]) -> None:
     n = _opt_int(body, "n", low=1)
     if n is not None and n != 1:
         raise _bad("The simulated engine serves n=1 only", "n")
+
+
+def prompt_ids_of(chat: bool, body: dict[str, object],
+                  tokenizer: PromptTokenizer | None) -> array[int]:
+    """The prompt's token ids, with the model's tokenizer when the engine has one."""
+    if tokenizer is None:
+        return _chat_ids(body) if chat else _completion_ids(body)
+    if chat:
+        _chat_ids(body)  # the same checks of the messages
+    ids = tokenizer.request_ids(chat, body)
+    if ids is None:
+        raise _bad("the prompt cannot be tokenized", "messages" if chat else "prompt")
+    return array("I", ids)
 
 
 def _chat_ids(body: dict[str, object]) -> array[int]:

@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Literal
 
-from engine_sidecar.sim.blockhash import PLAIN_ROOT, ChainRoot
 from engine_sidecar.sim.kvcache import BlockPool
 from engine_sidecar.sim.tokenizer import TOKEN_IDS, WordStream
+from proxy.core.blockhash import PLAIN_ROOT, ChainRoot
 
 
 class Status(Enum):

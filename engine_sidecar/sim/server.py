@@ -21,7 +21,7 @@ from aiohttp import web
 from engine_sidecar.sim import adaptive
 from engine_sidecar.sim.agreement import prompt_logprobs
 from engine_sidecar.sim.engine import Sampling, SimEngine
-from engine_sidecar.sim.protocol import ApiError, Kind, Limits, ParsedRequest, parse
+from engine_sidecar.sim.protocol import ApiError, Kind, Limits, ParsedRequest, parse, prompt_ids_of
 from engine_sidecar.sim.responses import Identity
 from engine_sidecar.sim.streaming import ConnectionResetByFault, relay_full, relay_stream
 from engine_sidecar.sim.tokenizer import TOKEN_IDS, chat_prompt, decode, encode
@@ -85,7 +85,8 @@ def build_app(engine: SimEngine) -> web.Application:
 def _limits(engine: SimEngine) -> Limits:
     cfg = engine.config
     return Limits(model=engine.model, max_model_len=cfg.max_model_len,
-                  priority_scheduling=cfg.scheduling_policy == "priority")
+                  priority_scheduling=cfg.scheduling_policy == "priority",
+                  tokenizer=engine.tokenizer)
 
 
 async def _chat(request: web.Request) -> web.StreamResponse:
@@ -202,7 +203,10 @@ async def _tokenize(request: web.Request) -> web.StreamResponse:
     model = body.get("model")
     if model is not None and model != engine.model:
         raise ApiError(404, f"The model `{model}` does not exist.", "model")
-    if isinstance(body.get("prompt"), str):
+    if engine.tokenizer is not None and isinstance(body.get("prompt") or body.get("messages"),
+                                                   str | list):
+        ids = prompt_ids_of("messages" in body, body, engine.tokenizer)
+    elif isinstance(body.get("prompt"), str):
         ids = encode(body["prompt"])
     elif isinstance(body.get("messages"), list):
         try:

@@ -25,6 +25,7 @@ from proxy.core.configload import build, parse_scalar, scalar_paths, set_path
 from proxy.core.door_config import AuthConfig, LimitsConfig, RedisConfig
 from proxy.core.errors import ConfigError
 from proxy.core.isolation import ISOLATION_MODES
+from proxy.core.kv_config import EngineEvents, KvEventsConfig
 
 # The pool that ``tiering = true`` degrades to: the one meaning the old two-pool layout gave a name.
 DRAFT_POOL = "draft"
@@ -277,6 +278,8 @@ class EngineConfig:
     # Name of the environment variable that holds the engine's API key (vLLM ``--api-key``);
     # the key itself never sits in a config file.
     api_key_env: str | None = None
+    # Where the engine publishes its KV events (precise routing); None: approximate only.
+    kv_events: EngineEvents | None = None
 
     def __post_init__(self) -> None:
         _require(bool(self.name.strip()), "name", "must not be empty")
@@ -306,6 +309,9 @@ class PoolConfig:
     # "tenant": each tenant's requests carry their own engine cache_salt (no shared KV blocks
     # across tenants); "none": the engines' prefix cache is shared, as without kvproxy.
     isolation: str = "tenant"
+    # The engines' tokenizer (a tokenizer.json, or a directory holding one and, for the chat
+    # template, tokenizer_config.json): precise routing needs a prompt's token ids.
+    tokenizer: str | None = None
 
     def __post_init__(self) -> None:
         _require(
@@ -329,6 +335,12 @@ class PoolConfig:
         if not self.model.strip():
             object.__setattr__(self, "model", self.models[0])
         _require(len(self.engines) > 0, "engines", "must list at least one engine")
+        _require(self.tokenizer is None or bool(self.tokenizer.strip()), "tokenizer",
+                 "must be a path to tokenizer.json or to the directory holding it")
+        publishing = [e.name for e in self.engines if e.kv_events is not None]
+        if publishing and self.tokenizer is None:
+            raise ConfigError("tokenizer", f"is required: engine {publishing[0]!r} publishes KV "
+                                           "events, and matching them needs the prompt's token ids")
 
     @property
     def served(self) -> tuple[str, ...]:
@@ -484,6 +496,7 @@ class Config:
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     log: LogConfig = field(default_factory=LogConfig)
     sharing: SharingConfig = field(default_factory=SharingConfig)
+    kv_events: KvEventsConfig = field(default_factory=KvEventsConfig)
 
     def __post_init__(self) -> None:
         _check_pools(self.pools)
@@ -581,6 +594,7 @@ SCALAR_SECTIONS: tuple[str, ...] = (
     "limits",
     "log",
     "sharing",
+    "kv_events",
 )
 
 

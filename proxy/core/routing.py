@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from hashlib import blake2b
 from typing import Protocol
 
@@ -56,6 +56,17 @@ class RouteKey:
     chain: tuple[int, ...]
     tenant: str = "default"
     model: str = ""
+    # Precise holdings (``proxy.core.holdings``), in chain blocks, of the engines whose KV events
+    # are in sync: for those engines they replace the approximate index's guess.
+    held: Mapping[str, int] | None = field(default=None, compare=False)
+
+
+def _depths(index: BlockIndex, key: RouteKey, engines: Sequence[str]) -> dict[str, int]:
+    depths = index.match_depths(key.chain, engines)
+    if key.held:
+        depths = {e: d for e, d in depths.items() if e not in key.held}
+        depths.update((e, d) for e, d in key.held.items() if d > 0 and e in engines)
+    return depths
 
 
 class Policy(Protocol):
@@ -223,7 +234,7 @@ class PrefixAffinity:
     def preference(self, key: RouteKey, engines: Sequence[EngineView]) -> list[EngineView]:
         """Engines in preference order for ``key``, before the load bound is applied."""
         chain = key.chain or (0,)
-        depths = self.index.match_depths(chain, [e.name for e in engines])
+        depths = _depths(self.index, replace(key, chain=chain), [e.name for e in engines])
         common = common_depth(depths, len(engines))
         # Key one block past the prefix most engines hold: a shared system prompt then spreads
         # its conversations by what follows it instead of piling them onto one home.
@@ -263,7 +274,7 @@ class PrefixAffinity:
         self.index.add(engine, key.chain)
 
     def uncached(self, key: RouteKey, engine: str) -> int:
-        depth = self.index.match_depths(key.chain, [engine]).get(engine, 0)
+        depth = _depths(self.index, key, [engine]).get(engine, 0)
         return len(key.chain) - depth
 
     def forget(self, engine: str) -> None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from proxy.observe.kvmetrics import KvEventMetrics
 from proxy.observe.signals import PoolGauges
 
 __all__ = ["CONTENT_TYPE", "EngineGaugeRow", "ProxyMetrics", "TenantLabels"]
@@ -134,6 +135,7 @@ class ProxyMetrics:
         self._engine_gauges(r)
         self._tenant_counters(r)
         self.pools = PoolGauges(r)
+        self.kv_events = KvEventMetrics(r)
 
     def _loop_metrics(self, r: CollectorRegistry) -> None:
         self.loop_lag = Histogram(

@@ -33,6 +33,7 @@ from proxy.core.routing import make_policy
 from proxy.core.sharing import Outbox
 from proxy.fleet.discovery import REFRESH_S, ModelDiscovery
 from proxy.fleet.engines import Engine, Fleet
+from proxy.fleet.precise import PreciseRouting
 from proxy.fleet.scraper import Scraper
 from proxy.fleet.upstream import make_data_session, make_scrape_session
 from proxy.observe.looplag import LoopLag
@@ -81,6 +82,7 @@ def build_app(
     app[specfirst.SPECFIRST] = specfirst.build(app[SHELL])
     app.cleanup_ctx.append(_upstream_sessions)
     app.cleanup_ctx.append(_scraper)
+    app.cleanup_ctx.append(_kv_events)
     app.cleanup_ctx.append(model_discovery)
     app.cleanup_ctx.append(_front_door)
     app.cleanup_ctx.append(_sharing)
@@ -110,6 +112,8 @@ def _context(
         drain=Drain(metrics),
         clock=clock,
         started_at=time.time(),
+        precise=(PreciseRouting(cfg, metrics.kv_events, clock)
+                 if any(p.tokenizer for p in cfg.pools) else None),
     )
 
 
@@ -151,6 +155,18 @@ async def _scraper(app: web.Application) -> AsyncIterator[None]:
             owned.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await owned
+
+
+async def _kv_events(app: web.Application) -> AsyncIterator[None]:
+    """One named listener task per engine that publishes KV events, for the app's lifetime."""
+    precise = app[SHELL].precise
+    if precise is not None:
+        precise.start()
+    try:
+        yield
+    finally:
+        if precise is not None:
+            await precise.close()
 
 
 async def _front_door(app: web.Application) -> AsyncIterator[None]:

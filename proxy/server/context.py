@@ -23,6 +23,7 @@ from proxy.core.isolation import TenantSalts
 from proxy.core.routing import Policy
 from proxy.core.sharing import Outbox
 from proxy.fleet.engines import Fleet
+from proxy.fleet.precise import PreciseRouting
 from proxy.observe.metrics import ProxyMetrics
 
 
@@ -101,6 +102,8 @@ class ShellContext:
     salts: TenantSalts = field(default_factory=lambda: TenantSalts("", tenants_known=False))
     # Dispatches to share with the other proxy processes; off until ``app`` finds a transport.
     outbox: Outbox = field(default_factory=lambda: Outbox(1, enabled=False))
+    # Precise routing from KV events, when a pool has a tokenizer; None: approximate only.
+    precise: PreciseRouting | None = None
 
     @property
     def session(self) -> aiohttp.ClientSession:

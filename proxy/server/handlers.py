@@ -296,10 +296,14 @@ def _rank(
         block_chars=routing.block_chars,
         max_blocks=routing.max_blocks,
     )
-    key = RouteKey(chain=chain, tenant=tenant, model=model)
     policy = ctx.policies[pool]
     need = _need(ctx, pool, inbound, job.max_tokens)
     views = ctx.admission.eligible(priority, _with_room(ctx, pool), need)
+    holdings = (None if ctx.precise is None else
+                ctx.precise.holdings(pool, inbound, salting.salt, views))
+    held = None if holdings is None else holdings.chain_blocks(
+        [v.name for v in views], len(inbound.prompt_text), routing.block_chars, len(chain))
+    key = RouteKey(chain=chain, tenant=tenant, model=model, held=held)
     ranked = policy.rank(key, views)
     if not ranked:
         raise NoEngine(pool, reason=REASON_NO_ENGINE, retry_after_s=ctx.cfg.admission.retry_after_s)
@@ -312,6 +316,8 @@ def _rank(
                                          routing.block_chars)
     policy.observe(key, ranked[0])
     ctx.outbox.dispatched(pool, ranked[0], chain)
+    if holdings is not None and ctx.precise is not None:
+        ctx.precise.dispatched(ranked[0], holdings)
     return ranked
 
 
@@ -432,6 +438,8 @@ def own_metrics(ctx: ShellContext) -> bytes:
     now = ctx.clock()
     ctx.metrics.refresh_engines(ctx.fleet.gauge_rows(now), HEALTH_STATES)
     ctx.metrics.pools.refresh(ctx.fleet.pool_rows(now), ctx.metrics.sheds, now)
+    if ctx.precise is not None:
+        ctx.precise.refresh_metrics()
     return ctx.metrics.render()
 
 
@@ -442,6 +450,8 @@ async def admin_engines(request: web.Request) -> web.Response:
     discovery = request.app[MODELS]
     for row in rows:
         row["models"] = discovery.view(row["name"])
+        row["kv_events"] = (ctx.precise.admin_row(row["name"]) if ctx.precise is not None
+                            else {"mode": "approximate", "state": "no_publisher"})
     return _json({"engines": rows, "draining": ctx.drain.draining})
 
 

@@ -32,10 +32,11 @@ class Engine:
 
 @dataclass(frozen=True)
 class KvEventsAt:
-    """Where engine ``a`` sends its KV events: it connects to a subscriber bound at
-    ``subscribe_at`` and answers replay requests at ``replay_at``."""
+    """Where engine ``a`` publishes its KV events: it binds a wildcard endpoint (vLLM's default
+    form), subscribers connect to ``connect_at``, and it answers replay requests at ``replay_at``.
+    Several subscribers (a test's own, a proxy's) can listen at once."""
 
-    subscribe_at: str
+    connect_at: str
     replay_at: str
 
 
@@ -51,6 +52,8 @@ class Backend:
     timings: dict[str, float] = field(default_factory=dict)
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     kv_events: KvEventsAt | None = None
+    # The model's tokenizer (a directory with tokenizer.json and its chat template), if known.
+    tokenizer: str | None = None
 
 
 @dataclass

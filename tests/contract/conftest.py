@@ -117,9 +117,9 @@ def free_port() -> int:
 async def sim_backend() -> AsyncIterator[Backend]:
     common = dict(model=MODEL, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
                   num_speculative_tokens=NUM_SPEC_TOKENS, enable_prefix_caching=True)
-    # Engine a publishes KV events, like cpu-test-a: to a subscriber the test binds later.
-    subscribe_at = f"tcp://127.0.0.1:{free_port()}"
-    events = KvEventsSettings(endpoint=subscribe_at, replay_endpoint="tcp://127.0.0.1:0")
+    # Engine a publishes KV events, like cpu-test-a: bound on a wildcard endpoint.
+    port = free_port()
+    events = KvEventsSettings(endpoint=f"tcp://*:{port}", replay_endpoint="tcp://127.0.0.1:0")
     cfg_a = SimEngineConfig(name="sim-a", scheduling_policy="priority", max_num_seqs=2,
                             acceptance=(0.8, 0.6, 0.4), kv_events=events,
                             **common)  # type: ignore[arg-type]
@@ -131,7 +131,8 @@ async def sim_backend() -> AsyncIterator[Backend]:
     publisher = cluster.engines[0].kv_events
     assert publisher is not None and publisher.replay_endpoint is not None
     try:
-        yield Backend("sim", a, b, kv_events=KvEventsAt(subscribe_at, publisher.replay_endpoint))
+        yield Backend("sim", a, b, kv_events=KvEventsAt(f"tcp://127.0.0.1:{port}",
+                                                        publisher.replay_endpoint))
     finally:
         await cluster.close()
 
@@ -241,15 +242,16 @@ async def vllm_backend(log_dir: Path) -> AsyncIterator[Backend]:
     t0 = time.monotonic()
     models = tiny_models(python)
     gen_s = time.monotonic() - t0
-    events = KvEventsAt(f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}")
+    port = free_port()
+    events = KvEventsAt(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{free_port()}")
     env = {**os.environ, "KVPROXY_VLLM_PYTHON": python, "KVPROXY_TINY_TARGET": models["target"],
            "KVPROXY_TINY_DRAFT": models["draft"], "KVPROXY_TARGET_NAME": MODEL,
-           "KVPROXY_KV_EVENTS_ENDPOINT": events.subscribe_at,
+           "KVPROXY_KV_EVENTS_ENDPOINT": f"tcp://*:{port}",
            "KVPROXY_KV_EVENTS_REPLAY": events.replay_at}
     proc_a, a = _start_sidecar("cpu-test-a", env, log_dir)
     proc_b, b = _start_sidecar("cpu-test-b", env, log_dir)
     backend = Backend("vllm", a, b, procs=[proc_a, proc_b], timings={"models_s": gen_s},
-                      kv_events=events)
+                      kv_events=events, tokenizer=models["target"])
     try:
         await _wait_ready(backend, log_dir)
         sys.stderr.write(f"\nreal vLLM backend up: {backend.timings} (logs in {log_dir})\n")

@@ -2,7 +2,7 @@
 events hold ``BlockStored`` for every full block of the prompt, with the hashes a router computes
 from the prompt's token ids (``sha256_cbor``, chained from vLLM's ``NONE_HASH``, sent as the
 digest's low 64 bits), and both engines' batches decode with one decoder into the same field
-layout. Missed batches (sent before the subscriber bound) come back from the replay socket.
+layout. Missed batches (sent before the subscriber connected) come back from the replay socket.
 (``tests/sim/test_sim_kv_events.py`` also has vLLM's own typed decoder read the simulator's
 bytes.)"""
 
@@ -24,7 +24,7 @@ STORED_FIELDS = {"type", "block_hashes", "parent_block_hash", "token_ids", "bloc
 @pytest_asyncio.fixture(loop_scope="session")
 async def events(backend: Backend) -> AsyncIterator[tuple[Subscriber, str]]:
     assert backend.kv_events is not None, "engine a of every backend publishes KV events"
-    subscriber = Subscriber(bind=backend.kv_events.subscribe_at)
+    subscriber = Subscriber(connect=backend.kv_events.connect_at)
     yield subscriber, backend.kv_events.replay_at
     subscriber.close()
 

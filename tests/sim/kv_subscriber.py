@@ -110,6 +110,19 @@ def verify_chains(events: list[dict[str, Any]]) -> int:
     return checked
 
 
+def reported_blocks(events: list[dict[str, Any]]) -> set[bytes | int]:
+    """The blocks the events say the engine holds: stored, less removed, since the last clear."""
+    held: set[bytes | int] = set()
+    for event in events:
+        if event["type"] == "BlockStored":
+            held.update(event["block_hashes"])
+        elif event["type"] == "BlockRemoved":
+            held.difference_update(event["block_hashes"])
+        elif event["type"] == "AllBlocksCleared":
+            held.clear()
+    return held
+
+
 # -- receiving -----------------------------------------------------------------------------------
 
 @dataclass
@@ -129,13 +142,19 @@ def decode(topic: bytes, seq: bytes, payload: bytes) -> Batch:
 
 
 class Subscriber:
-    def __init__(self, topic: bytes = b"", bind: str = "tcp://127.0.0.1:0") -> None:
+    def __init__(self, topic: bytes = b"", bind: str = "tcp://127.0.0.1:0",
+                 connect: str | None = None) -> None:
+        """Bind ``bind`` (the engine connects), or connect to a publisher that binds."""
         self._ctx = zmq.asyncio.Context()
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.SUBSCRIBE, topic)
-        self._sub.bind(bind)
-        self.endpoint = self._sub.getsockopt_string(zmq.LAST_ENDPOINT)
+        if connect is not None:
+            self._sub.connect(connect)
+            self.endpoint = connect
+        else:
+            self._sub.bind(bind)
+            self.endpoint = self._sub.getsockopt_string(zmq.LAST_ENDPOINT)
         self.batches: dict[int, Batch] = {}
 
     async def receive(self, timeout_s: float) -> Batch | None:

@@ -17,7 +17,6 @@ from typing import Any
 import aiohttp
 import pytest
 
-from engine_sidecar.sim import blockhash
 from engine_sidecar.sim.config import SimEngineConfig
 from engine_sidecar.sim.kvevents import (
     AllBlocksCleared,
@@ -30,6 +29,7 @@ from engine_sidecar.sim.kvevents import (
 from engine_sidecar.sim.kvpublisher import KvEventPublisher
 from engine_sidecar.sim.main import add_arguments, configs_from_args
 from engine_sidecar.vllm.profile import resolve_python
+from proxy.core import blockhash
 from sim.conftest import FAST, Start
 from sim.kv_subscriber import (
     NONE_HASH,

@@ -1,5 +1,6 @@
 """Prefix-cache block hashes exactly as vLLM computes them with ``--prefix-caching-hash-algo
-sha256_cbor``, so that the simulator's KV events name blocks the way a real engine would.
+sha256_cbor``: the simulator names its blocks with them (so its KV events are a real engine's), and
+precise routing hashes a tokenized prompt with them to look its blocks up in what engines report.
 
 Rules:
 - A block's hash is ``sha256(cbor((parent, tokens, extra_keys)))`` with canonical CBOR (cbor2's
@@ -11,6 +12,8 @@ Rules:
   always uses the default).
 - The CBOR encoder covers exactly the types that occur here (non-negative and negative ints below
   2**64, bytes, str, None, tuples and lists); anything else is a ``TypeError``. Pure functions.
+- KV events carry a hash as vLLM 0.32 sends it by default: the digest's low 64 bits as an
+  integer (``int_hash``); precise routing keys its index by that form whatever the wire carried.
 """
 
 from __future__ import annotations
@@ -110,3 +113,27 @@ PLAIN_ROOT = ChainRoot()
 
 def root_for(cache_salt: str | None) -> ChainRoot:
     return ChainRoot(salt_keys(cache_salt)) if cache_salt else PLAIN_ROOT
+
+
+def int_hash(digest: bytes) -> int:
+    """vLLM's ``maybe_convert_block_hash`` with int hashes on: the low 64 bits, big endian."""
+    return int.from_bytes(digest[-8:], "big")
+
+
+def chain_keys(ids: Sequence[int], block_size: int, root: ChainRoot = PLAIN_ROOT,
+               max_blocks: int | None = None) -> list[int]:
+    """The 64-bit keys of the full blocks of ``ids`` (at most ``max_blocks``), chained as vLLM
+    chains them from ``root``: what an engine's ``BlockStored`` events name these blocks."""
+    if block_size < 1:
+        raise ValueError("block_size must be >= 1")
+    count = len(ids) // block_size
+    if max_blocks is not None:
+        count = min(count, max_blocks)
+    keys: list[int] = []
+    parent: bytes | None = None
+    extra = root.extra_keys
+    for i in range(count):
+        parent = hash_block_tokens(parent, ids[i * block_size:(i + 1) * block_size], extra)
+        extra = None
+        keys.append(int_hash(parent))
+    return keys

@@ -1,0 +1,178 @@
+"""A pool's tokenizer: the prompt's token ids as the engine computes them, for precise routing.
+
+Rules:
+- Loaded once at start-up from ``pools[].tokenizer``: a ``tokenizer.json`` (the ``tokenizers``
+  library), or a model directory holding one; the chat template comes from
+  ``chat_template.jinja`` beside it, else ``chat_template`` in ``tokenizer_config.json`` (a named
+  list picks ``default``), and the ``bos_token`` / ``eos_token`` from there too. A missing or
+  unreadable file is a ``ConfigError`` naming the pool's field.
+- Chat requests are rendered as vLLM 0.32 renders them with a Hugging Face template: Jinja in a
+  sandbox with ``trim_blocks``, ``lstrip_blocks`` and ``loopcontrols``, the messages in the
+  template's content format (``openai``, a list of text parts, when the template loops over a
+  message's content; else ``string``, text parts joined with newlines), ``add_generation_prompt``
+  true unless the request says otherwise, then encoded without special tokens (vLLM's default for
+  chat). Completions are encoded with special tokens; token-id prompts are used as they are.
+- Work is bounded: at most ``max_chars`` characters are encoded; a longer text is cut and its
+  last ``CUT_MARGIN`` tokens dropped (a cut can change only the tokens next to it).
+- Anything a request makes fail (a template that raises, content of the wrong type) gives
+  ``None``: the request is routed without precise holdings, never refused for it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+from tokenizers import Tokenizer
+
+from proxy.core.errors import ConfigError
+
+log = logging.getLogger(__name__)
+CUT_MARGIN = 16
+_CONTENT_LOOP = re.compile(r"for\s+\w+\s+in\s+\w+(?:\[['\"]content['\"]\]|\.content\b)")
+
+
+def _raise(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(value: Any, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=False, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+def _special(config: Mapping[str, Any], name: str) -> str:
+    value = config.get(name)
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else ""
+
+
+def _template(directory: Path, config: Mapping[str, Any]) -> str | None:
+    jinja_file = directory / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    found = config.get("chat_template")
+    if isinstance(found, list):
+        named = {t.get("name"): t.get("template") for t in found if isinstance(t, dict)}
+        found = named.get("default")
+    return found if isinstance(found, str) else None
+
+
+class PromptTokenizer:
+    """Token ids of OpenAI requests, as the pool's engines compute them."""
+
+    def __init__(self, tokenizer: Tokenizer, template: str | None, *, bos_token: str = "",
+                 eos_token: str = "", max_chars: int = 262_144) -> None:
+        self._tok = tokenizer
+        self._template = _environment().from_string(template) if template else None
+        self._openai_format = bool(template and _CONTENT_LOOP.search(template))
+        self._specials = {"bos_token": bos_token, "eos_token": eos_token}
+        self.max_chars = max_chars
+
+    def encode(self, text: str, *, special: bool) -> list[int]:
+        cut = len(text) > self.max_chars
+        ids: list[int] = self._tok.encode(text[: self.max_chars], add_special_tokens=special).ids
+        return ids[:-CUT_MARGIN] if cut else ids
+
+    def request_ids(self, chat: bool, body: Mapping[str, Any]) -> list[int] | None:
+        """The prompt's token ids for a chat or completions body; None when not computable."""
+        try:
+            return self._chat(body) if chat else self._completion(body)
+        except (jinja2.TemplateError, TypeError, ValueError) as exc:
+            log.debug("prompt not tokenized: %s", type(exc).__name__)
+            return None
+
+    def _completion(self, body: Mapping[str, Any]) -> list[int] | None:
+        prompt = body.get("prompt")
+        special = body.get("add_special_tokens", True)
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], list | str):
+            prompt = prompt[0]  # a batch goes where its first prompt goes
+        if isinstance(prompt, str):
+            return self.encode(prompt, special=special is not False)
+        if isinstance(prompt, list) and all(type(t) is int and t >= 0 for t in prompt):
+            return list(prompt)
+        return None
+
+    def _chat(self, body: Mapping[str, Any]) -> list[int] | None:
+        messages = body.get("messages")
+        if self._template is None or not isinstance(messages, list):
+            return None
+        generation = body.get("add_generation_prompt", True)
+        tools = body.get("tools")
+        text = self._template.render(
+            messages=[self._message(m) for m in messages],
+            add_generation_prompt=generation is not False,
+            tools=tools if isinstance(tools, list) else None, **self._specials)
+        return self.encode(text, special=body.get("add_special_tokens") is True)
+
+    def _message(self, message: object) -> dict[str, Any]:
+        if not isinstance(message, dict):
+            raise TypeError("a message is not an object")
+        out = dict(message)
+        content = message.get("content")
+        parts = _text_parts(content)
+        if self._openai_format:
+            out["content"] = [{"type": "text", "text": t} for t in parts]
+        elif content is not None:
+            out["content"] = "\n".join(parts)
+        return out
+
+
+def _text_parts(content: object) -> list[str]:
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [content]
+    if isinstance(content, list):
+        return [p["text"] for p in content if isinstance(p, dict) and p.get("type") == "text"
+                and isinstance(p.get("text"), str)]
+    raise TypeError("message content is neither text nor a list of parts")
+
+
+def load_tokenizer(path: str, field: str) -> PromptTokenizer:
+    """The tokenizer at ``path`` (see the module rules); ``field`` names the setting in errors."""
+    given = Path(path)
+    file = given / "tokenizer.json" if given.is_dir() else given
+    if not file.is_file():
+        raise ConfigError(field, f"no tokenizer file at {path} (want tokenizer.json or its "
+                                 "directory)")
+    try:
+        tokenizer = Tokenizer.from_file(str(file))
+    except Exception as exc:  # the library raises its own untyped errors
+        raise ConfigError(field, f"{file} is not a tokenizer.json ({type(exc).__name__})") from None
+    config: dict[str, Any] = {}
+    cfg_file = file.parent / "tokenizer_config.json"
+    if cfg_file.is_file():
+        try:
+            loaded = json.loads(cfg_file.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            raise ConfigError(field, f"{cfg_file} is not readable JSON") from None
+        config = loaded if isinstance(loaded, dict) else {}
+    template = _template(file.parent, config)
+    return PromptTokenizer(tokenizer, template, bos_token=_special(config, "bos_token"),
+                           eos_token=_special(config, "eos_token"))
+
+
+def loaded_tokenizers(pools: Sequence[Any]) -> dict[str, PromptTokenizer]:
+    """Every configured pool tokenizer, by pool name (start-up: errors name the pool's field)."""
+    return {pool.name: load_tokenizer(pool.tokenizer, f"pools[{i}].tokenizer")
+            for i, pool in enumerate(pools) if pool.tokenizer is not None}
