@@ -267,20 +267,21 @@ def _rank(
         block_chars=routing.block_chars,
         max_blocks=routing.max_blocks,
     )
-    key = RouteKey(chain=chain, tenant=tenant, model=model)
+    key = RouteKey(chain=chain, tenant=tenant, model=model,
+                   prompt_tokens=len(inbound.prompt_text) / routing.chars_per_token,
+                   block_tokens=routing.block_chars / routing.chars_per_token)
     policy = ctx.policies[pool]
     need = _need(ctx, pool, inbound, job.max_tokens)
     views = ctx.admission.eligible(priority, _with_room(ctx, pool), need)
     ranked = policy.rank(key, views)
     if not ranked:
         raise NoEngine(pool, reason=REASON_NO_ENGINE, retry_after_s=ctx.cfg.admission.retry_after_s)
-    # The prompt work each engine that may get the request would do, counted while it waits
-    # for its first byte (asked before ``observe`` records the pick as holding the prompt).
+    # The prompt tokens each engine that may get the request would compute, counted while it
+    # waits for its first byte (asked before ``observe`` records the pick as holding the prompt).
     job.prefill = {
-        name: float(policy.uncached(key, name)) for name in ranked[: 1 + ctx.cfg.upstream.retries]
+        name: policy.uncached_tokens(key, name) for name in ranked[: 1 + ctx.cfg.upstream.retries]
     }
-    job.prompt_tokens = _uncached_tokens(len(inbound.prompt_text), len(chain), job.prefill,
-                                         routing.block_chars)
+    job.prompt_tokens = dict(job.prefill)
     policy.observe(key, ranked[0])
     return ranked
 
@@ -300,14 +301,6 @@ def _with_room(ctx: ShellContext, pool: str) -> list[EngineView]:
             retry_after_s=ctx.cfg.admission.retry_after_s,
         )
     return room
-
-
-def _uncached_tokens(
-    chars: int, chain: int, uncached: dict[str, float], block_chars: int
-) -> dict[str, float]:
-    """Per engine: prompt tokens it does not hold (the prompt less its cached chain blocks)."""
-    tokens, per_block = chars / CHARS_PER_TOKEN, block_chars / CHARS_PER_TOKEN
-    return {name: max(0.0, tokens - (chain - n) * per_block) for name, n in uncached.items()}
 
 
 def _engine_priority(ctx: ShellContext, pool: str, priority: Priority) -> int | None:

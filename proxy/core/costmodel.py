@@ -1,0 +1,138 @@
+"""The expected-TTFT cost model: each engine scored by the seconds a request would wait there for
+its first token. Pure: no I/O, no clock, no randomness.
+
+Rules:
+- One unit, estimated seconds. A request's time to first token on engine E is the prompt work
+  ahead of it there plus its own, and the engine steps that work spans:
+
+      ttft(E) = (queued + uncached) / prefill_tps + (1 + (queued + uncached) / chunk) * step_s
+
+  ``queued``: prompt tokens waiting to be computed at E: this proxy's requests that have had no
+  first byte (their uncached sizes are known) plus the snapshot's other waiting requests at the
+  pool's mean prompt size. ``uncached``: this request's prompt tokens E does not hold
+  (``PrefixHoldings``). ``step_s``: one engine step with E's current decode batch: every running
+  sequence rides along in every step, so decode work stretches the steps the prefill needs.
+- Rates: an engine's own, measured from its metrics, when both are known; otherwise the profile
+  defaults of ``[routing]`` (``prefill_tokens_per_s``, ``decode_step_s`` plus
+  ``decode_seq_step_s`` per running sequence). Only ratios decide a ranking, so a fleet running
+  uniformly faster or slower than its profile is ranked the same.
+- The lowest estimate wins. Estimates within ``cost_tolerance`` (relative) of the lowest are equal
+  within the model's accuracy; among them the engine holding the most of the prompt wins (it saves
+  the fleet that prefill for everything queued behind), then the least expected wait (ties and
+  new prefixes), then a rendezvous order on the prompt (a deterministic spread by content).
+- The queued work counts what this proxy sent since the last scrape, so a burst sharing a new
+  prefix follows its first request (the holdings record it at dispatch) only as long as the
+  growing queue there keeps the estimate within the tolerance; then it opens a second home.
+- Unroutable engines never appear; stale engines only when no engine is fresh, least loaded
+  first (fail open). Work per decision: O(engines x chain length).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from proxy.core.config import RoutingConfig
+from proxy.core.holdings import ApproxHoldings, PrefixHoldings
+from proxy.core.rendezvous import Rendezvous
+from proxy.core.routeview import EngineView, RouteKey, candidates, least_loaded
+
+# Weight of one new prompt in the pool's mean prompt size (an exponential moving average).
+_MEAN_WEIGHT = 1.0 / 32
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """One engine's figures for one request, in seconds and tokens."""
+
+    name: str
+    wait_s: float  # the work queued ahead of the request
+    ttft_s: float  # wait plus the request's own prefill
+    held: float  # prompt tokens the engine holds
+
+
+def decoding(e: EngineView) -> float:
+    """Sequences decoding at ``e``: its load less what waits for a first token."""
+    return max(0.0, e.load - e.waiting - e.pending)
+
+
+def rates(e: EngineView, cfg: RoutingConfig) -> tuple[float, float]:
+    """(prefill tokens per second, seconds per step) for ``e``: measured, else the profile's."""
+    if e.prefill_tps and e.step_s:
+        return e.prefill_tps, e.step_s
+    return cfg.prefill_tokens_per_s, cfg.decode_step_s + decoding(e) * cfg.decode_seq_step_s
+
+
+def queued_tokens(e: EngineView, mean_prompt: float) -> float:
+    """Prompt tokens ahead of a new request at ``e``: known sizes first, the rest estimated."""
+    unknown = max(0.0, e.waiting - e.pending)
+    return max(0.0, e.prefill) + unknown * mean_prompt
+
+
+def seconds(tokens: float, prefill_tps: float, step_s: float, chunk: float) -> float:
+    """Time to compute ``tokens`` of prompt: the prefill itself and the steps it spans."""
+    return tokens / prefill_tps + (1.0 + tokens / chunk) * step_s
+
+
+def estimate(e: EngineView, held: float, key: RouteKey, mean_prompt: float,
+             cfg: RoutingConfig) -> Estimate:
+    tps, step = rates(e, cfg)
+    queued = queued_tokens(e, mean_prompt)
+    own = max(0.0, key.tokens - held)
+    chunk = float(cfg.chunk_tokens)
+    return Estimate(e.name, seconds(queued, tps, step, chunk),
+                    seconds(queued + own, tps, step, chunk), held)
+
+
+def choose(estimates: Sequence[Estimate], tolerance: float,
+           order: Mapping[str, int]) -> tuple[str, ...]:
+    """Engine names best first: the pick among the near-lowest, then the rest by estimate."""
+    if not estimates:
+        return ()
+    best = min(e.ttft_s for e in estimates)
+    near = [e for e in estimates if e.ttft_s <= best * (1.0 + tolerance)]
+    pick = min(near, key=lambda e: (-e.held, e.wait_s, e.ttft_s, order[e.name]))
+    rest = sorted((e for e in estimates if e is not pick),
+                  key=lambda e: (e.ttft_s, e.wait_s, order[e.name]))
+    return (pick.name, *(e.name for e in rest))
+
+
+class ExpectedTTFT:
+    """Lowest expected time to first token, with the engines' caches from ``PrefixHoldings``."""
+
+    name = "expected_ttft"
+
+    def __init__(self, cfg: RoutingConfig, holdings: PrefixHoldings | None = None) -> None:
+        self.cfg = cfg
+        self.holdings: PrefixHoldings = (
+            holdings if holdings is not None else ApproxHoldings(cfg.index_blocks)
+        )
+        self._rendezvous = Rendezvous(cfg.seed)
+        self.mean_prompt = 0.0  # tokens; 0 until the first request
+
+    def estimates(self, key: RouteKey, engines: Sequence[EngineView]) -> list[Estimate]:
+        held = self.holdings.held_tokens(key, [e.name for e in engines])
+        mean = self.mean_prompt or key.tokens
+        return [estimate(e, held.get(e.name, 0.0), key, mean, self.cfg) for e in engines]
+
+    def rank(self, key: RouteKey, engines: Sequence[EngineView]) -> tuple[str, ...]:
+        cands, stale_only = candidates(engines)
+        if stale_only:
+            return tuple(e.name for e in least_loaded(cands))
+        order = self._rendezvous.order(key.chain[-1] if key.chain else 0,
+                                       [e.name for e in cands])
+        return choose(self.estimates(key, cands), self.cfg.cost_tolerance, order)
+
+    def observe(self, key: RouteKey, engine: str) -> None:
+        self.holdings.record(key, engine)
+        tokens = key.tokens
+        self.mean_prompt = tokens if not self.mean_prompt else (
+            self.mean_prompt + _MEAN_WEIGHT * (tokens - self.mean_prompt))
+
+    def uncached_tokens(self, key: RouteKey, engine: str) -> float:
+        held = self.holdings.held_tokens(key, [engine]).get(engine, 0.0)
+        return max(0.0, key.tokens - held)
+
+    def forget(self, engine: str) -> None:
+        self.holdings.forget(engine)
+        self._rendezvous.forget(engine)

@@ -1,0 +1,97 @@
+"""Prefix holdings: how many of a request's prompt tokens each engine is believed to hold cached.
+
+Rules:
+- ``PrefixHoldings`` is the one question the cost model asks about engines' caches. Any source of
+  that knowledge implements it: the approximate index here (what this proxy routed where), or an
+  exact index fed by the engines' own KV-cache events.
+- ``record`` is called at dispatch, before the engine has computed anything: the entry is
+  provisional (the engine will hold the prompt once it has prefilled it), so that a burst of
+  requests sharing a new prefix can follow the first one before any engine reports it. An exact
+  index keeps such entries on the side for a few seconds and lets the engine's events confirm or
+  drop them; the approximate index has nothing else and keeps them until evicted.
+- Pure: no I/O, no clock. Work per question is O(engines x chain length), never O(history);
+  memory is bounded per engine.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Protocol
+
+from proxy.core.routeview import RouteKey
+
+
+class PrefixHoldings(Protocol):
+    def held_tokens(self, key: RouteKey, engines: Sequence[str]) -> dict[str, float]:
+        """Per engine of ``engines`` that holds some of ``key``'s prompt: the tokens it holds
+        (a prefix of the prompt; absent engines hold nothing)."""
+        ...
+
+    def record(self, key: RouteKey, engine: str) -> None:
+        """``key``'s prompt was just sent to ``engine`` (provisional: computed soon)."""
+        ...
+
+    def forget(self, engine: str) -> None:
+        """``engine`` left the pool: drop all that is kept about it."""
+        ...
+
+
+class BlockIndex:
+    """Per engine, the most recently routed block hashes (LRU, at most ``capacity`` each)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        # First key: the least recently routed. OrderedDict pops its head in O(1); a plain dict
+        # would rescan the holes its deletions leave at the front.
+        self._blocks: dict[str, OrderedDict[int, None]] = {}
+
+    def add(self, engine: str, chain: Sequence[int]) -> None:
+        if self.capacity <= 0:
+            return
+        blocks = self._blocks.setdefault(engine, OrderedDict())
+        # Deepest first, so a prefix's first blocks are the most recent and are evicted last,
+        # as an engine's own LRU keeps a shared prefix longer than one request's tail.
+        for h in reversed(chain):
+            blocks[h] = None
+            blocks.move_to_end(h)
+        while len(blocks) > self.capacity:
+            blocks.popitem(last=False)
+
+    def match_depths(self, chain: Sequence[int], engines: Sequence[str]) -> dict[str, int]:
+        """For each of ``engines`` with a match, the deepest depth of ``chain`` routed to it."""
+        depths: dict[str, int] = {}
+        for engine in engines:
+            blocks = self._blocks.get(engine)
+            if not blocks:
+                continue
+            for depth in range(len(chain), 0, -1):
+                if chain[depth - 1] in blocks:
+                    depths[engine] = depth
+                    break
+        return depths
+
+    def size(self, engine: str) -> int:
+        return len(self._blocks.get(engine, ()))
+
+    def forget(self, engine: str) -> None:
+        self._blocks.pop(engine, None)
+
+
+class ApproxHoldings:
+    """Holdings guessed from routing alone: an engine holds the longest prefix of a request's
+    chain that was routed to it recently (``BlockIndex``), counted in tokens."""
+
+    def __init__(self, capacity: int) -> None:
+        self.index = BlockIndex(capacity)
+
+    def held_tokens(self, key: RouteKey, engines: Sequence[str]) -> dict[str, float]:
+        depths = self.index.match_depths(key.chain, engines)
+        tokens = key.tokens
+        return {name: min(tokens, d * key.block_tokens) for name, d in depths.items()}
+
+    def record(self, key: RouteKey, engine: str) -> None:
+        self.index.add(engine, key.chain)
+
+    def forget(self, engine: str) -> None:
+        self.index.forget(engine)
