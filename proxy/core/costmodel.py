@@ -8,8 +8,9 @@ Rules:
       ttft(E) = (queued + uncached) / prefill_tps + (1 + (queued + uncached) / chunk) * step_s
 
   ``queued``: prompt tokens waiting to be computed at E: this proxy's requests that have had no
-  first byte (their uncached sizes are known) plus the snapshot's other waiting requests at the
-  pool's mean prompt size. ``uncached``: this request's prompt tokens E does not hold
+  first byte (their uncached sizes are known) plus the snapshot's other waiting requests (its
+  waiting less this proxy's pending ones it counted) at the pool's mean prompt size.
+  ``uncached``: this request's prompt tokens E does not hold
   (``PrefixHoldings``). ``step_s``: one engine step with E's current decode batch: every running
   sequence rides along in every step, so decode work stretches the steps the prefill needs.
 - Rates: an engine's own, measured from its metrics, when both are known; otherwise the profile
@@ -65,7 +66,7 @@ def rates(e: EngineView, cfg: RoutingConfig) -> tuple[float, float]:
 
 def queued_tokens(e: EngineView, mean_prompt: float) -> float:
     """Prompt tokens ahead of a new request at ``e``: known sizes first, the rest estimated."""
-    unknown = max(0.0, e.waiting - e.pending)
+    unknown = max(0.0, e.waiting - e.pending_seen)
     return max(0.0, e.prefill) + unknown * mean_prompt
 
 

@@ -39,6 +39,8 @@ class EngineView:
     # This proxy's requests at the engine that have not had their first byte (their prompt sizes
     # are known: ``prefill``); the snapshot's other waiting requests are of unknown size.
     pending: int = 0
+    # Of those, the ones dispatched before the snapshot was taken (counted in its ``waiting``).
+    pending_seen: int = 0
     # Measured from the engine's metrics; None: not measured (yet), use the profile default.
     prefill_tps: float | None = None  # prompt tokens computed per second
     step_s: float | None = None  # one engine step at its current decode batch (mean ITL)
@@ -58,8 +60,8 @@ class RouteKey:
 
     @property
     def tokens(self) -> float:
-        """Prompt tokens (never fewer than its full blocks hold)."""
-        return max(self.prompt_tokens, len(self.chain) * self.block_tokens)
+        """Prompt tokens; when not given, what the chain's blocks hold."""
+        return self.prompt_tokens if self.prompt_tokens > 0 else len(self.chain) * self.block_tokens
 
 
 def candidates(engines: Sequence[EngineView]) -> tuple[list[EngineView], bool]:

@@ -416,6 +416,14 @@ class EngineState:
         base = 0.0 if self.snapshot is None else self.snapshot.running + self.snapshot.waiting
         return base + len(self._since_snapshot)
 
+    def _pending_seen(self) -> int:
+        """Requests awaiting their first byte that the snapshot already counts (sent before it)."""
+        snap = self.snapshot
+        if snap is None:
+            return 0
+        at = self._dispatched_at
+        return sum(1 for t in self._prefill if at.get(t, math.inf) <= snap.taken_at)
+
     def view(self, now: float, breaker_allows: bool) -> EngineView:
         """What routing and admission see of this engine at ``now``."""
         self.tick(now, self.stale_after_s)
@@ -431,6 +439,7 @@ class EngineState:
             running=snap.running if snap is not None else 0.0,
             waiting=snap.waiting if snap is not None else 0.0,
             pending=len(self._prefill),
+            pending_seen=self._pending_seen(),
             prefill_tps=self.rates.prefill_tps,
             step_s=self.rates.step_s,
         )
