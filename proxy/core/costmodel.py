@@ -57,37 +57,33 @@ def decoding(e: EngineView) -> float:
     return max(0.0, e.load - e.waiting - e.pending)
 
 
-def rates(e: EngineView, cfg: RoutingConfig) -> tuple[float, float]:
-    """(prefill tokens per second, seconds per step) for ``e``: measured, else the profile's."""
-    if e.prefill_tps and e.step_s:
-        return e.prefill_tps, e.step_s
-    return cfg.prefill_tokens_per_s, cfg.decode_step_s + decoding(e) * cfg.decode_seq_step_s
-
-
 def queued_tokens(e: EngineView, mean_prompt: float) -> float:
     """Prompt tokens ahead of a new request at ``e``: known sizes first, the rest estimated."""
-    unknown = max(0.0, e.waiting - e.pending_seen)
-    return max(0.0, e.prefill) + unknown * mean_prompt
-
-
-def seconds(tokens: float, prefill_tps: float, step_s: float, chunk: float) -> float:
-    """Time to compute ``tokens`` of prompt: the prefill itself and the steps it spans."""
-    return tokens / prefill_tps + (1.0 + tokens / chunk) * step_s
+    unknown = e.waiting - e.pending_seen
+    return (e.prefill if e.prefill > 0.0 else 0.0) + (unknown * mean_prompt if unknown > 0 else 0.0)
 
 
 def estimate(e: EngineView, held: float, key: RouteKey, mean_prompt: float,
              cfg: RoutingConfig) -> Estimate:
-    tps, step = rates(e, cfg)
+    """``e``'s figures for ``key`` (the formula in the module docstring; one call per engine
+    per decision, so written out flat)."""
+    if e.prefill_tps and e.step_s:
+        tps, step = e.prefill_tps, e.step_s
+    else:
+        tps = cfg.prefill_tokens_per_s
+        step = cfg.decode_step_s + decoding(e) * cfg.decode_seq_step_s
+    chunk = cfg.chunk_tokens
     queued = queued_tokens(e, mean_prompt)
-    own = max(0.0, key.tokens - held)
-    chunk = float(cfg.chunk_tokens)
-    return Estimate(e.name, seconds(queued, tps, step, chunk),
-                    seconds(queued + own, tps, step, chunk), held)
+    own = key.tokens - held
+    total = queued + own if own > 0.0 else queued
+    return Estimate(e.name, queued / tps + (1.0 + queued / chunk) * step,
+                    total / tps + (1.0 + total / chunk) * step, held)
 
 
 def choose(estimates: Sequence[Estimate], tolerance: float,
            order: Mapping[str, int]) -> tuple[str, ...]:
-    """Engine names best first: the pick among the near-lowest, then the rest by estimate."""
+    """Engine names best first: the pick among the near-lowest, then the rest by estimate;
+    ``order`` (lower first) breaks the remaining ties."""
     if not estimates:
         return ()
     best = min(e.ttft_s for e in estimates)
@@ -120,8 +116,8 @@ class ExpectedTTFT:
         cands, stale_only = candidates(engines)
         if stale_only:
             return tuple(e.name for e in least_loaded(cands))
-        order = self._rendezvous.order(key.chain[-1] if key.chain else 0,
-                                       [e.name for e in cands])
+        at = key.chain[-1] if key.chain else 0
+        order = {e.name: -self._rendezvous.weight(at, e.name) for e in cands}
         return choose(self.estimates(key, cands), self.cfg.cost_tolerance, order)
 
     def observe(self, key: RouteKey, engine: str) -> None:

@@ -59,16 +59,25 @@ class BlockIndex:
             blocks.popitem(last=False)
 
     def match_depths(self, chain: Sequence[int], engines: Sequence[str]) -> dict[str, int]:
-        """For each of ``engines`` with a match, the deepest depth of ``chain`` routed to it."""
+        """For each of ``engines`` with a match, the deepest depth of ``chain`` routed to it.
+
+        Binary search: what an engine holds of one chain is always a prefix of it. A chain hash
+        covers everything before it, so recording a block records all shallower ones of its
+        chain as well, each more recently (deepest first), and LRU evicts the deeper first.
+        """
         depths: dict[str, int] = {}
         for engine in engines:
             blocks = self._blocks.get(engine)
-            if not blocks:
+            if not blocks or chain[0] not in blocks:
                 continue
-            for depth in range(len(chain), 0, -1):
-                if chain[depth - 1] in blocks:
-                    depths[engine] = depth
-                    break
+            lo, hi = 1, len(chain)  # chain[lo - 1] is held; find the largest such lo
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if chain[mid - 1] in blocks:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            depths[engine] = lo
         return depths
 
     def size(self, engine: str) -> int:
