@@ -8,8 +8,8 @@ Rules:
       ttft(E) = (queued + uncached) / prefill_tps + (1 + (queued + uncached) / chunk) * step_s
 
   ``queued``: prompt tokens waiting to be computed at E: this proxy's requests that have had no
-  first byte (their uncached sizes are known) plus the snapshot's other waiting requests (its
-  waiting less this proxy's pending ones it counted) at the pool's mean prompt size.
+  first byte (their uncached sizes are known; of those the snapshot saw, the share it still
+  reports waiting) plus the snapshot's other waiting requests at the pool's mean prompt size.
   ``uncached``: this request's prompt tokens E does not hold
   (``PrefixHoldings``). ``step_s``: one engine step with E's current decode batch: every running
   sequence rides along in every step, so decode work stretches the steps the prefill needs.
@@ -31,7 +31,7 @@ Rules:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from proxy.core.config import RoutingConfig
 from proxy.core.holdings import ApproxHoldings, PrefixHoldings
@@ -42,9 +42,9 @@ from proxy.core.routeview import EngineView, RouteKey, candidates, least_loaded
 _MEAN_WEIGHT = 1.0 / 32
 
 
-@dataclass(frozen=True)
-class Estimate:
-    """One engine's figures for one request, in seconds and tokens."""
+class Estimate(NamedTuple):
+    """One engine's figures for one request, in seconds and tokens (a tuple: one is made per
+    engine per decision, and a frozen dataclass costs several times as much to build)."""
 
     name: str
     wait_s: float  # the work queued ahead of the request
@@ -58,9 +58,18 @@ def decoding(e: EngineView) -> float:
 
 
 def queued_tokens(e: EngineView, mean_prompt: float) -> float:
-    """Prompt tokens ahead of a new request at ``e``: known sizes first, the rest estimated."""
+    """Prompt tokens ahead of a new request at ``e``: known sizes first, the rest estimated.
+
+    This proxy's requests sent after the snapshot count whole; of those it already counted, only
+    the share it still reports waiting (the others were admitted, their prefill under way or
+    done, as for a long non-streamed answer); its other waiting requests at the mean prompt.
+    """
+    unseen = e.prefill - e.prefill_seen
+    queued = unseen if unseen > 0.0 else 0.0
+    if e.pending_seen > 0 and e.prefill_seen > 0.0:
+        queued += e.prefill_seen * min(1.0, e.waiting / e.pending_seen)
     unknown = e.waiting - e.pending_seen
-    return (e.prefill if e.prefill > 0.0 else 0.0) + (unknown * mean_prompt if unknown > 0 else 0.0)
+    return queued + (unknown * mean_prompt if unknown > 0 else 0.0)
 
 
 def estimate(e: EngineView, held: float, key: RouteKey, mean_prompt: float,
