@@ -29,6 +29,8 @@ python -m bench.routing             # routing benchmark (full run; --quick for a
 python -m bench.routing --repeat 3 --no-report --out bench/results/noise --routers \
   kvproxy/round_robin,kvproxy/prefix_affinity,sglang-router/cache_aware,vllm-router/cache_aware
                                     # the same, repeated: run-to-run noise (about 30 min)
+python -m bench.routing --suite     # routing over six workloads (--quick: under 20 min;
+                                    # --repeat N for rounds)
 python -m bench.overhead            # overhead benchmark (full run; --quick for a few minutes)
 python -m bench.soak all            # soak: proxy memory over 100k requests, 2,000 idle streams
 python -m bench.speculation         # adaptive speculation vs static choices (simulated, ~2 min)
@@ -58,6 +60,20 @@ See `bench/README.md` for every option.
   saturation, where routing matters; the run is then played faster than real time with the
   engines sped up by the same factor, and latencies are reported in engine time. Lengths are
   capped for a two-core machine. Every figure states these settings next to it.
+- **Traffic (routing suite).** Every router over six workloads of different shapes, each
+  replayed like the Mooncake slice above and each at its own load: round-robin's knee, found
+  per workload by the same discrete-event round-robin as `bench.calibrate` (the load, found to
+  within 5 %, at which round-robin's TTFT p90 reaches 2.5x its value at a light load). The workloads
+  (`bench/workloads.py`, generated with fixed seeds): **mooncake**, the Mooncake conversation
+  slice; **rag**, 4 tenants x 2 system prompts (1k-4k tokens) x 32 documents each (1k-12k
+  tokens, Zipf popularity) x short unique questions; **chat**, conversations whose every turn
+  resends a shared system prompt, the whole history and a new message (turns geometric with
+  mean 6, at most 30; hundreds of users mid-conversation); **bursts**, the arrival times of the
+  Azure 2023 code trace (inter-arrival CV above 10) with the rag prefixes; **unique**, prompts
+  that share nothing (routing can only balance load); **longdoc**, 24 documents of 32k-56k
+  tokens, about 1.06 M tokens together, more than one engine's KV cache, each read by 4 users.
+  Each table compares every figure with the best peer's (the peer policy with the lowest TTFT
+  p90 on that workload), and the hit rate with the oracle's.
 - **Traffic (overhead).** Closed-loop streams at several concurrencies; the engines called
   directly and through each router, in short slices that alternate within one run so that
   drifts of the machine affect every path alike.
@@ -113,9 +129,17 @@ def _section(text: str, heading: str) -> str:
     return body.strip()
 
 
+def suite_summary(suite: str, prefix: str) -> str:
+    """The suite report's provenance, settings and summary; the per-workload tables stay in
+    ``suite.md``, linked."""
+    head, _, _ = suite.partition("\n## Workload ")
+    link = f"Per-workload tables: [suite.md]({prefix}suite.md)."
+    return _shift(head, prefix).rstrip() + "\n\n" + link
+
+
 def benchmarks_doc(routing: str | None, overhead: str | None, results: Path, docs: Path,
                    generated_at: str, plots_missing: str | None, soak: str | None = None,
-                   speculation: str | None = None) -> str:
+                   speculation: str | None = None, suite: str | None = None) -> str:
     prefix = os.path.relpath(results, docs.parent).replace(os.sep, "/") + "/"
     parts = [INTRO, f"## Current figures\n\nGenerated {generated_at}.", "### Targets at a glance"]
     glance = [_section(text, "## Targets") for text in (routing, overhead) if text]
@@ -124,6 +148,9 @@ def benchmarks_doc(routing: str | None, overhead: str | None, results: Path, doc
         parts.append(f"No PNGs: {plots_missing}.")
     parts.append(_shift(routing, prefix) if routing else
                  "### Routing benchmark\n\nNo results yet: run `python -m bench.routing`.")
+    parts.append(suite_summary(suite, prefix) if suite else
+                 "### Routing workload suite\n\nNo results yet: run "
+                 "`python -m bench.routing --suite`.")
     parts.append(_shift(overhead, prefix) if overhead else
                  "### Overhead benchmark\n\nNo results yet: run `python -m bench.overhead`.")
     parts.append(_shift(soak, prefix) if soak else

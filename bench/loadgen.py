@@ -8,7 +8,7 @@ Rules:
   or not earlier ones finished; lateness of the sender itself is recorded (``max_lag_s``).
 - The serving engine comes from a response header when the endpoint sets one (``X-Engine`` from
   kvproxy, ``X-Engine-Id`` from a simulated engine, LiteLLM's ``llm_provider-`` copy of it).
-- Nothing here retries: a failure is a result.
+- Nothing here retries: a failure is a result (``bench.clients`` retries refusals as SDKs do).
 """
 
 from __future__ import annotations
@@ -63,6 +63,17 @@ def request_body(endpoint: Endpoint, prompt: str, max_tokens: int, **extra: obje
         body["prompt"] = prompt
     body.update(extra)
     return orjson.dumps(body)
+
+
+def parse_retry_after(value: str | None) -> float | None:
+    """``Retry-After`` in seconds; None when absent or not a number (an HTTP date is not sent by
+    kvproxy, and the SDKs fall back to their backoff for anything they cannot read)."""
+    if value is None:
+        return None
+    try:
+        return float(value.strip())
+    except ValueError:
+        return None
 
 
 def _engine_of(headers: Mapping[str, str]) -> str | None:
@@ -140,6 +151,7 @@ async def send_one(
                 rec.status = resp.status
                 rec.engine = _engine_of(resp.headers)
                 if resp.status != 200:
+                    rec.retry_after_s = parse_retry_after(resp.headers.get("Retry-After"))
                     rec.error = (await resp.text())[:300]
                 else:
                     async for data in resp.content.iter_any():

@@ -21,9 +21,19 @@ Rules:
   engine process and a fresh proxy: ``guard``
   (default config), ``threshold`` (``pressure.enabled = false``: today's KV thresholds only) and
   ``none`` (guard off, thresholds above any usage: no shedding at all).
+- Clients: every arm's clients retry a refused request (503, 429) as the OpenAI SDKs do
+  (``bench.clients``): at most ``--client-retries`` times (default 2, the SDKs' default), after
+  its ``Retry-After``; a request still refused after its retries is lost. ``--client-retries 0``
+  is the open loop of earlier runs, where every refusal is lost.
+- Objectives, fixed before any run with them and the same for every arm (``bench.slo``): TTFT at
+  most 1 s for critical, 5 s for standard, 20 s for sheddable requests, counted from the client's
+  first send (waits before retries included), and TPOT at most 100 ms; all wall-clock at the
+  client, as every latency of this benchmark. ``--slo-ttft-s`` and ``--slo-tpot-ms`` change them.
 - Figures: preemptions from the engines' own ``vllm:num_preemptions_total``; TTFT per class of
-  completed requests; goodput = output tokens of completed requests per second of the arm's span
-  (first send to last answer); requests shed (503) and failed per class.
+  completed requests; raw throughput = output tokens of completed requests per second of the arm's
+  span (first send to last answer); goodput = output tokens of the requests that met their
+  objectives per second of the same span; per class: completed, within objectives, retried, lost
+  to shedding (503 after the retries) and failed.
 """
 
 from __future__ import annotations
@@ -33,18 +43,21 @@ import asyncio
 import random
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import orjson
 
 from bench import machine
+from bench.clients import send_retrying
 from bench.fleet import Fleet, FleetSpec
-from bench.loadgen import Endpoint, make_session, request_body, run_async, send_one
+from bench.loadgen import Endpoint, make_session, request_body, run_async
 from bench.procs import Managed, free_port
 from bench.prompts import random_tokens
 from bench.report import RESULTS
+from bench.slo import Objectives, meets
 from bench.stats import RequestRecord, percentile
+from proxy.core.config import PressureConfig
 
 CLASSES = ("critical", "standard", "sheddable")
 ARMS: dict[str, list[str]] = {
@@ -85,6 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="caps the clients send, one drawn per request ('none': omitted)")
     p.add_argument("--exact-max-tokens", action="store_true",
                    help="send each answer's exact length as max_tokens (a perfect forecast)")
+    p.add_argument("--client-retries", type=int, default=2,
+                   help="retries of a refused request, after its Retry-After (0: none)")
+    p.add_argument("--slo-ttft-s", default="1,5,20",
+                   help="TTFT objectives of critical,standard,sheddable requests (seconds)")
+    p.add_argument("--slo-tpot-ms", type=float, default=100.0, help="TPOT objective (ms)")
     p.add_argument("--repeat", type=int, default=1, help="rounds of all arms, interleaved")
     p.add_argument("--timeout-s", type=float, default=120.0)
     p.add_argument("--seed", type=int, default=7)
@@ -117,6 +135,13 @@ def schedule(args: argparse.Namespace) -> list[Arrival]:
         out.append(Arrival(t, cls, prompt, length, cap, forced=args.exact_max_tokens))
 
 
+def guard_marks() -> dict[str, object]:
+    """The guard arm's committed-KV marks (the proxy's defaults), recorded with the results."""
+    cfg = PressureConfig()
+    return {"committed_sheddable": asdict(cfg.committed_sheddable),
+            "committed_standard": asdict(cfg.committed_standard)}
+
+
 def proxy_toml(arm: str, urls: list[str], model: str, port: int) -> str:
     lines = ["[server]", 'host = "127.0.0.1"', f"port = {port}", ""]
     lines += ARMS[arm]
@@ -126,8 +151,16 @@ def proxy_toml(arm: str, urls: list[str], model: str, port: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-async def drive(url: str, model: str, arrivals: list[Arrival],
-                timeout_s: float) -> tuple[list[tuple[str, RequestRecord]], float]:
+def objectives(args: argparse.Namespace) -> Objectives:
+    bounds = [float(x) for x in args.slo_ttft_s.split(",")]
+    if len(bounds) != len(CLASSES):
+        raise SystemExit("--slo-ttft-s takes one bound per class: critical,standard,sheddable")
+    return Objectives(ttft_s=dict(zip(CLASSES, bounds, strict=True)),
+                      tpot_s=args.slo_tpot_ms / 1000.0)
+
+
+async def drive(url: str, model: str, arrivals: list[Arrival], args: argparse.Namespace,
+                ) -> tuple[list[tuple[str, RequestRecord]], float]:
     endpoint = Endpoint(name="kvproxy", base_url=url, model=model)
     async with make_session() as session:
         start = time.perf_counter()
@@ -135,8 +168,9 @@ async def drive(url: str, model: str, arrivals: list[Arrival],
         async def one(i: int, a: Arrival) -> tuple[str, RequestRecord]:
             await asyncio.sleep(max(0.0, start + a.at - time.perf_counter()))
             body = client_body(endpoint, a)
-            rec = await send_one(session, endpoint, body, index=i, run_start=start,
-                                 timeout_s=timeout_s, headers={"X-Priority": a.cls})
+            rec = await send_retrying(session, endpoint, body, index=i, run_start=start,
+                                      max_retries=args.client_retries, seed=args.seed,
+                                      timeout_s=args.timeout_s, headers={"X-Priority": a.cls})
             return a.cls, rec
 
         done = await asyncio.gather(*(one(i, a) for i, a in enumerate(arrivals)))
@@ -169,35 +203,47 @@ def run_arm(arm: str, spec: FleetSpec, arrivals: list[Arrival], args: argparse.N
                                            str(cfg)], work / arm / "kvproxy.log").start()
         proxy.wait_http(f"http://127.0.0.1:{port}/ready")
         time.sleep(1.0)  # a few scrapes, so that every engine is fresh
-        done, span = run_async(drive(f"http://127.0.0.1:{port}", spec.model, arrivals,
-                                     args.timeout_s))
+        done, span = run_async(drive(f"http://127.0.0.1:{port}", spec.model, arrivals, args))
         counters = fleet.scrape()
     finally:
         if proxy is not None:
             proxy.stop()
         fleet.stop()
     preemptions = sum(c.get("vllm:num_preemptions_total", 0.0) for c in counters.values())
-    return summarize_arm(done, span, preemptions)
+    return summarize_arm(done, span, preemptions, objectives(args))
 
 
-def summarize_arm(done: list[tuple[str, RequestRecord]], span: float,
-                  preemptions: float) -> dict[str, object]:
-    per_class: dict[str, dict[str, float]] = {}
-    for cls in CLASSES:
-        recs = [r for c, r in done if c == cls]
-        ok = [r for r in recs if r.ok]
-        ttft = [r.ttft for r in ok if r.ttft is not None]
-        per_class[cls] = {
-            "sent": len(recs), "completed": len(ok),
-            "shed": sum(1 for r in recs if r.status == 503),
-            "failed": sum(1 for r in recs if not r.ok and r.status != 503),
-            "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
-            "output_tokens": sum(r.output_tokens for r in ok),
-        }
-    tokens = sum(v["output_tokens"] for v in per_class.values())
-    completed = sum(v["completed"] for v in per_class.values())
-    return {"preemptions": preemptions, "span_s": span, "completed": completed,
-            "goodput_tokens_per_s": tokens / span if span > 0 else 0.0, "classes": per_class}
+def summarize_arm(done: list[tuple[str, RequestRecord]], span: float, preemptions: float,
+                  slo: Objectives) -> dict[str, object]:
+    per_class = {cls: summarize_class([r for c, r in done if c == cls], cls, slo)
+                 for cls in CLASSES}
+
+    def total(key: str) -> float:
+        return sum(v[key] for v in per_class.values())
+
+    def rate(tokens: float) -> float:
+        return tokens / span if span > 0 else 0.0
+
+    return {"preemptions": preemptions, "span_s": span, "completed": total("completed"),
+            "within_slo": total("within_slo"),
+            "throughput_tokens_per_s": rate(total("output_tokens")),
+            "goodput_tokens_per_s": rate(total("good_tokens")), "classes": per_class}
+
+
+def summarize_class(recs: list[RequestRecord], cls: str, slo: Objectives) -> dict[str, float]:
+    ok = [r for r in recs if r.ok]
+    good = [r for r in ok if meets(r, cls, slo)]
+    ttft = [r.ttft for r in ok if r.ttft is not None]
+    return {
+        "sent": len(recs), "completed": len(ok), "within_slo": len(good),
+        "retried": sum(1 for r in recs if r.retries > 0),
+        "retries": sum(r.retries for r in recs),
+        "shed": sum(1 for r in recs if r.status == 503),  # lost: still refused after retries
+        "failed": sum(1 for r in recs if not r.ok and r.status != 503),
+        "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
+        "output_tokens": sum(r.output_tokens for r in ok),
+        "good_tokens": sum(r.output_tokens for r in good),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -214,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
         "versions": machine.own_versions(),
         "settings": {"fleet": spec.settings(), **{k: v for k, v in vars(args).items()
                                                   if k not in ("out", "no_report")},
-                     "requests": len(arrivals), "scheduling_policy": "fcfs"},
+                     "requests": len(arrivals), "scheduling_policy": "fcfs",
+                     "objectives": objectives(args).as_dict(), "guard": guard_marks()},
         "rounds": [],
     }
     work = args.out / "raw" / "overcommit"

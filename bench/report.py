@@ -26,6 +26,7 @@ from bench.report_overhead import overhead_markdown, overhead_ratios
 from bench.report_routing import calibration_markdown, routing_markdown
 from bench.report_soak import soak_markdown
 from bench.report_speculation import render as speculation_markdown
+from bench.report_suite import suite_markdown
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
@@ -82,6 +83,15 @@ def write_speculation(results: Path) -> str | None:
     return text
 
 
+def write_suite(results: Path) -> str | None:
+    path = results / "suite.json"
+    if not path.exists():
+        return None
+    text = suite_markdown(read_json(path))
+    (results / "suite.md").write_text(text)
+    return text
+
+
 def _figure(draw: object, path: Path) -> str | None:
     if plots.available() is not None:
         return None
@@ -105,10 +115,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     routing = write_routing(args.results)
     overhead = write_overhead(args.results)
     soak = write_soak(args.results)
+    suite = write_suite(args.results)
     speculation = write_speculation(args.results)
     args.docs.parent.mkdir(parents=True, exist_ok=True)
     page = benchmarks_doc(routing, overhead, args.results, args.docs, now_utc(),
-                          plots.available(), soak=soak, speculation=speculation)
+                          plots.available(), soak=soak, speculation=speculation,
+                          suite=suite)
     overcommit = write_overcommit(args.results)
     if overcommit is not None:
         page += "\n" + "\n".join("##" + ln if ln.startswith("#") else ln

@@ -3,30 +3,35 @@
 Rules: every number comes from the results file; the verdicts against the targets are computed
 (guard vs ``threshold``, per round: at least 5x fewer preemptions, critical p99 TTFT at most 0.7x,
 goodput at least equal), never typed in. A goal is met only when it is met in every round; the
-median and each round's ratio are shown.
+median and each round's ratio are shown. Goodput is the SLO-bound figure (``bench.slo``); raw
+throughput is shown beside it with its own ratio, so that nothing is hidden. Notes written by a
+person about a run live in ``overcommit-notes.md`` next to the results and are included verbatim,
+under a heading that says so.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from bench.machine import read_json
 from bench.markdown import fmt, ms, num, stamp, table
 
+CLASSES = ("critical", "standard", "sheddable")
+NOTES = "overcommit-notes.md"
+
 READING = (
     "Reading the figures: an engine admits a request on its prompt's KV blocks and takes the "
     "blocks of its answer while it decodes, so a burst admitted at low usage fills the cache only "
-    "later. The guard counts what the proxy has committed to each engine (prompts not yet "
-    "computed, expected output still to come, the output length learned from the pool's "
-    "answers) and stops sending sheddable work where that commitment reaches the sheddable "
-    "threshold, standard work at the standard threshold. The engines then stop running out of "
-    "KV, and critical requests stop queueing behind recomputed ones. The cost is throughput: "
-    "the guard keeps each engine's peak KV at the class thresholds (0.85 / 0.95 by default, "
-    "the headroom kept for the classes that are never shed), where KV thresholds alone let it "
-    "run full and preempt; decoding throughput grows with the batch, so the guard completes "
-    "fewer sheddable and standard tokens in this open-loop run, where a shed request is never "
-    "retried."
+    "later. KV thresholds alone look at usage *now* and let an engine run full and preempt: "
+    "preempted requests are recomputed, and everyone behind them in the FCFS queue waits. The "
+    "guard counts what the proxy has committed to each engine (prompts not yet computed, expected "
+    "output still to come, the output length learned from the pool's answers) and stops sending "
+    "sheddable work where that forecast of the engine's peak reaches the sheddable mark for "
+    "committed KV, standard work at the standard mark; critical work is never closed. Work it "
+    "defers is refused with `Retry-After`, and the clients come back for it, bounded as real "
+    "clients are."
 )
 
 ARM_TEXT = {
@@ -34,6 +39,8 @@ ARM_TEXT = {
     "threshold": "KV thresholds only (`pressure.enabled = false`)",
     "none": "no admission control (guard off, thresholds above 1)",
 }
+
+Arms = Mapping[str, Mapping[str, object]]
 
 
 def _cls(arm: Mapping[str, object], cls: str) -> Mapping[str, object]:
@@ -44,30 +51,61 @@ def _cls(arm: Mapping[str, object], cls: str) -> Mapping[str, object]:
     return found
 
 
-def _rows(arms: Mapping[str, Mapping[str, object]]) -> list[list[object]]:
+def _throughput(arm: Mapping[str, object]) -> float:
+    """Completed output tokens/s; results from before goodput was SLO-bound called it goodput."""
+    raw = arm.get("throughput_tokens_per_s")
+    return num(raw if raw is not None else arm.get("goodput_tokens_per_s"))
+
+
+def _goodput(arm: Mapping[str, object]) -> float:
+    """Output tokens/s of requests within their objectives (NaN in results without them)."""
+    return num(arm.get("goodput_tokens_per_s")) if "throughput_tokens_per_s" in arm else math.nan
+
+
+def _classes_of(arm: Mapping[str, object], key: str) -> str:
+    return " / ".join(fmt(_cls(arm, c).get(key)) for c in CLASSES)
+
+
+def _rows(arms: Arms) -> list[list[object]]:
     rows: list[list[object]] = []
     for name, arm in arms.items():
         crit = _cls(arm, "critical")
-        shed = " / ".join(str(_cls(arm, c)["shed"]) for c in ("critical", "standard", "sheddable"))
-        failed = sum(int(num(_cls(arm, c)["failed"])) for c in ("critical", "standard",
-                                                                  "sheddable"))
+        failed = sum(int(num(_cls(arm, c)["failed"])) for c in CLASSES)
         rows.append([ARM_TEXT.get(name, name), f"{num(arm['preemptions']):.0f}",
                      f"{ms(crit['ttft_p50_s']):.0f}", f"{ms(crit['ttft_p99_s']):.0f}",
-                     f"{num(arm['goodput_tokens_per_s']):.0f}", str(arm["completed"]), shed,
-                     str(failed)])
+                     f"{_goodput(arm):.0f}", f"{_throughput(arm):.0f}", fmt(arm["completed"]),
+                     fmt(arm.get("within_slo")), _classes_of(arm, "shed"), str(failed)])
     return rows
 
 
-def _ratios(arms: Mapping[str, Mapping[str, object]]) -> tuple[float, float, float] | None:
-    """(preemptions threshold/guard, critical p99 guard/threshold, goodput guard/threshold)."""
+def _class_rows(arms: Arms) -> list[list[object]]:
+    rows: list[list[object]] = []
+    for name, arm in arms.items():
+        for cls in CLASSES:
+            c = _cls(arm, cls)
+            rows.append([name, cls, fmt(c["sent"]), fmt(c["completed"]), fmt(c.get("within_slo")),
+                         f"{fmt(c.get('retried'))} ({fmt(c.get('retries'))})", fmt(c["shed"]),
+                         fmt(c["failed"]), f"{ms(c['ttft_p50_s']):.0f}",
+                         f"{ms(c['ttft_p99_s']):.0f}"])
+    return rows
+
+
+def _ratio(value: float, base: float) -> float:
+    if base > 0:
+        return value / base
+    return float("inf") if value > 0 else 1.0
+
+
+def _ratios(arms: Arms) -> tuple[float, float, float, float] | None:
+    """(preemptions threshold/guard, critical p99 guard/threshold, goodput and raw throughput
+    guard/threshold)."""
     guard, base = arms.get("guard"), arms.get("threshold")
     if guard is None or base is None:
         return None
-    pre_g, pre_b = num(guard["preemptions"]), num(base["preemptions"])
-    fewer = pre_b / pre_g if pre_g > 0 else float("inf") if pre_b > 0 else 1.0
+    fewer = _ratio(num(base["preemptions"]), num(guard["preemptions"]))
     p99 = ms(_cls(guard, "critical")["ttft_p99_s"]) / ms(_cls(base, "critical")["ttft_p99_s"])
-    good = num(guard["goodput_tokens_per_s"]) / num(base["goodput_tokens_per_s"])
-    return fewer, p99, good
+    return (fewer, p99, _goodput(guard) / _goodput(base),
+            _throughput(guard) / _throughput(base))
 
 
 def _show(value: float, digits: int) -> str:
@@ -75,32 +113,48 @@ def _show(value: float, digits: int) -> str:
 
 
 def _spread(values: list[float], digits: int, unit: str = "") -> str:
-    fmt = _show  # a guard round without preemptions is an infinite ratio
     ordered = sorted(values)
     mid = ordered[len(ordered) // 2]
-    each = ", ".join(f"{fmt(v, digits)}{unit}" for v in values)
-    return f"{fmt(mid, digits)}{unit} (rounds: {each})" if len(values) > 1 \
-        else f"{fmt(mid, digits)}{unit}"
+    each = ", ".join(f"{_show(v, digits)}{unit}" for v in values)
+    return f"{_show(mid, digits)}{unit} (rounds: {each})" if len(values) > 1 \
+        else f"{_show(mid, digits)}{unit}"
 
 
-def _targets(rounds: list[Mapping[str, Mapping[str, object]]]) -> str:
+Goal = tuple[str, str, Callable[[float], bool], int, str]
+GOALS: list[Goal] = [
+    ("preemptions, threshold-only / guard", ">= 5x", lambda v: v >= 5, 1, "x"),
+    ("critical p99 TTFT, guard / threshold-only", "<= 0.7", lambda v: v <= 0.7, 2, ""),
+    ("goodput (tokens/s within objectives), guard / threshold-only", ">= 1.0",
+     lambda v: v >= 1.0, 2, ""),
+    ("raw throughput (completed tokens/s), guard / threshold-only", "shown beside goodput",
+     lambda v: v >= 1.0, 2, ""),
+]
+
+
+def _verdict(values: list[float], met: Callable[[float], bool]) -> str:
+    if any(math.isnan(v) for v in values):
+        return "not measured"
+    hits = sum(1 for v in values if met(v))
+    if hits == len(values):
+        return "met"
+    return "not met" if hits == 0 else f"met in {hits} of {len(values)} rounds"
+
+
+def _targets(rounds: list[Arms]) -> str:
     ratios = [r for r in (_ratios(arms) for arms in rounds) if r is not None]
     if not ratios:
         return "Targets need both the `guard` and the `threshold` arms."
-    goals = [("preemptions, threshold-only / guard", ">= 5x", lambda v: v >= 5, 1, "x"),
-             ("critical p99 TTFT, guard / threshold-only", "<= 0.7", lambda v: v <= 0.7, 2, ""),
-             ("goodput (tokens/s), guard / threshold-only", ">= 1.0", lambda v: v >= 1.0, 2, "")]
     rows = []
-    for i, (name, goal, met, digits, unit) in enumerate(goals):
+    for i, (name, goal, met, digits, unit) in enumerate(GOALS):
         values = [r[i] for r in ratios]
-        hits = sum(1 for v in values if met(v))
-        verdict = "met" if hits == len(values) else "not met" if hits == 0 else \
-            f"met in {hits} of {len(values)} rounds"
+        verdict = _verdict(values, met)
+        if i == len(GOALS) - 1:  # not a goal of its own
+            verdict = f"(>= 1.0: {verdict})"
         rows.append([name, goal, _spread(values, digits, unit), verdict])
     return table(["target", "goal", "median (each round)", "verdict"], rows)
 
 
-def _rounds(data: Mapping[str, object]) -> list[Mapping[str, Mapping[str, object]]]:
+def _rounds(data: Mapping[str, object]) -> list[Arms]:
     rounds = data.get("rounds")
     if isinstance(rounds, list):
         return rounds
@@ -109,22 +163,54 @@ def _rounds(data: Mapping[str, object]) -> list[Mapping[str, Mapping[str, object
     return [arms]
 
 
-def overcommit_markdown(data: Mapping[str, object]) -> str:
+def _method(settings: Mapping[str, object]) -> str:
+    slo = settings.get("objectives")
+    retries = settings.get("client_retries")
+    if not isinstance(slo, dict):
+        return ("Clients did not retry and goodput was not bound by latency objectives in this "
+                "run: its goodput is completed output tokens/s.")
+    ttft = slo.get("ttft_s", {})
+    bounds = ", ".join(f"{c} {fmt(num(ttft.get(c)), 1)} s" for c in CLASSES)
+    return (
+        f"Clients retry a refused request (503, 429) at most {retries} times, after its "
+        "`Retry-After`, as the OpenAI SDKs do; a request still refused then is lost. Latency "
+        f"objectives, the same for every arm and fixed before the run: TTFT at most {bounds}, "
+        "counted from the client's first send (waits before retries included), and TPOT (mean "
+        f"time per output token after the first) at most {ms(slo.get('tpot_s')):.0f} ms. "
+        "Goodput = output tokens/s of the requests that completed within their objectives "
+        "(DistServe's definition); raw throughput = output tokens/s of every completed request; "
+        "both over the arm's span, first send to last answer."
+    )
+
+
+def overcommit_markdown(data: Mapping[str, object], notes: str | None = None) -> str:
     rounds = _rounds(data)
     settings = data.get("settings", {})
+    assert isinstance(settings, dict)
     header = ["round", "arm", "engine preemptions", "critical TTFT p50 (ms)",
-              "critical TTFT p99 (ms)", "goodput (output tokens/s)", "completed requests",
-              "shed critical / standard / sheddable", "failed"]
+              "critical TTFT p99 (ms)", "goodput (tokens/s within objectives)",
+              "raw throughput (completed tokens/s)", "completed requests",
+              "within objectives", "lost to shedding critical / standard / sheddable", "failed"]
     rows = [[str(n + 1), *row] for n, arms in enumerate(rounds) for row in _rows(arms)]
-    return "\n".join([
+    class_header = ["arm", "class", "sent", "completed", "within objectives",
+                    "retried requests (retries)", "lost to shedding", "failed", "TTFT p50 (ms)",
+                    "TTFT p99 (ms)"]
+    per_class = [f"Round {n + 1}:\n\n{table(class_header, _class_rows(arms))}"
+                 for n, arms in enumerate(rounds)]
+    parts = [
         "# Overcommit benchmark", "", stamp(data), f"- settings: `{settings}`", "",
+        _method(settings), "",
         "## Targets", "", _targets(rounds), "", "## Figures", "", table(header, rows), "",
         "Same seeded arrival schedule for every arm and round; arms interleaved within each round, "
         "each on a fresh engine process and a fresh proxy. Latencies are wall-clock at the client "
         f"(the engines run {num(_fleet(settings).get('time_scale')):g}x faster than the modelled "
         "GPU).", "",
+        "## Per class", "", *"\n\n".join(per_class).split("\n"), "",
         READING, "",
-    ])
+    ]
+    if notes:
+        parts += ["## Notes on this run (written by hand)", "", notes.strip(), ""]
+    return "\n".join(parts)
 
 
 def _fleet(settings: object) -> Mapping[str, object]:
@@ -136,6 +222,7 @@ def write_overcommit(results: Path) -> str | None:
     path = results / "overcommit.json"
     if not path.exists():
         return None
-    text = overcommit_markdown(read_json(path))
+    notes = results / NOTES
+    text = overcommit_markdown(read_json(path), notes.read_text() if notes.exists() else None)
     (results / "overcommit.md").write_text(text)
     return text

@@ -81,6 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the router list this many times, one round after another (noise)")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--no-report", action="store_true")
+    p.add_argument("--suite", action="store_true", help="the workload suite (bench.suite): every "
+                   "router over every workload, each at round-robin's knee; --trace, --start-s, "
+                   "--duration-s, --rate-scale and --max-input-tokens do not apply")
+    p.add_argument("--workloads", default=None,
+                   help="with --suite: a comma list of bench.workloads names (default: all)")
     return p
 
 
@@ -150,8 +155,17 @@ def result_skeleton(plan: Plan) -> dict[str, object]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.suite:
+        from bench import suite  # noqa: PLC0415 - bench.suite imports this module
+
+        try:
+            routers, workloads = suite.resolve(args)
+        except ValueError as exc:  # an unknown router or workload name
+            parser.error(str(exc))
+        return suite.main(args, routers, workloads)
     try:
-        plan = make_plan(parser.parse_args(argv))
+        plan = make_plan(args)
     except ValueError as exc:  # an unknown router name, a bad trace
         parser.error(str(exc))
     out: Path = plan.args.out
@@ -166,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         for router in plan.routers:
             print(f"== {router.name} (round {rnd + 1})", flush=True)
             runs.append({**run_one(router, plan, mapper), "round": rnd})
-            _print_run(runs[-1])
+            print_run(runs[-1])
             machine.write_json(out / "routing.json", result)  # partial results survive a crash
     result["finished_at"] = machine.now_utc()
     machine.write_json(out / "routing.json", result)
@@ -191,7 +205,8 @@ class Measured:
     load: dict[str, float]
 
 
-def run_one(router: Router, plan: Plan, mapper: PromptMapper) -> dict[str, object]:
+def run_one(router: Router, plan: Plan, mapper: PromptMapper,
+            label: str = "") -> dict[str, object]:
     run: dict[str, object] = {"router": router.name, "version": router.version()}
     reason = router.unavailable()
     if reason:
@@ -203,7 +218,7 @@ def run_one(router: Router, plan: Plan, mapper: PromptMapper) -> dict[str, objec
         run.update(status="error", error=f"{type(exc).__name__}: {exc}"[:2000])
         traceback.print_exc()
         return run
-    raw = plan.args.out / "raw" / f"routing-{router.name.replace('/', '-')}.jsonl"
+    raw = plan.args.out / "raw" / f"routing-{label}{router.name.replace('/', '-')}.jsonl"
     _write_raw(raw, measured.result.records)
     run.update(status="ok", **summarise(measured, plan.time_scale))
     return run
@@ -294,7 +309,7 @@ def _write_raw(path: Path, records: Sequence[RequestRecord]) -> None:
             fh.write(orjson.dumps(asdict(r)) + b"\n")
 
 
-def _print_run(run: dict[str, object]) -> None:
+def print_run(run: dict[str, object]) -> None:
     if run.get("status") != "ok":
         print(f"   {run.get('status')}: {run.get('error')}", flush=True)
         return

@@ -33,6 +33,8 @@ class RequestRecord:
     output_tokens: int = 0  # usage.completion_tokens when reported, else token events
     engine: str | None = None  # serving engine, from a response header when there is one
     error: str | None = None  # transport or stream error; None when the stream completed
+    retry_after_s: float | None = None  # a refusal's ``Retry-After``, in seconds
+    retries: int = 0  # refusals retried before this record's attempt (``bench.clients``)
 
     @property
     def ok(self) -> bool:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from collections.abc import Set as AbstractSet
@@ -22,7 +23,22 @@ from datetime import datetime
 from pathlib import Path
 
 MOONCAKE_BLOCK_TOKENS = 512
-TRACE_DIR = Path(__file__).resolve().parent.parent.parent / "shared" / "traces"
+
+
+def _find_trace_dir() -> Path:
+    """``$KVPROXY_TRACE_DIR``, else the nearest ``shared/traces`` above the repository (a git
+    worktree may sit deeper than the main checkout)."""
+    env = os.environ.get("KVPROXY_TRACE_DIR")
+    if env:
+        return Path(env)
+    repo = Path(__file__).resolve().parent.parent
+    for parent in repo.parents:
+        if (parent / "shared" / "traces").is_dir():
+            return parent / "shared" / "traces"
+    return repo.parent / "shared" / "traces"
+
+
+TRACE_DIR = _find_trace_dir()
 
 
 @dataclass(frozen=True)

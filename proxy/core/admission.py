@@ -18,7 +18,8 @@ Rules:
   ``kv_committed``; the caller may degrade it to the draft pool as for ``kv_pressure``.
 - Commitments: an engine is also closed to a sheddable or standard request that would itself take
   the engine's committed KV (reported usage plus what the proxy's in-flight requests still owe) to
-  the class's ``shed_above`` (``need_tokens``: its prompt plus its expected output).
+  the class's committed mark (``pressure.committed_sheddable`` / ``committed_standard``
+  ``shed_above``; ``need_tokens``: its prompt plus its expected output).
 - Pure: no clock, no I/O. The only state is the per-(pool, class) shedding flag.
 """
 
@@ -28,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-from proxy.core.config import AdmissionConfig, ClassThreshold
+from proxy.core.config import AdmissionConfig, ClassThreshold, PressureConfig
 from proxy.core.errors import BadRequest
 from proxy.core.pressure import (
     REASON_COMMITTED,
@@ -123,8 +124,11 @@ Decision = Admit | Shed
 class Admission:
     """Admission decisions with hysteresis state per (pool, class)."""
 
-    def __init__(self, cfg: AdmissionConfig) -> None:
+    def __init__(self, cfg: AdmissionConfig, pressure: PressureConfig | None = None) -> None:
         self.cfg = cfg
+        marks = pressure if pressure is not None else PressureConfig()
+        self._committed_above = {Priority.SHEDDABLE: marks.committed_sheddable.shed_above,
+                                 Priority.STANDARD: marks.committed_standard.shed_above}
         self._shedding: dict[tuple[str, Priority], bool] = {}
 
     def threshold(self, cls: Priority) -> ClassThreshold:
@@ -138,13 +142,14 @@ class Admission:
 
     def closed(self, engine: EngineView, cls: Priority, need_tokens: float = 0.0) -> bool:
         """Whether ``engine`` takes no ``cls`` request needing ``need_tokens`` of KV: closed by the
-        guard, or the request would take its committed KV to the class's threshold."""
+        guard, or the request would take its committed KV to the class's committed mark."""
         p = engine.pressure
         if closed_to(p, cls):
             return True
         if cls is Priority.CRITICAL or p.committed_kv is None or not p.capacity_tokens:
             return False
-        return p.committed_kv + need_tokens / p.capacity_tokens >= self.threshold(cls).shed_above
+        mark = self._committed_above[cls]
+        return p.committed_kv + need_tokens / p.capacity_tokens >= mark
 
     def decide(self, pool: str, cls: Priority, engines: Sequence[EngineView],
                need_tokens: float = 0.0) -> Decision:

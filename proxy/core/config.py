@@ -188,6 +188,14 @@ class PressureConfig:
     output_window: int = 256
     output_min_samples: int = 16
     prior_output_tokens: int = 512
+    # Marks for committed KV (a forecast of the engine's peak, ``proxy.commitment``), a fraction of
+    # its capacity. Standard work is committed up to the capacity itself: the forecast counts no
+    # block freed before the peak by a request that ends first, so it stands above the peak the
+    # engine reaches, and what those requests free is the room left to critical work, never
+    # closed. Sheddable work stops a tenth of the capacity earlier: room kept for a burst of
+    # standard and critical requests while the sheddable ones already sent run to their end.
+    committed_sheddable: ClassThreshold = ClassThreshold(0.90, 0.85)
+    committed_standard: ClassThreshold = ClassThreshold(1.00, 0.95)
 
     def __post_init__(self) -> None:
         _require(self.horizon_scrapes >= 0, "horizon_scrapes", "must be >= 0")
@@ -200,6 +208,9 @@ class PressureConfig:
         _require(1 <= self.output_min_samples <= self.output_window, "output_min_samples",
                  "must be in 1..pressure.output_window")
         _require(self.prior_output_tokens >= 1, "prior_output_tokens", "must be >= 1")
+        _require(self.committed_sheddable.shed_above <= self.committed_standard.shed_above,
+                 "committed_sheddable", "must close no later than committed_standard "
+                 "(shed_above <= pressure.committed_standard.shed_above)")
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,11 @@ Rules:
   ``admit_below``; a preemption closing lasts ``hold_scrapes`` intervals after the last preemption.
 - Commitments (``proxy.core.commitment``): the engine's reported usage plus the KV its requests in
   flight from this proxy will still take (``commit``, judged again on every dispatch, not only per
-  snapshot). A class closes when that committed usage reaches the class's ``shed_above``, reason
-  ``kv_committed``, and opens again below ``admit_below``. None (capacity unknown): no such signal.
+  snapshot): a forecast of the engine's peak, not its usage now, so it has marks of its own
+  (``committed_sheddable``, ``committed_standard`` of the config), near the capacity rather than
+  at the usage thresholds. A class closes when committed usage reaches its committed mark's
+  ``shed_above``, reason ``kv_committed``, and opens again below that mark's ``admit_below``.
+  None (capacity unknown): no such signal.
 - Stale: when the last snapshot is older than ``stale_after_s`` the engine's own level is OPEN;
   stale figures never count as pressure.
 - Remote levels (another proxy replica's, through Redis) merge by maximum until they expire.
@@ -110,6 +113,8 @@ class PressureTracker:
     ) -> None:
         self.cfg = cfg
         self._limits = {Level.SHEDDABLE: sheddable, Level.STANDARD: standard}
+        self._committed_limits = {Level.SHEDDABLE: cfg.committed_sheddable,
+                                  Level.STANDARD: cfg.committed_standard}
         self._interval_s = interval_s
         self._stale_after_s = stale_after_s
         self._samples: deque[_Sample] = deque(maxlen=max(2, 4 * cfg.window_scrapes))
@@ -166,7 +171,7 @@ class PressureTracker:
             self._commit_closed = {Level.SHEDDABLE: False, Level.STANDARD: False}
             return
         self._committed = (committed_kv, capacity_tokens)
-        for level, limits in self._limits.items():
+        for level, limits in self._committed_limits.items():
             if committed_kv >= limits.shed_above:
                 self._commit_closed[level] = True
             elif committed_kv < limits.admit_below:

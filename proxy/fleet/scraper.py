@@ -31,6 +31,7 @@ import aiohttp
 from proxy.core.config import TelemetryConfig
 from proxy.core.telemetry import EngineSnapshot, Health, MetricsError, parse_metrics
 from proxy.fleet.engines import Engine, Fleet
+from proxy.fleet.periodic import stop_if_cancelled
 from proxy.observe.metrics import ProxyMetrics
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,7 @@ class Scraper:
             except Exception:
                 # A bug must not end telemetry for good: every engine would silently go stale.
                 log.exception("telemetry round failed")
+            stop_if_cancelled()
             elapsed = self._clock() - started
             await asyncio.sleep(max(0.0, self._cfg.interval_s - elapsed))
 

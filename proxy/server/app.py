@@ -93,7 +93,7 @@ def _context(
         cfg=cfg,
         fleet=fleet,
         policies=policies,
-        admission=Admission(cfg.admission),
+        admission=Admission(cfg.admission, cfg.pressure),
         metrics=metrics,
         drain=Drain(metrics),
         clock=clock,

@@ -180,7 +180,8 @@ async def test_a_long_output_burst_is_held_back_by_what_it_will_take(
     sheddable = await sending
     admitted = [s for s, _ in sheddable if s == 200]
     shed = [reason for s, reason in sheddable if s == 503]
-    # 0.05 reported + six requests of ~0.127 each = 0.81; a seventh would cross 0.85.
+    # 0.05 reported + six requests of ~0.127 each = 0.81; a seventh would cross sheddable's
+    # committed mark, 0.90.
     assert len(admitted) == 6
     assert shed and set(shed) == {"kv_committed"}
     assert critical == [(200, None)]  # never closed by commitments (7 x 26 blocks fit in 200)

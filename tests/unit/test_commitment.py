@@ -91,7 +91,7 @@ def test_unknown_capacity_gives_no_commitment_signal() -> None:
     assert projected_usage(0.5, 100, 16, 1000) == pytest.approx(0.6)
     t = tracker()
     t.observe(0.0, 0.5, 0.0)
-    t.commit(0.9, 16_000)
+    t.commit(0.95, 16_000)
     assert t.pressure(0.0).level is Level.SHEDDABLE
     t.commit(None)
     p = t.pressure(0.0)
@@ -99,18 +99,18 @@ def test_unknown_capacity_gives_no_commitment_signal() -> None:
 
 
 def test_committed_usage_closes_sheddable_then_standard_with_hysteresis() -> None:
-    t = tracker()
+    t = tracker()  # committed marks: sheddable 0.90/0.85, standard 1.00/0.95
     t.observe(0.0, 0.2, 0.0)  # the engine itself reports little: the burst is still coming
-    t.commit(0.86, 16_000)
+    t.commit(0.91, 16_000)
     p = t.pressure(0.1)
-    assert (p.level, p.reason, p.committed_kv) == (Level.SHEDDABLE, REASON_COMMITTED, 0.86)
-    t.commit(0.96, 16_000)
+    assert (p.level, p.reason, p.committed_kv) == (Level.SHEDDABLE, REASON_COMMITTED, 0.91)
+    t.commit(1.01, 16_000)
     assert t.pressure(0.1).level is Level.STANDARD
-    t.commit(0.92, 16_000)  # between standard's marks: stays closed
+    t.commit(0.97, 16_000)  # between standard's marks: stays closed
     assert t.pressure(0.1).level is Level.STANDARD
-    t.commit(0.80, 16_000)  # below 0.90 opens standard; between sheddable's marks
+    t.commit(0.88, 16_000)  # below 0.95 opens standard; between sheddable's marks
     assert t.pressure(0.1).level is Level.SHEDDABLE
-    t.commit(0.70, 16_000)
+    t.commit(0.80, 16_000)
     assert t.pressure(0.1).level is Level.OPEN
 
 
@@ -168,9 +168,9 @@ def test_admission_keeps_a_request_off_an_engine_it_would_take_past_the_threshol
     engine.state.on_scrape_ok(snap(0.50), 0.0)
     adm = Admission(ADM)
     view = engine.view(0.0)  # committed 0.50 of 16 000 tokens
-    assert not adm.closed(view, Priority.SHEDDABLE, need_tokens=4000)  # -> 0.75
-    assert adm.closed(view, Priority.SHEDDABLE, need_tokens=6000)  # -> 0.875 >= 0.85
-    assert not adm.closed(view, Priority.STANDARD, need_tokens=6000)  # < 0.95
+    assert not adm.closed(view, Priority.SHEDDABLE, need_tokens=6000)  # -> 0.875 < 0.90
+    assert adm.closed(view, Priority.SHEDDABLE, need_tokens=6500)  # -> 0.906 >= 0.90
+    assert not adm.closed(view, Priority.STANDARD, need_tokens=7000)  # 0.9375 < 1.00
     assert not adm.closed(view, Priority.CRITICAL, need_tokens=60_000)  # never for critical
-    shed = adm.decide("target", Priority.SHEDDABLE, [view], need_tokens=6000)
+    shed = adm.decide("target", Priority.SHEDDABLE, [view], need_tokens=6500)
     assert getattr(shed, "reason", None) == REASON_COMMITTED

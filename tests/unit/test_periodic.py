@@ -1,4 +1,5 @@
 import asyncio
+import contextlib
 
 import pytest
 
@@ -36,3 +37,18 @@ async def test_cancellation_inside_a_round_stops_the_loop() -> None:
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+
+
+async def test_a_round_that_swallows_the_cancellation_still_ends_the_loop() -> None:
+    # asyncio.timeout on Python 3.11 turns a cancellation that lands as its deadline expires into
+    # TimeoutError; library code under a round can therefore eat the cancel meant for the loop.
+    async def swallow() -> None:
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.sleep(10)
+
+    task = asyncio.create_task(every(0.01, swallow, "swallowing"))
+    await asyncio.sleep(0.02)
+    task.cancel()
+    async with asyncio.timeout(2):
+        with pytest.raises(asyncio.CancelledError):
+            await task
