@@ -17,10 +17,21 @@ Rules:
   defaults of ``[routing]`` (``prefill_tokens_per_s``, ``decode_step_s`` plus
   ``decode_seq_step_s`` per running sequence). Only ratios decide a ranking, so a fleet running
   uniformly faster or slower than its profile is ranked the same.
-- The lowest estimate wins. Estimates within ``cost_tolerance`` (relative) of the lowest are equal
+- What is compared is the wait plus the request's own prefill time counted once for itself and
+  once for every request that will queue behind it there: ``cost = wait + own_s * (1 + L)``,
+  with ``L`` the pool's mean queue (requests the engines report waiting, per engine, a moving
+  average over decisions: the pool's load as the engines see it, which this proxy's own burst
+  since the last scrape does not inflate; ``1 + L`` stands for ``1 / (1 - rho)`` of a prefill
+  queue of utilisation ``rho``: how much a unit of work added to a busy server stretches its
+  busy period, and so delays what queues behind it). On an idle pool this is the request's
+  own expected TTFT; under load an engine that must recompute a prompt another engine holds pays
+  for the requests that recompute delays, so a conversation is not moved off the engine holding
+  its history for a small gain of its own. ``L`` is the average before this decision, so the
+  views of one decision enter only through the estimates (monotone in each engine's queue).
+- The lowest cost wins. Costs within ``cost_tolerance`` (relative) of the lowest are equal
   within the model's accuracy; among them the engine holding the most of the prompt wins (it saves
-  the fleet that prefill for everything queued behind), then the least expected wait (ties and
-  new prefixes), then a rendezvous order on the prompt (a deterministic spread by content).
+  the fleet that prefill), then the least expected wait (ties and new prefixes), then a
+  rendezvous order on the prompt (a deterministic spread by content).
 - The queued work counts what this proxy sent since the last scrape, so a burst sharing a new
   prefix follows its first request (the holdings record it at dispatch) only as long as the
   growing queue there keeps the estimate within the tolerance; then it opens a second home.
@@ -38,7 +49,7 @@ from proxy.core.holdings import ApproxHoldings, PrefixHoldings
 from proxy.core.rendezvous import Rendezvous
 from proxy.core.routeview import EngineView, RouteKey, candidates, least_loaded
 
-# Weight of one new prompt in the pool's mean prompt size (an exponential moving average).
+# Weight of one decision in the pool's moving averages (mean prompt size, mean queue length).
 _MEAN_WEIGHT = 1.0 / 32
 
 
@@ -50,6 +61,7 @@ class Estimate(NamedTuple):
     wait_s: float  # the work queued ahead of the request
     ttft_s: float  # wait plus the request's own prefill
     held: float  # prompt tokens the engine holds
+    cost_s: float  # wait plus the own prefill times the requests it delays (what is compared)
 
 
 def decoding(e: EngineView) -> float:
@@ -73,9 +85,9 @@ def queued_tokens(e: EngineView, mean_prompt: float) -> float:
 
 
 def estimate(e: EngineView, held: float, key: RouteKey, mean_prompt: float,
-             cfg: RoutingConfig) -> Estimate:
+             cfg: RoutingConfig, *, delayed: float = 1.0) -> Estimate:
     """``e``'s figures for ``key`` (the formula in the module docstring; one call per engine
-    per decision, so written out flat)."""
+    per decision, so written out flat). ``delayed``: the requests the own prefill delays."""
     if e.prefill_tps and e.step_s:
         tps, step = e.prefill_tps, e.step_s
     else:
@@ -85,8 +97,9 @@ def estimate(e: EngineView, held: float, key: RouteKey, mean_prompt: float,
     queued = queued_tokens(e, mean_prompt)
     own = key.tokens - held
     total = queued + own if own > 0.0 else queued
-    return Estimate(e.name, queued / tps + (1.0 + queued / chunk) * step,
-                    total / tps + (1.0 + total / chunk) * step, held)
+    wait = queued / tps + (1.0 + queued / chunk) * step
+    ttft = total / tps + (1.0 + total / chunk) * step
+    return Estimate(e.name, wait, ttft, held, wait + (ttft - wait) * delayed)
 
 
 def choose(estimates: Sequence[Estimate], tolerance: float,
@@ -95,11 +108,11 @@ def choose(estimates: Sequence[Estimate], tolerance: float,
     ``order`` (lower first) breaks the remaining ties."""
     if not estimates:
         return ()
-    best = min(e.ttft_s for e in estimates)
-    near = [e for e in estimates if e.ttft_s <= best * (1.0 + tolerance)]
-    pick = min(near, key=lambda e: (-e.held, e.wait_s, e.ttft_s, order[e.name]))
+    best = min(e.cost_s for e in estimates)
+    near = [e for e in estimates if e.cost_s <= best * (1.0 + tolerance)]
+    pick = min(near, key=lambda e: (-e.held, e.wait_s, e.cost_s, order[e.name]))
     rest = sorted((e for e in estimates if e is not pick),
-                  key=lambda e: (e.ttft_s, e.wait_s, order[e.name]))
+                  key=lambda e: (e.cost_s, e.wait_s, order[e.name]))
     return (pick.name, *(e.name for e in rest))
 
 
@@ -115,11 +128,13 @@ class ExpectedTTFT:
         )
         self._rendezvous = Rendezvous(cfg.seed)
         self.mean_prompt = 0.0  # tokens; 0 until the first request
+        self.mean_queue = 0.0  # requests waiting for prefill per engine, moving average
 
     def estimates(self, key: RouteKey, engines: Sequence[EngineView]) -> list[Estimate]:
         held = self.holdings.held_tokens(key, [e.name for e in engines])
-        mean = self.mean_prompt or key.tokens
-        return [estimate(e, held.get(e.name, 0.0), key, mean, self.cfg) for e in engines]
+        mean, delayed = self.mean_prompt or key.tokens, 1.0 + self.mean_queue
+        return [estimate(e, held.get(e.name, 0.0), key, mean, self.cfg, delayed=delayed)
+                for e in engines]
 
     def rank(self, key: RouteKey, engines: Sequence[EngineView]) -> tuple[str, ...]:
         cands, stale_only = candidates(engines)
@@ -127,7 +142,11 @@ class ExpectedTTFT:
             return tuple(e.name for e in least_loaded(cands))
         at = key.chain[-1] if key.chain else 0
         order = {e.name: -self._rendezvous.weight(at, e.name) for e in cands}
-        return choose(self.estimates(key, cands), self.cfg.cost_tolerance, order)
+        ranked = choose(self.estimates(key, cands), self.cfg.cost_tolerance, order)
+        # After the decision: what this ranking saw weighs only on later ones.
+        queue = sum(e.waiting for e in cands) / len(cands)
+        self.mean_queue += _MEAN_WEIGHT * (queue - self.mean_queue)
+        return ranked
 
     def observe(self, key: RouteKey, engine: str) -> None:
         self.holdings.record(key, engine)

@@ -244,3 +244,21 @@ def test_rates_from_vllm_histograms() -> None:
                          'vllm:kv_cache_usage_perc 0\n', taken_at=0.0)
     assert bare.prefill_tokens_sum is None
     assert update_rates(EngineRates(), bare, bare) == EngineRates()
+
+
+def test_under_load_a_conversation_keeps_the_engine_holding_its_history() -> None:
+    # e0 holds a 3000-token history; it has 6000 tokens of prompt work queued, e1 none. On a pool
+    # that reports no queues, recomputing the history on e1 is faster for this request; once the
+    # engines report queues, that recompute would delay the requests queued behind it, so the
+    # conversation stays.
+    history = key(*range(1, 48), tokens=3000.0)
+    turn = key(*range(1, 50), tokens=3150.0)
+    busy = idle("e0", prefill=6000.0, pending=1, load=1.0)
+    policy = ExpectedTTFT(CFG)
+    policy.observe(history, "e0")
+    assert policy.rank(turn, [busy, idle("e1")])[0] == "e1"
+    loaded = [replace(busy, waiting=3.0, load=4.0), idle("e1", waiting=3.0, load=3.0)]
+    for _ in range(200):  # the pool's mean queue, as reported, settles at 3
+        policy.rank(key(7), loaded)
+    # The same difference in queued work as before (both report three waiting).
+    assert policy.rank(turn, loaded)[0] == "e0"
