@@ -8,8 +8,8 @@ Rules:
       ttft(E) = (queued + uncached) / prefill_tps + (1 + (queued + uncached) / chunk) * step_s
 
   ``queued``: prompt tokens waiting to be computed at E: this proxy's requests that have had no
-  first byte (their uncached sizes are known; of those the snapshot saw, the share it still
-  reports waiting) plus the snapshot's other waiting requests at the pool's mean prompt size.
+  first byte (their uncached sizes are known) plus the snapshot's other waiting requests at the
+  pool's mean prompt size.
   ``uncached``: this request's prompt tokens E does not hold
   (``PrefixHoldings``). ``step_s``: one engine step with E's current decode batch: every running
   sequence rides along in every step, so decode work stretches the steps the prefill needs.
@@ -72,16 +72,14 @@ def decoding(e: EngineView) -> float:
 def queued_tokens(e: EngineView, mean_prompt: float) -> float:
     """Prompt tokens ahead of a new request at ``e``: known sizes first, the rest estimated.
 
-    This proxy's requests sent after the snapshot count whole; of those it already counted, only
-    the share it still reports waiting (the others were admitted, their prefill under way or
-    done, as for a long non-streamed answer); its other waiting requests at the mean prompt.
+    This proxy's requests count whole until their first byte, also those the snapshot shows
+    admitted: with chunked prefill an admitted request may still have most of its prompt to
+    compute (an engine admits whatever fits the step's token budget, even a token of it), so
+    the snapshot's waiting count says little about prefill work. Only the snapshot's other
+    waiting requests (another replica's) are of unknown size: the pool's mean prompt each.
     """
-    unseen = e.prefill - e.prefill_seen
-    queued = unseen if unseen > 0.0 else 0.0
-    if e.pending_seen > 0 and e.prefill_seen > 0.0:
-        queued += e.prefill_seen * min(1.0, e.waiting / e.pending_seen)
     unknown = e.waiting - e.pending_seen
-    return queued + (unknown * mean_prompt if unknown > 0 else 0.0)
+    return (e.prefill if e.prefill > 0.0 else 0.0) + (unknown * mean_prompt if unknown > 0 else 0.0)
 
 
 def estimate(e: EngineView, held: float, key: RouteKey, mean_prompt: float,

@@ -39,10 +39,9 @@ class EngineView:
     # This proxy's requests at the engine that have not had their first byte (their prompt sizes
     # are known: ``prefill``); the snapshot's other waiting requests are of unknown size.
     pending: int = 0
-    # Of those, the ones dispatched before the snapshot was taken (its ``waiting`` counts those
-    # still waiting, its ``running`` those admitted), and their prompt tokens.
+    # Of those, the ones dispatched before the snapshot was taken (its ``waiting`` or
+    # ``running`` counts them; the rest of its ``waiting`` is someone else's).
     pending_seen: int = 0
-    prefill_seen: float = 0.0
     # Measured from the engine's metrics; None: not measured (yet), use the profile default.
     prefill_tps: float | None = None  # prompt tokens computed per second
     step_s: float | None = None  # one engine step at its current decode batch (mean ITL)

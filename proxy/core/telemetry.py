@@ -416,21 +416,18 @@ class EngineState:
         base = 0.0 if self.snapshot is None else self.snapshot.running + self.snapshot.waiting
         return base + len(self._since_snapshot)
 
-    def _pending_seen(self) -> tuple[int, float]:
-        """Requests awaiting their first byte that the snapshot already counts (sent before it),
-        and their prompt tokens."""
+    def _pending_seen(self) -> int:
+        """Requests awaiting their first byte that the snapshot already counts (sent before it)."""
         snap = self.snapshot
         if snap is None:
-            return 0, 0.0
+            return 0
         at = self._dispatched_at
-        seen = [p for t, p in self._prefill.items() if at.get(t, math.inf) <= snap.taken_at]
-        return len(seen), sum(seen)
+        return sum(1 for t in self._prefill if at.get(t, math.inf) <= snap.taken_at)
 
     def view(self, now: float, breaker_allows: bool) -> EngineView:
         """What routing and admission see of this engine at ``now``."""
         self.tick(now, self.stale_after_s)
         snap = self.snapshot
-        seen, seen_tokens = self._pending_seen()
         return EngineView(
             name=self.name,
             routable=self.health in (Health.HEALTHY, Health.STALE) and breaker_allows,
@@ -442,8 +439,7 @@ class EngineState:
             running=snap.running if snap is not None else 0.0,
             waiting=snap.waiting if snap is not None else 0.0,
             pending=len(self._prefill),
-            pending_seen=seen,
-            prefill_seen=seen_tokens,
+            pending_seen=self._pending_seen(),
             prefill_tps=self.rates.prefill_tps,
             step_s=self.rates.step_s,
         )

@@ -28,7 +28,6 @@ def engine(draw: st.DrawFn, name: str) -> EngineView:
     waiting = float(draw(st.integers(0, 16)))
     pending = draw(st.integers(0, 8))
     seen = draw(st.integers(0, pending))
-    share = draw(st.floats(0, 1))
     since = draw(st.integers(0, 8))
     measured = draw(st.booleans())
     prefill = float(draw(st.integers(0, 40_000))) if pending else 0.0
@@ -36,7 +35,6 @@ def engine(draw: st.DrawFn, name: str) -> EngineView:
         name=name, routable=draw(st.booleans()), fresh=draw(st.booleans()),
         load=running + waiting + since, kv_usage=draw(st.floats(0, 1)),
         prefill=prefill,
-        prefill_seen=prefill * share if seen else 0.0,
         running=running, waiting=waiting, pending=pending, pending_seen=seen,
         prefill_tps=draw(st.floats(1e3, 1e5)) if measured else None,
         step_s=draw(st.floats(0.005, 0.2)) if measured else None,
@@ -189,16 +187,15 @@ def test_a_large_burst_spreads_over_the_fleet() -> None:
 
 def test_unknown_waiting_requests_count_at_the_mean_prompt() -> None:
     # Three waiting in the snapshot, one of them this proxy's (200 tokens); one more (300) since.
-    e = idle("a", waiting=3.0, pending=2, pending_seen=1, prefill=500.0, prefill_seen=200.0)
+    e = idle("a", waiting=3.0, pending=2, pending_seen=1, prefill=500.0)
     assert queued_tokens(e, 1000.0) == 500.0 + 2 * 1000.0
 
 
-def test_requests_the_snapshot_shows_admitted_no_longer_queue() -> None:
+def test_admitted_requests_queue_until_their_first_byte() -> None:
     # Four of this proxy's requests (400 tokens each) were in the snapshot, which reports one
-    # waiting: three were admitted (a non-streamed answer has no first byte until it is done).
-    e = idle("a", running=3.0, waiting=1.0, pending=4, pending_seen=4, prefill=1600.0,
-             prefill_seen=1600.0, load=4.0)
-    assert queued_tokens(e, 1000.0) == 400.0
+    # waiting: the three admitted may still be prefilling in chunks, so all four count.
+    e = idle("a", running=3.0, waiting=1.0, pending=4, pending_seen=4, prefill=1600.0, load=4.0)
+    assert queued_tokens(e, 1000.0) == 1600.0
 
 
 def test_holdings_count_tokens_and_forget() -> None:
