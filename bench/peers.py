@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 PEERS_DIR = REPO / ".venv-peers"
 LITELLM_KEY = "sk-kvproxy-bench"
 
-KVPROXY_POLICIES = ("round_robin", "least_load", "prefix_affinity")
+KVPROXY_POLICIES = ("round_robin", "least_load", "prefix_affinity", "expected_ttft")
 PEER_POLICIES = {
     "vllm-router": ("round_robin", "cache_aware", "consistent_hash"),
     "sglang-router": ("round_robin", "cache_aware"),

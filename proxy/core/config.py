@@ -31,7 +31,7 @@ from proxy.core.kv_config import EngineEvents, KvEventsConfig
 DRAFT_POOL = "draft"
 # Pool names appear in metrics labels, headers and logs: short, plain and printable.
 POOL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-POLICIES: tuple[str, ...] = ("round_robin", "least_load", "prefix_affinity")
+POLICIES: tuple[str, ...] = ("round_robin", "least_load", "prefix_affinity", "expected_ttft")
 PLACE_NEW: tuple[str, ...] = ("least_load", "prefill", "rendezvous")
 ENV_PREFIX = "KVPROXY_"
 
@@ -100,7 +100,7 @@ class TelemetryConfig:
 
 @dataclass(frozen=True)
 class RoutingConfig:
-    policy: str = "prefix_affinity"
+    policy: str = "expected_ttft"
     load_factor: float = 2.0
     # An engine carrying fewer requests than this is never over the bound (idle pools don't spill).
     min_load_bound: int = 2
@@ -118,6 +118,17 @@ class RoutingConfig:
     # bound, the same on every replica).
     place_new: str = "prefill"
     seed: int = 0
+    # Prompt tokens per character block without a tokenizer: block_chars / chars_per_token.
+    chars_per_token: float = 4.0
+    # expected_ttft's profile defaults, used until an engine's metrics give its own rates: prompt
+    # tokens computed per second, one engine step's seconds (plus per running sequence), and the
+    # prompt tokens one step computes at most (vLLM's max_num_batched_tokens).
+    prefill_tokens_per_s: float = 12000.0
+    decode_step_s: float = 0.02
+    decode_seq_step_s: float = 0.00004
+    chunk_tokens: int = 8192
+    # Expected TTFTs within this fraction of the lowest are equal; the most cached engine wins.
+    cost_tolerance: float = 0.1
 
     def __post_init__(self) -> None:
         _require(self.policy in POLICIES, "policy", f"must be one of {', '.join(POLICIES)}")
@@ -127,6 +138,10 @@ class RoutingConfig:
         _require(self.index_blocks >= 0, "index_blocks", "must be >= 0")
         _require(self.place_new in PLACE_NEW, "place_new", f"must be one of {', '.join(PLACE_NEW)}")
         _require(self.seed >= 0, "seed", "must be >= 0")
+        _positive(self, "chars_per_token", "prefill_tokens_per_s", "decode_step_s",
+                  "chunk_tokens")
+        _require(self.decode_seq_step_s >= 0.0, "decode_seq_step_s", "must be >= 0")
+        _require(0.0 <= self.cost_tolerance <= 1.0, "cost_tolerance", "must be in 0..1")
 
 
 @dataclass(frozen=True)

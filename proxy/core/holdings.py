@@ -1,84 +1,106 @@
-"""How many of a request's prompt tokens each engine already holds in its KV cache.
+"""Prefix holdings: how many of a request's prompt tokens each engine is believed to hold cached.
 
 Rules:
-- ``Holdings`` is the one question routing asks, whatever answers it: ``held_tokens(engine)`` is
-  the number of the request's prompt tokens the engine holds as a cached prefix, or ``None`` when
-  this source does not know the engine (routing then asks the approximate index).
-- ``PreciseHoldings`` answers from the exact indexes (``kvindex``) of the engines whose KV events
-  are in sync: the prompt's token ids are hashed as vLLM hashes them (``blockhash.chain_keys``,
-  the request's ``cache_salt`` on the first block) in each engine's block size, and the longest
-  prefix the engine holds counts ``blocks x block_size`` tokens. Engines out of sync are unknown.
-- ``as_chain_blocks`` turns held tokens into blocks of the approximate prefix chain (characters),
-  for a policy that counts in those; the request's own characters-per-token ratio converts.
-- Pure: no I/O; the clock is passed in.
+- ``PrefixHoldings`` is the one question the cost model asks about engines' caches. Any source of
+  that knowledge implements it: the approximate index here (what this proxy routed where), or an
+  exact index fed by the engines' own KV-cache events.
+- ``record`` is called at dispatch, before the engine has computed anything: the entry is
+  provisional (the engine will hold the prompt once it has prefilled it), so that a burst of
+  requests sharing a new prefix can follow the first one before any engine reports it. An exact
+  index keeps such entries on the side for a few seconds and lets the engine's events confirm or
+  drop them; the approximate index has nothing else and keeps them until evicted.
+- Pure: no I/O, no clock. Work per question is O(engines x chain length), never O(history);
+  memory is bounded per engine.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Protocol
 
-from proxy.core.blockhash import ChainRoot, chain_keys
-from proxy.core.kvindex import ExactIndex
+from proxy.core.routeview import RouteKey
 
 
-class Holdings(Protocol):
-    def held_tokens(self, engine: str) -> int | None:
-        """Prompt tokens of this request that ``engine`` holds; None: not known here."""
+class PrefixHoldings(Protocol):
+    def held_tokens(self, key: RouteKey, engines: Sequence[str]) -> dict[str, float]:
+        """Per engine of ``engines`` that holds some of ``key``'s prompt: the tokens it holds
+        (a prefix of the prompt; absent engines hold nothing)."""
+        ...
+
+    def record(self, key: RouteKey, engine: str) -> None:
+        """``key``'s prompt was just sent to ``engine`` (provisional: computed soon)."""
+        ...
+
+    def forget(self, engine: str) -> None:
+        """``engine`` left the pool: drop all that is kept about it."""
         ...
 
 
-@dataclass
-class PreciseHoldings:
-    """A request's holdings over the engines whose exact index is in sync."""
+class BlockIndex:
+    """Per engine, the most recently routed block hashes (LRU, at most ``capacity`` each)."""
 
-    token_ids: Sequence[int]
-    root: ChainRoot
-    max_blocks: int
-    held: dict[str, int] = field(default_factory=dict)  # engine -> blocks held
-    block_sizes: dict[str, int] = field(default_factory=dict)
-    _keys: dict[int, list[int]] = field(default_factory=dict)  # block size -> chain keys
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        # First key: the least recently routed. OrderedDict pops its head in O(1); a plain dict
+        # would rescan the holes its deletions leave at the front.
+        self._blocks: dict[str, OrderedDict[int, None]] = {}
 
-    def keys(self, block_size: int) -> list[int]:
-        """The prompt's block keys in ``block_size`` (hashed once per size)."""
-        found = self._keys.get(block_size)
-        if found is None:
-            found = self._keys[block_size] = chain_keys(
-                self.token_ids, block_size, self.root, self.max_blocks)
-        return found
+    def add(self, engine: str, chain: Sequence[int]) -> None:
+        if self.capacity <= 0:
+            return
+        blocks = self._blocks.setdefault(engine, OrderedDict())
+        # Deepest first, so a prefix's first blocks are the most recent and are evicted last,
+        # as an engine's own LRU keeps a shared prefix longer than one request's tail.
+        for h in reversed(chain):
+            blocks[h] = None
+            blocks.move_to_end(h)
+        while len(blocks) > self.capacity:
+            blocks.popitem(last=False)
 
-    def add(self, engine: str, index: ExactIndex, block_size: int, now: float) -> None:
-        """Count ``engine`` as known: it holds what its index says."""
-        self.block_sizes[engine] = block_size
-        self.held[engine] = index.held_blocks(self.keys(block_size), now)
+    def match_depths(self, chain: Sequence[int], engines: Sequence[str]) -> dict[str, int]:
+        """For each of ``engines`` with a match, the deepest depth of ``chain`` routed to it.
 
-    def held_tokens(self, engine: str) -> int | None:
-        blocks = self.held.get(engine)
-        return None if blocks is None else blocks * self.block_sizes[engine]
+        Binary search: what an engine holds of one chain is always a prefix of it. A chain hash
+        covers everything before it, so recording a block records all shallower ones of its
+        chain as well, each more recently (deepest first), and LRU evicts the deeper first.
+        """
+        depths: dict[str, int] = {}
+        for engine in engines:
+            blocks = self._blocks.get(engine)
+            if not blocks or chain[0] not in blocks:
+                continue
+            lo, hi = 1, len(chain)  # chain[lo - 1] is held; find the largest such lo
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if chain[mid - 1] in blocks:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            depths[engine] = lo
+        return depths
 
-    def chain_blocks(self, engines: Sequence[str], prompt_chars: int, block_chars: int,
-                     chain_len: int) -> Mapping[str, int]:
-        """``as_chain_blocks`` of this request (its own characters-per-token ratio)."""
-        return as_chain_blocks(self, engines, prompt_chars=prompt_chars,
-                               prompt_tokens=len(self.token_ids), block_chars=block_chars,
-                               chain_len=chain_len)
+    def size(self, engine: str) -> int:
+        return len(self._blocks.get(engine, ()))
 
-    def new_blocks(self, engine: str) -> list[int]:
-        """The prompt's block keys that ``engine`` does not hold (it will store them)."""
-        size = self.block_sizes.get(engine)
-        if size is None:
-            return []
-        return self.keys(size)[self.held.get(engine, 0):]
+    def forget(self, engine: str) -> None:
+        self._blocks.pop(engine, None)
 
 
-def as_chain_blocks(holdings: Holdings, engines: Sequence[str], *, prompt_chars: int,
-                    prompt_tokens: int, block_chars: int, chain_len: int) -> Mapping[str, int]:
-    """Held tokens of the known ``engines`` in blocks of the character prefix chain."""
-    out: dict[str, int] = {}
-    chars_per_token = prompt_chars / max(1, prompt_tokens)
-    for engine in engines:
-        tokens = holdings.held_tokens(engine)
-        if tokens is not None:
-            out[engine] = min(chain_len, int(tokens * chars_per_token) // block_chars)
-    return out
+class ApproxHoldings:
+    """Holdings guessed from routing alone: an engine holds the longest prefix of a request's
+    chain that was routed to it recently (``BlockIndex``), counted in tokens."""
+
+    def __init__(self, capacity: int) -> None:
+        self.index = BlockIndex(capacity)
+
+    def held_tokens(self, key: RouteKey, engines: Sequence[str]) -> dict[str, float]:
+        depths = self.index.match_depths(key.chain, engines)
+        tokens = key.tokens
+        return {name: min(tokens, d * key.block_tokens) for name, d in depths.items()}
+
+    def record(self, key: RouteKey, engine: str) -> None:
+        self.index.add(engine, key.chain)
+
+    def forget(self, engine: str) -> None:
+        self.index.forget(engine)

@@ -5,6 +5,8 @@ Rules:
   ``rank()[1]`` the retry target. Unroutable engines never appear. Fresh engines come before stale
   ones; stale engines are ranked only when no engine is fresh, and then least-loaded first (fail
   open: their figures are old, only the proxy's own in-flight counts are current).
+- ``expected_ttft`` (the default, ``proxy.core.costmodel``) scores each engine by the seconds the
+  request would wait there for its first token; the older policies stay selectable.
 - ``prefix_affinity`` orders engines by rendezvous hashing of one hash of the request's prefix
   chain, seeded by ``routing.seed``, so every proxy replica computes the same order. A bounded
   index of recently routed block hashes per engine (longest-prefix match) refines it: engines that
@@ -21,52 +23,26 @@ Rules:
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from hashlib import blake2b
 from typing import Protocol
 
 from proxy.core.config import RoutingConfig
-from proxy.core.pressure import NO_PRESSURE, Pressure
+from proxy.core.costmodel import ExpectedTTFT
+from proxy.core.holdings import BlockIndex
+from proxy.core.rendezvous import Rendezvous
+from proxy.core.routeview import (
+    EngineView,
+    RouteKey,
+    candidates,
+    least_loaded,
+    mix64,
+    with_exact,
+)
 
-_MASK = (1 << 64) - 1
-
-
-@dataclass(frozen=True)
-class EngineView:
-    """One engine as routing and admission see it at one instant."""
-
-    name: str
-    routable: bool  # healthy or stale, breaker allows, not draining
-    fresh: bool  # its snapshot is recent
-    load: float  # running + waiting + dispatched since the snapshot
-    kv_usage: float  # 0..1
-    block_size: int | None = None
-    # Prompt blocks this proxy sent the engine that it has not answered yet (its prefill backlog).
-    prefill: float = 0.0
-    # KV overcommit guard: the classes this engine is closed to, and why (``proxy.core.pressure``).
-    pressure: Pressure = NO_PRESSURE
-
-
-@dataclass(frozen=True)
-class RouteKey:
-    """What routing knows of a request: its prefix chain, tenant and model."""
-
-    chain: tuple[int, ...]
-    tenant: str = "default"
-    model: str = ""
-    # Precise holdings (``proxy.core.holdings``), in chain blocks, of the engines whose KV events
-    # are in sync: for those engines they replace the approximate index's guess.
-    held: Mapping[str, int] | None = field(default=None, compare=False)
-
-
-def _depths(index: BlockIndex, key: RouteKey, engines: Sequence[str]) -> dict[str, int]:
-    depths = index.match_depths(key.chain, engines)
-    if key.held:
-        depths = {e: d for e, d in depths.items() if e not in key.held}
-        depths.update((e, d) for e, d in key.held.items() if d > 0 and e in engines)
-    return depths
+__all__ = [
+    "BlockIndex", "EngineView", "LeastLoad", "Policy", "PrefixAffinity", "RoundRobin", "RouteKey",
+    "candidates", "common_depth", "least_loaded", "load_bound", "make_policy", "mix64",
+]
 
 
 class Policy(Protocol):
@@ -80,26 +56,13 @@ class Policy(Protocol):
         """The request with ``key`` was sent to ``engine`` (lets a policy learn; may do nothing)."""
         ...
 
-    def uncached(self, key: RouteKey, engine: str) -> int:
-        """Blocks of ``key``'s chain that ``engine`` is expected to compute (not hold cached)."""
+    def uncached_tokens(self, key: RouteKey, engine: str) -> float:
+        """Prompt tokens of ``key`` that ``engine`` is expected to compute (not hold cached)."""
         ...
 
     def forget(self, engine: str) -> None:
         """``engine`` left the pool: drop what the policy keeps about it."""
         ...
-
-
-def candidates(engines: Sequence[EngineView]) -> tuple[list[EngineView], bool]:
-    """The engines a request may go to and whether they are all stale (fail-open)."""
-    fresh = [e for e in engines if e.routable and e.fresh]
-    if fresh:
-        return fresh, False
-    return [e for e in engines if e.routable], True
-
-
-def least_loaded(engines: Sequence[EngineView]) -> list[EngineView]:
-    """Least load first; KV usage breaks ties, then the name (for determinism)."""
-    return sorted(engines, key=lambda e: (e.load, e.kv_usage, e.name))
 
 
 def load_bound(engines: Sequence[EngineView], load_factor: float, floor: int = 1) -> float:
@@ -111,14 +74,6 @@ def load_bound(engines: Sequence[EngineView], load_factor: float, floor: int = 1
     """
     total = sum(max(0.0, e.load) for e in engines)
     return max(floor, math.ceil(load_factor * (total + 1) / max(1, len(engines))))
-
-
-def mix64(x: int) -> int:
-    """splitmix64 finaliser: a cheap, well-spread 64-bit permutation."""
-    z = (x + 0x9E3779B97F4A7C15) & _MASK
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
-    return z ^ (z >> 31)
 
 
 def common_depth(depths: Mapping[str, int], n: int) -> int:
@@ -135,8 +90,8 @@ class _Unlearning:
     def observe(self, key: RouteKey, engine: str) -> None:
         return None
 
-    def uncached(self, key: RouteKey, engine: str) -> int:
-        return len(key.chain)
+    def uncached_tokens(self, key: RouteKey, engine: str) -> float:
+        return key.tokens
 
     def forget(self, engine: str) -> None:
         return None
@@ -172,47 +127,6 @@ class LeastLoad(_Unlearning):
         return tuple(e.name for e in least_loaded(cands))
 
 
-class BlockIndex:
-    """Per engine, the most recently routed block hashes (LRU, at most ``capacity`` each)."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        # First key: the least recently routed. OrderedDict pops its head in O(1); a plain dict
-        # would rescan the holes its deletions leave at the front.
-        self._blocks: dict[str, OrderedDict[int, None]] = {}
-
-    def add(self, engine: str, chain: Sequence[int]) -> None:
-        if self.capacity <= 0:
-            return
-        blocks = self._blocks.setdefault(engine, OrderedDict())
-        # Deepest first, so a prefix's first blocks are the most recent and are evicted last,
-        # as an engine's own LRU keeps a shared prefix longer than one request's tail.
-        for h in reversed(chain):
-            blocks[h] = None
-            blocks.move_to_end(h)
-        while len(blocks) > self.capacity:
-            blocks.popitem(last=False)
-
-    def match_depths(self, chain: Sequence[int], engines: Sequence[str]) -> dict[str, int]:
-        """For each of ``engines`` with a match, the deepest depth of ``chain`` routed to it."""
-        depths: dict[str, int] = {}
-        for engine in engines:
-            blocks = self._blocks.get(engine)
-            if not blocks:
-                continue
-            for depth in range(len(chain), 0, -1):
-                if chain[depth - 1] in blocks:
-                    depths[engine] = depth
-                    break
-        return depths
-
-    def size(self, engine: str) -> int:
-        return len(self._blocks.get(engine, ()))
-
-    def forget(self, engine: str) -> None:
-        self._blocks.pop(engine, None)
-
-
 class PrefixAffinity:
     """Rendezvous order on the prefix key, longest routed prefix first, bounded by load."""
 
@@ -221,31 +135,23 @@ class PrefixAffinity:
     def __init__(self, cfg: RoutingConfig) -> None:
         self.cfg = cfg
         self.index = BlockIndex(cfg.index_blocks)
-        self._seed = cfg.seed.to_bytes(8, "big")
-        self._salts: dict[str, int] = {}
-
-    def _salt(self, engine: str) -> int:
-        salt = self._salts.get(engine)
-        if salt is None:
-            digest = blake2b(engine.encode(), digest_size=8, key=self._seed).digest()
-            salt = self._salts[engine] = int.from_bytes(digest, "big")
-        return salt
+        self._rendezvous = Rendezvous(cfg.seed)
 
     def preference(self, key: RouteKey, engines: Sequence[EngineView]) -> list[EngineView]:
         """Engines in preference order for ``key``, before the load bound is applied."""
         chain = key.chain or (0,)
-        depths = _depths(self.index, replace(key, chain=chain), [e.name for e in engines])
+        depths = self._depths(key, chain, [e.name for e in engines])
         common = common_depth(depths, len(engines))
         # Key one block past the prefix most engines hold: a shared system prompt then spreads
         # its conversations by what follows it instead of piling them onto one home.
         k = chain[min(len(chain), max(self.cfg.affinity_blocks, common + 1)) - 1]
-        order = sorted(engines, key=lambda e: (-mix64(k ^ self._salt(e.name)), e.name))
+        order = sorted(engines, key=lambda e: (-self._rendezvous.weight(k, e.name), e.name))
         deepest = max(depths.values(), default=0)
         if deepest <= common or deepest < self.cfg.min_match_blocks:
             if self.cfg.place_new == "rendezvous":
                 return order
             if self.cfg.place_new == "prefill":
-                return _by_prefill(order, len(chain), depths)
+                return _by_prefill(order, key, depths)
             # Nothing of this request beyond the common prefix was routed anywhere: a new
             # conversation. Any engine serves it equally well from cache, so the least loaded
             # takes it (rendezvous order breaks ties, so an idle fleet still spreads by content);
@@ -273,22 +179,35 @@ class PrefixAffinity:
     def observe(self, key: RouteKey, engine: str) -> None:
         self.index.add(engine, key.chain)
 
+    def _depths(self, key: RouteKey, chain: Sequence[int], names: list[str]) -> dict[str, int]:
+        """Chain blocks each engine holds: the index's guess, or the exact figure when known."""
+        depths = self.index.match_depths(chain, names)
+        if not key.held:
+            return depths
+        tokens = with_exact({e: d * key.block_tokens for e, d in depths.items()}, key, names)
+        return {e: min(len(chain), int(t // key.block_tokens)) for e, t in tokens.items()}
+
     def uncached(self, key: RouteKey, engine: str) -> int:
-        depth = _depths(self.index, key, [engine]).get(engine, 0)
+        depth = self._depths(key, key.chain, [engine]).get(engine, 0)
         return len(key.chain) - depth
+
+    def uncached_tokens(self, key: RouteKey, engine: str) -> float:
+        held = (len(key.chain) - self.uncached(key, engine)) * key.block_tokens
+        return max(0.0, key.tokens - held)
 
     def forget(self, engine: str) -> None:
         self.index.forget(engine)
-        self._salts.pop(engine, None)
+        self._rendezvous.forget(engine)
 
 
-def _by_prefill(order: Sequence[EngineView], blocks: int,
+def _by_prefill(order: Sequence[EngineView], key: RouteKey,
                 depths: Mapping[str, int]) -> list[EngineView]:
-    """Least prompt work to wait for and to do first: the engine's prefill backlog plus the blocks
+    """Least prompt work to wait for and to do first: the engine's prefill backlog plus the tokens
     of this prompt it does not hold; then the least loaded; ``order`` breaks the remaining ties."""
     rank = {e.name: i for i, e in enumerate(order)}
-    return sorted(order, key=lambda e: (e.prefill + blocks - depths.get(e.name, 0), e.load,
-                                        rank[e.name]))
+    blocks, per_block = len(key.chain), key.block_tokens
+    return sorted(order, key=lambda e: (
+        e.prefill + (blocks - depths.get(e.name, 0)) * per_block, e.load, rank[e.name]))
 
 
 def make_policy(cfg: RoutingConfig) -> Policy:
@@ -299,4 +218,6 @@ def make_policy(cfg: RoutingConfig) -> Policy:
         return LeastLoad()
     if cfg.policy == "prefix_affinity":
         return PrefixAffinity(cfg)
+    if cfg.policy == "expected_ttft":
+        return ExpectedTTFT(cfg)
     raise ValueError(f"unknown routing policy {cfg.policy!r}")

@@ -34,7 +34,8 @@ from collections import deque
 from dataclasses import dataclass
 from enum import Enum
 
-from proxy.core.routing import EngineView
+from proxy.core.rates import EngineRates, update_rates
+from proxy.core.routeview import EngineView
 
 # Bounds past which a figure is a lie or a bug, not a reading: KV usage is a 0-1 fraction (a little
 # rounding slack allowed); an engine runs hundreds of sequences, a million queued is already absurd.
@@ -74,6 +75,11 @@ class EngineSnapshot:
     spec_accepted: float = 0.0
     draining: bool = False
     ready: bool = True
+    # Histogram sums and counts for the engine's own rates (``proxy.core.rates``); None: absent.
+    prefill_tokens_sum: float | None = None
+    prefill_seconds_sum: float | None = None
+    itl_sum: float | None = None
+    itl_count: float | None = None
 
 
 # sample name -> snapshot field. Counters appear with ``_total``; bare names are accepted as well.
@@ -88,6 +94,10 @@ _SUMMED: dict[str, str] = {
     "vllm:spec_decode_num_drafts_total": "spec_drafts",
     "vllm:spec_decode_num_draft_tokens_total": "spec_draft_tokens",
     "vllm:spec_decode_num_accepted_tokens_total": "spec_accepted",
+    "vllm:request_prefill_kv_computed_tokens_sum": "prefill_tokens_sum",
+    "vllm:request_prefill_time_seconds_sum": "prefill_seconds_sum",
+    "vllm:inter_token_latency_seconds_sum": "itl_sum",
+    "vllm:inter_token_latency_seconds_count": "itl_count",
     "kvproxy_sidecar_draining": "draining",
     "kvproxy_sidecar_ready": "ready",
 }
@@ -205,6 +215,10 @@ def parse_metrics(text: str, *, taken_at: float) -> EngineSnapshot:
         spec_accepted=sums.get("spec_accepted", 0.0),
         draining=sums.get("draining", 0.0) > 0,
         ready=sums.get("ready", 1.0) > 0,
+        prefill_tokens_sum=sums.get("prefill_tokens_sum"),
+        prefill_seconds_sum=sums.get("prefill_seconds_sum"),
+        itl_sum=sums.get("itl_sum"),
+        itl_count=sums.get("itl_count"),
     )
 
 
@@ -269,7 +283,7 @@ class EngineState:
         self.remote_open = 0.0
         # ticket -> dispatch time (None: unknown, counted until the next snapshot of any age).
         self._since_snapshot: dict[int, float | None] = {}
-        # Per open ticket: prompt blocks the engine is expected to prefill, until the first byte.
+        # Per open ticket: prompt tokens the engine is expected to prefill, until the first byte.
         self._prefill: dict[int, float] = {}
         self._next_ticket = 0
         # What proves a repeated metrics text frozen (``body_is_news``): open tickets' dispatch
@@ -278,6 +292,7 @@ class EngineState:
         self._dispatched_at: dict[int, float] = {}
         self._completions: deque[tuple[float, float]] = deque(maxlen=_COMPLETIONS_KEPT)
         self._last_body: tuple[int, float] | None = None
+        self.rates = EngineRates()
 
     # -- transitions
 
@@ -293,6 +308,7 @@ class EngineState:
         """A fresh snapshot; dispatches it already includes stop counting extra."""
         if self.snapshot is not None and snap.taken_at < self.snapshot.taken_at:
             return  # a late answer to an older scrape must not replace a newer snapshot
+        self.rates = update_rates(self.rates, self.snapshot, snap)
         self.snapshot = snap
         self.consecutive_failures = 0
         self.last_error = None
@@ -351,7 +367,7 @@ class EngineState:
     def on_dispatch(self, now: float | None = None, prefill: float = 0.0) -> int:
         """Count a request sent to this engine; returns the ticket to settle it with.
 
-        ``prefill``: the prompt blocks it is expected to compute (not in the engine's cache);
+        ``prefill``: the prompt tokens it is expected to compute (not in the engine's cache);
         they count as pending until its first byte."""
         self._next_ticket += 1
         self._since_snapshot[self._next_ticket] = now
@@ -417,6 +433,14 @@ class EngineState:
         base = 0.0 if self.snapshot is None else self.snapshot.running + self.snapshot.waiting
         return base + len(self._since_snapshot) + self.remote_pending
 
+    def _pending_seen(self) -> int:
+        """Requests awaiting their first byte that the snapshot already counts (sent before it)."""
+        snap = self.snapshot
+        if snap is None:
+            return 0
+        at = self._dispatched_at
+        return sum(1 for t in self._prefill if at.get(t, math.inf) <= snap.taken_at)
+
     def view(self, now: float, breaker_allows: bool) -> EngineView:
         """What routing and admission see of this engine at ``now``."""
         self.tick(now, self.stale_after_s)
@@ -429,4 +453,10 @@ class EngineState:
             kv_usage=snap.kv_usage if snap is not None else 1.0,
             prefill=sum(self._prefill.values()),
             block_size=snap.block_size if snap is not None else None,
+            running=snap.running if snap is not None else 0.0,
+            waiting=snap.waiting if snap is not None else 0.0,
+            pending=len(self._prefill),
+            pending_seen=self._pending_seen(),
+            prefill_tps=self.rates.prefill_tps,
+            step_s=self.rates.step_s,
         )

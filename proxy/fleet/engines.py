@@ -269,7 +269,10 @@ def _admin_row(engine: Engine, now: float) -> dict[str, Any]:
         # Reported by the other proxy processes sharing routing state (``proxy.core.sharing``).
         "inflight_other_proxies": state.remote_open,
         "completed": state.completed,
-        "prefill_pending_blocks": view.prefill,
+        "prefill_pending_tokens": view.prefill,
+        "prefill_pending_requests": view.pending,
+        "prefill_tokens_per_s": view.prefill_tps,
+        "step_s": view.step_s,
         "dispatched_since_snapshot": state.dispatched_since_snapshot,
         "consecutive_scrape_failures": state.consecutive_failures,
         "last_error": state.last_error,

@@ -24,7 +24,7 @@ import zmq.asyncio
 
 from proxy.core.blockhash import root_for
 from proxy.core.config import Config
-from proxy.core.holdings import PreciseHoldings
+from proxy.core.exact_holdings import PreciseHoldings
 from proxy.core.inbound import Endpoint, Inbound
 from proxy.core.routing import EngineView
 from proxy.fleet.kvevents import EngineListener

@@ -301,19 +301,19 @@ def _rank(
     views = ctx.admission.eligible(priority, _with_room(ctx, pool), need)
     holdings = (None if ctx.precise is None else
                 ctx.precise.holdings(pool, inbound, salting.salt, views))
-    held = None if holdings is None else holdings.chain_blocks(
-        [v.name for v in views], len(inbound.prompt_text), routing.block_chars, len(chain))
-    key = RouteKey(chain=chain, tenant=tenant, model=model, held=held)
+    held = None if holdings is None else holdings.known([v.name for v in views])
+    key = RouteKey(chain=chain, tenant=tenant, model=model, held=held,
+                   prompt_tokens=len(inbound.prompt_text) / routing.chars_per_token,
+                   block_tokens=routing.block_chars / routing.chars_per_token)
     ranked = policy.rank(key, views)
     if not ranked:
         raise NoEngine(pool, reason=REASON_NO_ENGINE, retry_after_s=ctx.cfg.admission.retry_after_s)
-    # The prompt work each engine that may get the request would do, counted while it waits
-    # for its first byte (asked before ``observe`` records the pick as holding the prompt).
+    # The prompt tokens each engine that may get the request would compute, counted while it
+    # waits for its first byte (asked before ``observe`` records the pick as holding the prompt).
     job.prefill = {
-        name: float(policy.uncached(key, name)) for name in ranked[: 1 + ctx.cfg.upstream.retries]
+        name: policy.uncached_tokens(key, name) for name in ranked[: 1 + ctx.cfg.upstream.retries]
     }
-    job.prompt_tokens = _uncached_tokens(len(inbound.prompt_text), len(chain), job.prefill,
-                                         routing.block_chars)
+    job.prompt_tokens = dict(job.prefill)
     policy.observe(key, ranked[0])
     ctx.outbox.dispatched(pool, ranked[0], chain)
     if holdings is not None and ctx.precise is not None:
@@ -336,14 +336,6 @@ def _with_room(ctx: ShellContext, pool: str) -> list[EngineView]:
             retry_after_s=ctx.cfg.admission.retry_after_s,
         )
     return room
-
-
-def _uncached_tokens(
-    chars: int, chain: int, uncached: dict[str, float], block_chars: int
-) -> dict[str, float]:
-    """Per engine: prompt tokens it does not hold (the prompt less its cached chain blocks)."""
-    tokens, per_block = chars / CHARS_PER_TOKEN, block_chars / CHARS_PER_TOKEN
-    return {name: max(0.0, tokens - (chain - n) * per_block) for name, n in uncached.items()}
 
 
 def _engine_priority(ctx: ShellContext, pool: str, priority: Priority) -> int | None:

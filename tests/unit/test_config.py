@@ -63,7 +63,7 @@ def test_defaults() -> None:
     assert cfg.server.port == 8000
     assert cfg.server.max_body_bytes == 4 * 1024 * 1024
     assert cfg.telemetry.interval_s == 0.2
-    assert cfg.routing.policy == "prefix_affinity"
+    assert cfg.routing.policy == "expected_ttft"
     assert cfg.routing.load_factor == 2.0
     assert cfg.admission.sheddable == ClassThreshold(0.85, 0.75)
     assert cfg.breaker.failure_threshold == 3

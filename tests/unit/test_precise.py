@@ -19,7 +19,7 @@ from engine_sidecar.sim.kvevents import AllBlocksCleared, BlockRemoved, BlockSto
 from proxy.core.blockhash import chain_keys, hash_block_tokens, int_hash, root_for
 from proxy.core.config import Config, EngineConfig, PoolConfig, RoutingConfig
 from proxy.core.errors import ConfigError
-from proxy.core.holdings import PreciseHoldings, as_chain_blocks
+from proxy.core.exact_holdings import PreciseHoldings
 from proxy.core.kv_config import EngineEvents
 from proxy.core.kvindex import BadBatch, Batch, ExactIndex, Removed, Stored, parse_batch
 from proxy.core.kvstate import IllegalMove, Listening, Mode, Seq, Sequencer
@@ -156,14 +156,15 @@ def test_precise_holdings_replace_the_approximate_guess_in_routing() -> None:
     assert found.held_tokens("a") == 24 and found.held_tokens("b") == 0
     assert found.held_tokens("c") is None
     assert found.new_blocks("a") == keys[3:]
-    held = as_chain_blocks(found, ["a", "b", "c"], prompt_chars=400, prompt_tokens=40,
-                           block_chars=100, chain_len=4)
-    assert held == {"a": 2, "b": 0}
+    held = found.known(["a", "b", "c"])
+    assert held == {"a": 24.0, "b": 0.0}
     policy = PrefixAffinity(RoutingConfig())
     policy.observe(RouteKey((1, 2, 3, 4)), "b")  # the approximate index guesses b
     assert policy.uncached(RouteKey((1, 2, 3, 4)), "b") == 0
-    assert policy.uncached(RouteKey((1, 2, 3, 4), held=held), "b") == 4
-    assert policy.uncached(RouteKey((1, 2, 3, 4), held=held), "a") == 2
+    # 10 tokens a chain block: a holds 24 tokens, 2 whole blocks; b is known to hold nothing.
+    exact = RouteKey((1, 2, 3, 4), held=held, block_tokens=10.0)
+    assert policy.uncached(exact, "b") == 4
+    assert policy.uncached(exact, "a") == 2
 
 
 @pytest.mark.parametrize(("endpoint", "bind"), [

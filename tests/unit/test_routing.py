@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proxy.core.config import RoutingConfig
+from proxy.core.costmodel import ExpectedTTFT
 from proxy.core.prefix import canonical_chat, prefix_chain
 from proxy.core.routing import (
     BlockIndex,
@@ -55,14 +56,15 @@ def views(draw: st.DrawFn, min_size: int = 1) -> list[EngineView]:
 
 
 chains = st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=6).map(tuple)
-policy_names = st.sampled_from(["round_robin", "least_load", "prefix_affinity"])
+policy_names = st.sampled_from(["round_robin", "least_load", "prefix_affinity", "expected_ttft"])
 
 
 def test_make_policy() -> None:
     assert isinstance(make_policy(RoutingConfig(policy="round_robin")), RoundRobin)
     assert isinstance(make_policy(RoutingConfig(policy="least_load")), LeastLoad)
-    assert isinstance(make_policy(RoutingConfig()), PrefixAffinity)
-    for name in ("round_robin", "least_load", "prefix_affinity"):
+    assert isinstance(make_policy(RoutingConfig(policy="prefix_affinity")), PrefixAffinity)
+    assert isinstance(make_policy(RoutingConfig()), ExpectedTTFT)
+    for name in ("round_robin", "least_load", "prefix_affinity", "expected_ttft"):
         assert make_policy(RoutingConfig(policy=name)).name == name
 
 
@@ -223,7 +225,7 @@ def test_shared_system_prompt_spreads_under_load(place_new: str) -> None:
         k = key(11, 12, 13, i)
         vs = [EngineView(n, True, True, load, 0.1, prefill=backlog[n]) for n, load in loads.items()]
         pick = policy.rank(k, vs)[0]
-        backlog[pick] += policy.uncached(k, pick)
+        backlog[pick] += policy.uncached_tokens(k, pick)
         policy.observe(k, pick)
         loads[pick] += 1
     assert max(loads.values()) <= math.ceil(1.25 * 200 / 4)
@@ -308,7 +310,7 @@ def test_new_conversation_goes_to_the_least_prefill_backlog() -> None:
     system = (11, 12, 13)
     for i in range(3):
         policy.observe(key(*system), f"e{i}")  # e3 lacks even the system prompt
-    vs = [EngineView(n, True, True, load, 0.1, prefill=p)
+    vs = [EngineView(n, True, True, load, 0.1, prefill=p * 64)
           for n, load, p in (("e0", 1, 40.0), ("e1", 3, 2.0), ("e2", 2, 9.0), ("e3", 0, 0.0))]
     first = key(*system, 40, 41)
     # e1: 2 + 2 blocks to prefill; e3: 0 + 5; e2: 9 + 2; e0: 40 + 2.

@@ -1,0 +1,162 @@
+"""The expected-TTFT cost model: each engine scored by the seconds a request would wait there for
+its first token. Pure: no I/O, no clock, no randomness.
+
+Rules:
+- One unit, estimated seconds. A request's time to first token on engine E is the prompt work
+  ahead of it there plus its own, and the engine steps that work spans:
+
+      ttft(E) = (queued + uncached) / prefill_tps + (1 + (queued + uncached) / chunk) * step_s
+
+  ``queued``: prompt tokens waiting to be computed at E: this proxy's requests that have had no
+  first byte (their uncached sizes are known) plus the snapshot's other waiting requests at the
+  pool's mean prompt size.
+  ``uncached``: this request's prompt tokens E does not hold
+  (``PrefixHoldings``). ``step_s``: one engine step with E's current decode batch: every running
+  sequence rides along in every step, so decode work stretches the steps the prefill needs.
+- Rates: an engine's own, measured from its metrics, when both are known; otherwise the profile
+  defaults of ``[routing]`` (``prefill_tokens_per_s``, ``decode_step_s`` plus
+  ``decode_seq_step_s`` per running sequence). Only ratios decide a ranking, so a fleet running
+  uniformly faster or slower than its profile is ranked the same.
+- What is compared is the wait plus the request's own prefill time counted once for itself and
+  once for every request that will queue behind it there: ``cost = wait + own_s * (1 + L)``,
+  with ``L`` the pool's mean queue (requests the engines report waiting, per engine, a moving
+  average over decisions: the pool's load as the engines see it, which this proxy's own burst
+  since the last scrape does not inflate; ``1 + L`` stands for ``1 / (1 - rho)`` of a prefill
+  queue of utilisation ``rho``: how much a unit of work added to a busy server stretches its
+  busy period, and so delays what queues behind it). On an idle pool this is the request's
+  own expected TTFT; under load an engine that must recompute a prompt another engine holds pays
+  for the requests that recompute delays, so a conversation is not moved off the engine holding
+  its history for a small gain of its own. ``L`` is the average before this decision, so the
+  views of one decision enter only through the estimates (monotone in each engine's queue).
+- The lowest cost wins. Costs within ``cost_tolerance`` (relative) of the lowest are equal
+  within the model's accuracy; among them the engine holding the most of the prompt wins (it saves
+  the fleet that prefill), then the least expected wait (ties and new prefixes), then a
+  rendezvous order on the prompt (a deterministic spread by content).
+- The queued work counts what this proxy sent since the last scrape, so a burst sharing a new
+  prefix follows its first request (the holdings record it at dispatch) only as long as the
+  growing queue there keeps the estimate within the tolerance; then it opens a second home.
+- Unroutable engines never appear; stale engines only when no engine is fresh, least loaded
+  first (fail open). Work per decision: O(engines x chain length).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
+
+from proxy.core.config import RoutingConfig
+from proxy.core.holdings import ApproxHoldings, PrefixHoldings
+from proxy.core.rendezvous import Rendezvous
+from proxy.core.routeview import EngineView, RouteKey, candidates, least_loaded, with_exact
+
+# Weight of one decision in the pool's moving averages (mean prompt size, mean queue length).
+_MEAN_WEIGHT = 1.0 / 32
+
+
+class Estimate(NamedTuple):
+    """One engine's figures for one request, in seconds and tokens (a tuple: one is made per
+    engine per decision, and a frozen dataclass costs several times as much to build)."""
+
+    name: str
+    wait_s: float  # the work queued ahead of the request
+    ttft_s: float  # wait plus the request's own prefill
+    held: float  # prompt tokens the engine holds
+    cost_s: float  # wait plus the own prefill times the requests it delays (what is compared)
+
+
+def decoding(e: EngineView) -> float:
+    """Sequences decoding at ``e``: its load less what waits for a first token."""
+    return max(0.0, e.load - e.waiting - e.pending)
+
+
+def queued_tokens(e: EngineView, mean_prompt: float) -> float:
+    """Prompt tokens ahead of a new request at ``e``: known sizes first, the rest estimated.
+
+    This proxy's requests count whole until their first byte, also those the snapshot shows
+    admitted: with chunked prefill an admitted request may still have most of its prompt to
+    compute (an engine admits whatever fits the step's token budget, even a token of it), so
+    the snapshot's waiting count says little about prefill work. Only the snapshot's other
+    waiting requests (another replica's) are of unknown size: the pool's mean prompt each.
+    """
+    unknown = e.waiting - e.pending_seen
+    return (e.prefill if e.prefill > 0.0 else 0.0) + (unknown * mean_prompt if unknown > 0 else 0.0)
+
+
+def estimate(e: EngineView, held: float, key: RouteKey, mean_prompt: float,
+             cfg: RoutingConfig, *, delayed: float = 1.0) -> Estimate:
+    """``e``'s figures for ``key`` (the formula in the module docstring; one call per engine
+    per decision, so written out flat). ``delayed``: the requests the own prefill delays."""
+    if e.prefill_tps and e.step_s:
+        tps, step = e.prefill_tps, e.step_s
+    else:
+        tps = cfg.prefill_tokens_per_s
+        step = cfg.decode_step_s + decoding(e) * cfg.decode_seq_step_s
+    chunk = cfg.chunk_tokens
+    queued = queued_tokens(e, mean_prompt)
+    own = key.tokens - held
+    total = queued + own if own > 0.0 else queued
+    wait = queued / tps + (1.0 + queued / chunk) * step
+    ttft = total / tps + (1.0 + total / chunk) * step
+    return Estimate(e.name, wait, ttft, held, wait + (ttft - wait) * delayed)
+
+
+def choose(estimates: Sequence[Estimate], tolerance: float,
+           order: Mapping[str, int]) -> tuple[str, ...]:
+    """Engine names best first: the pick among the near-lowest, then the rest by estimate;
+    ``order`` (lower first) breaks the remaining ties."""
+    if not estimates:
+        return ()
+    best = min(e.cost_s for e in estimates)
+    near = [e for e in estimates if e.cost_s <= best * (1.0 + tolerance)]
+    pick = min(near, key=lambda e: (-e.held, e.wait_s, e.cost_s, order[e.name]))
+    rest = sorted((e for e in estimates if e is not pick),
+                  key=lambda e: (e.cost_s, e.wait_s, order[e.name]))
+    return (pick.name, *(e.name for e in rest))
+
+
+class ExpectedTTFT:
+    """Lowest expected time to first token, with the engines' caches from ``PrefixHoldings``."""
+
+    name = "expected_ttft"
+
+    def __init__(self, cfg: RoutingConfig, holdings: PrefixHoldings | None = None) -> None:
+        self.cfg = cfg
+        self.holdings: PrefixHoldings = (
+            holdings if holdings is not None else ApproxHoldings(cfg.index_blocks)
+        )
+        self._rendezvous = Rendezvous(cfg.seed)
+        self.mean_prompt = 0.0  # tokens; 0 until the first request
+        self.mean_queue = 0.0  # requests waiting for prefill per engine, moving average
+
+    def estimates(self, key: RouteKey, engines: Sequence[EngineView]) -> list[Estimate]:
+        names = [e.name for e in engines]
+        held = with_exact(self.holdings.held_tokens(key, names), key, names)
+        mean, delayed = self.mean_prompt or key.tokens, 1.0 + self.mean_queue
+        return [estimate(e, held.get(e.name, 0.0), key, mean, self.cfg, delayed=delayed)
+                for e in engines]
+
+    def rank(self, key: RouteKey, engines: Sequence[EngineView]) -> tuple[str, ...]:
+        cands, stale_only = candidates(engines)
+        if stale_only:
+            return tuple(e.name for e in least_loaded(cands))
+        at = key.chain[-1] if key.chain else 0
+        order = {e.name: -self._rendezvous.weight(at, e.name) for e in cands}
+        ranked = choose(self.estimates(key, cands), self.cfg.cost_tolerance, order)
+        # After the decision: what this ranking saw weighs only on later ones.
+        queue = sum(e.waiting for e in cands) / len(cands)
+        self.mean_queue += _MEAN_WEIGHT * (queue - self.mean_queue)
+        return ranked
+
+    def observe(self, key: RouteKey, engine: str) -> None:
+        self.holdings.record(key, engine)
+        tokens = key.tokens
+        self.mean_prompt = tokens if not self.mean_prompt else (
+            self.mean_prompt + _MEAN_WEIGHT * (tokens - self.mean_prompt))
+
+    def uncached_tokens(self, key: RouteKey, engine: str) -> float:
+        held = with_exact(self.holdings.held_tokens(key, [engine]), key, [engine]).get(engine, 0.0)
+        return max(0.0, key.tokens - held)
+
+    def forget(self, engine: str) -> None:
+        self.holdings.forget(engine)
+        self._rendezvous.forget(engine)
