@@ -100,6 +100,7 @@ def measure(name: str, engines: int, prompt_chars: int, decisions: int,
 
 def run(quick: bool) -> dict[str, object]:
     decisions, reps = (200, 3) if quick else (1000, 5)
+    env = machine.environment()  # its load average is the one at the start
     rows = []
     for engines in (8, 64):
         for prompt_chars in (2_000, 32_000, 128_000):
@@ -111,8 +112,12 @@ def run(quick: bool) -> dict[str, object]:
                       f"policy {figures['policy_us']:8.1f} us, chain {figures['chain_us']:7.1f} us",
                       file=sys.stderr)
     return {"benchmark": "decision", "when": machine.now_utc(), "command": machine.command_line(),
-            "environment": machine.environment(), "load_avg_at_end": list(os.getloadavg()),
+            "environment": env, "load_avg_at_end": list(os.getloadavg()),
             "decisions": decisions, "repetitions": reps, "rows": rows}
+
+
+def _loads(values: object) -> str:
+    return " ".join(f"{v:.2f}" for v in values) if isinstance(values, list) else str(values)
 
 
 def markdown(result: dict[str, object]) -> str:
@@ -121,8 +126,8 @@ def markdown(result: dict[str, object]) -> str:
     lines = [
         "# Routing decision CPU cost", "",
         f"{result['when']}, `{result['command']}`; {env['cpu_model']} ({env['nproc']} cores), "
-        f"Python {env['python']}; load average {env['load_avg_at_start']} at start, "
-        f"{result['load_avg_at_end']} at end (a shared machine: figures are the best of "
+        f"Python {env['python']}; load average {_loads(env['load_avg_at_start'])} at start, "
+        f"{_loads(result['load_avg_at_end'])} at end (a shared machine: figures are the best of "
         f"{result['repetitions']} repetitions of {result['decisions']} decisions).", "",
         "µs per decision: `rank` + `uncached_tokens` for the pick and the retry target + "
         "`observe` (policy), and the prompt's prefix chain hashing (chain), which every "
