@@ -26,6 +26,7 @@ from aiohttp import web
 from proxy.core.admission import REASON_NO_ENGINE, Admit, Priority
 from proxy.core.errors import NoCapacity, NoEngine
 from proxy.core.holding import (
+    HOLDABLE,
     REASON_HOLD_FULL,
     DrainRate,
     Hold,
@@ -198,6 +199,8 @@ class Holding:
             try:
                 return ask.decide(self._ctx)
             except NoCapacity as shed:
+                if shed.reason not in HOLDABLE:
+                    raise  # not load (no engine left, stale telemetry): as it is, at once
                 if not holdable(shed.reason, self._in_flight(ask.plan.pool)):
                     raise self._late(ask, shed.reason, shed) from None
                 last = shed
