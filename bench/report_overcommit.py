@@ -30,8 +30,9 @@ READING = (
     "output still to come, the output length learned from the pool's answers) and stops sending "
     "sheddable work where that forecast of the engine's peak reaches the sheddable mark for "
     "committed KV, standard work at the standard mark; critical work is never closed. Work it "
-    "defers is refused with `Retry-After`, and the clients come back for it, bounded as real "
-    "clients are."
+    "defers is held in the proxy for a short, bounded time (1 s standard, 4 s sheddable) and "
+    "admitted as soon as answers in flight end and make room; what is still refused then gets "
+    "503 with `Retry-After`, and the clients come back for it, bounded as real clients are."
 )
 
 ARM_TEXT = {

@@ -197,8 +197,24 @@ class PressureConfig:
     # standard and critical requests while the sheddable ones already sent run to their end.
     committed_sheddable: ClassThreshold = ClassThreshold(0.90, 0.85)
     committed_standard: ClassThreshold = ClassThreshold(1.00, 0.95)
+    # Holding (``proxy.core.holding``): a standard or sheddable request refused for load while
+    # this proxy has answers in flight on the pool waits up to this long for room instead of
+    # being refused at once; 0: refused at once. Kept short on purpose: the wait adds to the
+    # request's time to first token, and under sustained overload a longer queue only turns
+    # refused requests into late ones (and late work still takes the room of timely work). One
+    # second for interactive (standard) work, a few (two ``admission.retry_after_s``) for
+    # background (sheddable) work; a client's own deadline (``X-Request-Timeout`` / ``timeout``)
+    # shortens either.
+    hold_standard_s: float = 1.0
+    hold_sheddable_s: float = 4.0
+    # Requests held at once per pool; one more is refused at once (``hold_queue_full``).
+    hold_max_requests: int = 256
 
     def __post_init__(self) -> None:
+        for name in ("hold_standard_s", "hold_sheddable_s"):
+            value = getattr(self, name)
+            _require(0 <= value <= 300, name, "must be in 0..300 seconds")
+        _require(self.hold_max_requests >= 0, "hold_max_requests", "must be >= 0")
         _require(self.horizon_scrapes >= 0, "horizon_scrapes", "must be >= 0")
         _require(self.window_scrapes >= 2, "window_scrapes", "must be >= 2")
         _require(self.escalate_scrapes >= 1, "escalate_scrapes", "must be >= 1")

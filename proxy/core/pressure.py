@@ -21,6 +21,11 @@ Rules:
   projected KV reaches the class's admission threshold (``shed_above``), reason ``kv_overcommit``,
   or when the engine preempts, reason ``preempting``: any preemption in the window closes
   sheddable; preemptions in ``escalate_scrapes`` intervals of the window close standard too.
+- Growth this proxy has committed: with commitments known, a projection closing holds only while
+  the projection stands above committed KV, i.e. the engine grows by more than everything this
+  proxy's requests in flight still owe it (another client's or replica's work). Growth they
+  explain is already judged, request by request, against the committed marks; counting it twice
+  closed engines after every burst of admissions while their committed KV had room.
 - Hysteresis: a KV closing opens again only when projected KV falls below the class's
   ``admit_below``; a preemption closing lasts ``hold_scrapes`` intervals after the last preemption.
 - Commitments (``proxy.core.commitment``): the engine's reported usage plus the KV its requests in
@@ -181,11 +186,18 @@ class PressureTracker:
         for level in (Level.STANDARD, Level.SHEDDABLE):
             if self._preempt_until[level] > now:
                 return level, REASON_PREEMPTING
-            if self._kv_closed[level]:
+            if self._kv_closed[level] and self._unexplained():
                 return level, REASON_OVERCOMMIT
             if self._commit_closed[level]:
                 return level, REASON_COMMITTED
         return Level.OPEN, None
+
+    def _unexplained(self) -> bool:
+        """Whether the projected growth goes beyond what this proxy's requests in flight still
+        owe the engine: always, when commitments are unknown."""
+        committed = self._committed
+        projected = self._state.projected_kv
+        return committed is None or projected is None or projected > committed[0]
 
     # -- reading
 

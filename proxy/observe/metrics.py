@@ -93,6 +93,13 @@ class ProxyMetrics:
             "kvproxy_shed", "Requests refused with 503 before any response byte, by reason",
             ["pool", "class", "reason"], registry=r,
         )  # fmt: skip
+        self.held = Counter(
+            "kvproxy_held", "Requests held for room before admission, by how the hold ended "
+            "(admitted, refused, gone: the client left)", ["pool", "class", "outcome"], registry=r,
+        )  # fmt: skip
+        self.held_now = Gauge(
+            "kvproxy_held_requests", "Requests held for room now", ["pool"], registry=r,
+        )  # fmt: skip
         self.degraded = Counter(
             "kvproxy_degraded", "Requests served by another pool than asked for (tiering)",
             ["from_pool", "to_pool"], registry=r,

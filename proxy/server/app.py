@@ -39,6 +39,7 @@ from proxy.fleet.upstream import make_data_session, make_scrape_session
 from proxy.observe.looplag import LoopLag
 from proxy.observe.metrics import ProxyMetrics
 from proxy.server import handlers, specfirst
+from proxy.server.admit import HOLDING, Holding
 from proxy.server.connections import SERVER_NAME
 from proxy.server.context import Drain, ShellContext
 from proxy.server.keys import MODELS, REQUEST_ID, SCRAPER_TASK, SHARING, SHELL, WORKER
@@ -80,6 +81,7 @@ def build_app(
     if worker is not None:
         app[WORKER] = WorkerLink(worker)
     app[specfirst.SPECFIRST] = specfirst.build(app[SHELL])
+    app[HOLDING] = Holding(app[SHELL])
     app.cleanup_ctx.append(_upstream_sessions)
     app.cleanup_ctx.append(_scraper)
     app.cleanup_ctx.append(_kv_events)

@@ -21,7 +21,7 @@ import orjson
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
-from proxy.core.admission import REASON_NO_ENGINE, Admit, Priority, engine_priority, parse_priority
+from proxy.core.admission import REASON_NO_ENGINE, Priority, engine_priority, parse_priority
 from proxy.core.cache_entry import CachedResponse
 from proxy.core.deadline import FIELD as TIMEOUT_FIELD
 from proxy.core.deadline import HEADER as TIMEOUT_HEADER
@@ -39,7 +39,6 @@ from proxy.core.inbound import Endpoint, Inbound, accept, rewrite
 from proxy.core.isolation import Salting, client_salt
 from proxy.core.pools import (
     ModelEntry,
-    PoolPlan,
     find_model,
     model_names,
     resolve_model,
@@ -53,12 +52,13 @@ from proxy.fleet.upstream import request_headers
 from proxy.observe import accesslog
 from proxy.observe.metrics import CONTENT_TYPE
 from proxy.server import specanswer
+from proxy.server.admit import HOLDING, need_tokens
 from proxy.server.context import ShellContext
 from proxy.server.job import Job
 from proxy.server.keys import MODELS, REQUEST_ID, SHELL, WORKER
 from proxy.server.relay import CLIENT_CLOSED, REASON_CONNECTIONS_FULL, Relay
 from proxy.server.specfirst import SPECFIRST
-from proxy.tenancy.frontdoor import CHARS_PER_TOKEN, DOOR, replay, wants_usage
+from proxy.tenancy.frontdoor import DOOR, replay, wants_usage
 
 
 def request_id(request: web.Request) -> str:
@@ -133,7 +133,8 @@ async def _serve(
         if drafted is not None:
             visit.discard()  # assembled here, not relayed: the cache keeps engines' own answers
             return drafted
-        job.pool = _admit(ctx, plan, priority, inbound, job.max_tokens)
+        holding = request.app[HOLDING]
+        job.pool = await holding.admit(plan, priority, inbound, job.max_tokens, job.deadline)
         if job.pool != plan.pool:
             visit.discard()  # another pool's answer is not the answer for the model asked for
         model = upstream_model(ctx.cfg, job.pool, inbound.model)
@@ -146,7 +147,10 @@ async def _serve(
             cache_salt=salting.salt,
         )
         job.headers = request_headers(request.headers, job.request_id)
-        return await Relay(ctx, request, job).run(ranked)
+        try:
+            return await Relay(ctx, request, job).run(ranked)
+        finally:
+            holding.ended(job.pool, _freed(ctx, job, inbound))
 
 
 async def _speculative(
@@ -228,46 +232,12 @@ def _max_tokens(inbound: Inbound) -> int | None:
     return None
 
 
-def _need(ctx: ShellContext, pool: str, inbound: Inbound, max_tokens: int | None) -> float:
-    """KV tokens the request is expected to take: its prompt and its expected answer."""
-    prompt = len(inbound.prompt_text) / CHARS_PER_TOKEN
-    return prompt + ctx.fleet.estimate(pool).expected(max_tokens)
-
-
-def _admit(
-    ctx: ShellContext, plan: PoolPlan, priority: Priority, inbound: Inbound, max_tokens: int | None
-) -> str:
-    """The pool that serves the request, or ``NoCapacity`` (shed) with the reason."""
-    now = ctx.clock()
-    need = _need(ctx, plan.pool, inbound, max_tokens)
-    decision = ctx.admission.decide(plan.pool, priority, ctx.fleet.views(plan.pool, now), need)
-    if isinstance(decision, Admit):
-        return _admitted(ctx, plan.pool, decision)
-    for fallback in _fallbacks(plan, priority):
-        need = _need(ctx, fallback, inbound, max_tokens)
-        second = ctx.admission.decide(fallback, priority, ctx.fleet.views(fallback, now), need)
-        if isinstance(second, Admit):
-            ctx.metrics.degraded.labels(plan.pool, fallback).inc()
-            return _admitted(ctx, fallback, second)
-    if decision.reason == REASON_NO_ENGINE:
-        raise NoEngine(plan.pool, reason=decision.reason, retry_after_s=decision.retry_after_s)
-    raise NoCapacity(
-        f"{plan.pool} pool is overloaded for {priority.value} requests ({decision.reason})",
-        reason=decision.reason,
-        retry_after_s=decision.retry_after_s,
-    )
-
-
-def _fallbacks(plan: PoolPlan, priority: Priority) -> tuple[str, ...]:
-    """Where a request the first pool would shed may go instead, in order: only sheddable work
-    for a tier chain (``resolve_model`` already cut chains to one pool without degrading)."""
-    return plan.fallbacks if priority is Priority.SHEDDABLE else ()
-
-
-def _admitted(ctx: ShellContext, pool: str, decision: Admit) -> str:
-    if decision.stale_fail_open:
-        ctx.metrics.stale_fail_open.labels(pool).inc()
-    return pool
+def _freed(ctx: ShellContext, job: Job, inbound: Inbound) -> float:
+    """KV tokens an ended answer gave back to its engine: its usage, else what it was expected
+    to take."""
+    if job.usage is not None:
+        return float(job.usage.prompt + job.usage.completion)
+    return need_tokens(ctx, job.pool, inbound, job.max_tokens)
 
 
 def _isolate(ctx: ShellContext, pool: str, tenant: str, client: str | None) -> Salting:
@@ -297,7 +267,7 @@ def _rank(
         max_blocks=routing.max_blocks,
     )
     policy = ctx.policies[pool]
-    need = _need(ctx, pool, inbound, job.max_tokens)
+    need = need_tokens(ctx, pool, inbound, job.max_tokens)
     views = ctx.admission.eligible(priority, _with_room(ctx, pool), need)
     holdings = (None if ctx.precise is None else
                 ctx.precise.holdings(pool, inbound, salting.salt, views))

@@ -168,8 +168,10 @@ async def reporting_low_usage(stack: Stack, **pressure: object) -> Stack:
 async def test_a_long_output_burst_is_held_back_by_what_it_will_take(
     make_stack: StackFactory,
 ) -> None:
+    # Holding off: what is measured here is the refusal itself (held requests: test_holding.py).
+    refusing = PressureConfig(hold_scrapes=50, hold_sheddable_s=0.0)
     stack = await reporting_low_usage(
-        await make_stack(targets=1, pressure=GUARD, engine_kw={"num_gpu_blocks": 200}))
+        await make_stack(targets=1, pressure=refusing, engine_kw={"num_gpu_blocks": 200}))
     sending = asyncio.create_task(burst(stack, "sheddable", 12))
 
     async def six_in_flight() -> bool:

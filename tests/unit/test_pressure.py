@@ -54,6 +54,21 @@ def test_growth_projected_over_the_horizon_closes_sheddable_before_the_threshold
     assert p.projected_kv == pytest.approx(0.88)
 
 
+def test_growth_that_this_proxys_commitments_explain_closes_nothing_twice() -> None:
+    t = tracker()
+    now = feed(t, [0.60, 0.64, 0.68, 0.72, 0.76])  # projected 0.88, as above
+    # What this proxy's requests in flight still owe takes the engine to 0.89: the growth is
+    # theirs, already judged against the committed marks (0.89 < sheddable's 0.90): open.
+    t.commit(0.89, 16_000)
+    assert t.pressure(now).level is Level.OPEN
+    # They owe less than the engine is growing by: someone else's work, the projection closes.
+    t.commit(0.80, 16_000)
+    p = t.pressure(now)
+    assert (p.level, p.reason) == (Level.SHEDDABLE, REASON_OVERCOMMIT)
+    t.commit(None)  # commitments unknown: the projection alone, as without them
+    assert t.pressure(now).reason == REASON_OVERCOMMIT
+
+
 def test_flat_kv_below_threshold_stays_open() -> None:
     t = tracker()
     now = feed(t, [0.80] * 6)
