@@ -16,6 +16,8 @@ from engine_sidecar.speculation.policy import (
 from engine_sidecar.speculation.schedule import k_for_batch, uniform
 from engine_sidecar.speculation.shift import ShiftSettings, change_point
 from engine_sidecar.speculation.window import MetricsWindow, Snapshot
+from engine_sidecar.vllm.adaptive import _controller_settings, settings_from
+from engine_sidecar.vllm.profile import ProfileError, parse_profile
 
 COST = StepCost(fixed_s=0.004, weights_s=0.026, kv_per_seq_s=0.00002,
                 compute_per_token_s=0.00013, draft_pass_s=0.002)
@@ -134,3 +136,18 @@ def test_window_polls_cut_load_and_prefill_share():
     assert found.prefill_chunk == pytest.approx(160.0)
     w.cut(1)
     assert w.polls() == [(100.0, 30.0)]
+
+
+def test_the_profile_sets_the_new_settings_and_refuses_bad_ones_naming_them():
+    base = ('[engine]\nmodel = "/m/target"\nserved_model_name = "t"\n'
+            'speculative = { method = "ngram", num_speculative_tokens = 4 }\n'
+            '[speculation]\nadaptive = true\ncoordination = "local"\n')
+    profile = parse_profile(base + 'horizon_s = 1200\nspare_load = 0.25\nshift_min = 0.2\n',
+                            name="p", env={})
+    settings = _controller_settings(profile, settings_from(profile))
+    assert settings.policy.horizon_s == 1200 and settings.policy.spare_load == 0.25
+    assert settings.shift.min_shift == 0.2 and settings.policy.tie == 0.01
+    for bad in ('spare_load = 1.0\n', 'horizon_s = 0\n', 'shift_min = 0\n', 'tie = -1.0\n'):
+        with pytest.raises(ProfileError) as exc:
+            settings_from(parse_profile(base + bad, name="p", env={}))
+        assert exc.value.field == "speculation"
