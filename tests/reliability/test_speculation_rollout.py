@@ -14,9 +14,9 @@ import time
 from typing import Any
 
 import orjson
+from integration.stack import Stack, StackFactory, chat_body
 
 from engine_sidecar.sim.speculation import SimSpecConfig
-from integration.stack import Stack, StackFactory, chat_body
 
 # 100 simulated seconds at the stack's time scale: half a second out per engine, many scrapes.
 SPEC = SimSpecConfig.build(restart_s=100.0)
