@@ -142,3 +142,23 @@ def render(data: Mapping[str, object]) -> str:
                                          "requests", "lost", "reconfigurations"], rows), "",
               "## Goals", "", *data["goals"], "", WHY, ""]  # type: ignore[list-item]
     return "\n".join(parts)
+
+
+def render_variations(variations: Sequence[Mapping[str, object]]) -> str:
+    """The same benchmark under other seeds or phase lengths (``speculation-*.json``): each
+    run's goals and whole-run rows, so that no default is judged on one workload alone."""
+    parts = ["## Variations", ""]
+    for data in variations:
+        arms = data["arms"]
+        assert isinstance(arms, dict)
+        settings = data["settings"]
+        assert isinstance(settings, dict)
+        rows = [[arm, v["whole"]["itl_p50_ms"], v["whole"]["itl_p99_ms"],
+                 v["whole"]["tokens_per_s"], v["sent"], v["lost"], v["reconfigurations"]]
+                for arm, v in arms.items()]
+        parts += [f"### seed {settings['seed']}, phases x{settings['scale']}", "",
+                  f"- command: `{data['command']}`", f"- run: {data['started_at']}", "",
+                  table(["arm", "ITL p50 (ms)", "ITL p99 (ms)", "output tok/s", "requests",
+                         "lost", "reconfigurations"], rows), "",
+                  *data["goals"], ""]  # type: ignore[list-item]
+    return "\n".join(parts)
