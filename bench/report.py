@@ -27,6 +27,7 @@ from bench.report_routing import calibration_markdown, routing_markdown
 from bench.report_soak import soak_markdown
 from bench.report_specfirst import write_specfirst
 from bench.report_speculation import render as speculation_markdown
+from bench.report_speculation import render_variations
 from bench.report_suite import suite_markdown
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -80,6 +81,9 @@ def write_speculation(results: Path) -> str | None:
     if not path.exists():
         return None
     text = speculation_markdown(read_json(path))
+    variations = [read_json(p) for p in sorted(results.glob("speculation-*.json"))]
+    if variations:
+        text += "\n" + render_variations(variations)
     (results / "speculation.md").write_text(text)
     return text
 

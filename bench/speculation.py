@@ -179,10 +179,7 @@ class Run:
         await asyncio.gather(*(task for _, task in users))
 
     def start_controllers(self) -> list[asyncio.Task[None]]:
-        settings = ControllerSettings(
-            policy=PolicySettings(max_k=self.arm.max_k, max_batch=MAX_NUM_SEQS,
-                                  min_interval_s=60.0, confirmations=2),
-            poll_s=2.0, eval_s=10.0, window_s=40.0)
+        settings = controller_settings(self.arm.max_k)
         lease = LocalLease(max_out=1)
         context = PROMPT_TOKENS + sum(OUTPUT_TOKENS) // 4
         self.controllers = [attach_controller(e, settings, lease, context_tokens=context)
@@ -203,6 +200,24 @@ class Run:
         self.result.reconfigurations = sum(c.stats.reconfigurations["ok"]
                                            for c in self.controllers)
         return self.result
+
+
+def controller_settings(max_k: int) -> ControllerSettings:
+    """The adaptive arm's loop: the product's defaults except for faster polling and a shorter
+    minimum interval, scaled to four-minute phases (the same since the first run)."""
+    return ControllerSettings(
+        policy=PolicySettings(max_k=max_k, max_batch=MAX_NUM_SEQS, min_interval_s=60.0,
+                              confirmations=2),
+        poll_s=2.0, eval_s=10.0, window_s=40.0)
+
+
+def _describe(settings: ControllerSettings) -> dict[str, object]:
+    p, s = settings.policy, settings
+    return {"poll_s": s.poll_s, "eval_s": s.eval_s, "window_s": s.window_s,
+            "margin": p.margin, "min_interval_s": p.min_interval_s,
+            "confirmations": p.confirmations, "tie": p.tie, "horizon_s": p.horizon_s,
+            "restart_cost_s": p.restart_cost_s, "spare_load": p.spare_load,
+            "shift_threshold": s.shift.threshold, "shift_min": s.shift.min_shift}
 
 
 def run_arm(arm: Arm, plan: list[Phase], seed: int, restart_s: float) -> ArmResult:
@@ -226,7 +241,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = {"seed": args.seed, "scale": args.scale, "restart_s": args.restart_s,
                 "engines": ENGINES, "profile": "llama70b-h100", "prompt_tokens": PROMPT_TOKENS,
                 "output_tokens": list(OUTPUT_TOKENS), "classes": CLASSES,
-                "vllm_style_schedule": VLLM_STYLE}
+                "vllm_style_schedule": VLLM_STYLE,
+                "adaptive_loop": _describe(controller_settings(8))}
     write_report(args.out, plan, results, settings, machine.environment(),
                  machine.command_line())
     return 0

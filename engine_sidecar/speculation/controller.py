@@ -1,8 +1,12 @@
 """The control loop's thin async shell: observe, decide (``policy``), roll out (``rollout``).
 
 Rules:
-- Every ``poll_s`` the engine's metrics feed the window; every ``eval_s`` the policy decides.
-  Every decision is logged (logger ``kvproxy.speculation``) with its inputs, and counted.
+- Every ``poll_s`` the engine's metrics feed the window and the shift test (``shift``) reads it;
+  every ``eval_s`` the policy decides, and at once when the test finds that acceptance moved (the
+  window is then cut at the change point). Every decision is logged (logger
+  ``kvproxy.speculation``) with its inputs, and counted.
+- How long a rollout kept the engine out (drain, restart, warm-up) is measured and is what the
+  policy charges the next change for.
 - A change is rolled out only when ``act`` is on, the gate allows it and the pool lease is held:
   the engine handle drains, restarts with the new schedule and warms up; if that fails, the handle
   is asked to come back on the last good schedule. The lease is released in every case.
@@ -25,6 +29,7 @@ from engine_sidecar.speculation.export import render
 from engine_sidecar.speculation.lease import Lease
 from engine_sidecar.speculation.policy import Decision, PolicySettings, PolicyState, decide
 from engine_sidecar.speculation.rollout import Rollout, RolloutState, may_start
+from engine_sidecar.speculation.shift import Shift, ShiftSettings, change_point
 from engine_sidecar.speculation.window import MetricsWindow, WindowFigures, snapshot_from_text
 
 log = logging.getLogger("kvproxy.speculation")
@@ -52,6 +57,7 @@ class ControllerSettings:
     # Hold a rollout while the engine's mean queue over the window is above this: a few requests
     # always wait for the next step, a backlog means the others could not take this one's share.
     max_waiting: float = 16.0
+    shift: ShiftSettings = field(default_factory=ShiftSettings)
 
     def __post_init__(self) -> None:
         if min(self.poll_s, self.eval_s, self.window_s) <= 0:
@@ -68,6 +74,8 @@ class ControllerStats:
     last_change_gain: float | None = None
     measured_gain: float | None = None
     rate_before: float | None = None
+    shifts: int = 0
+    out_s: float | None = None  # how long the last rollout kept the engine out
 
 
 ShedProbe = Callable[[], Awaitable[float | None]]
@@ -89,6 +97,7 @@ class Controller:
         self._last_eval = -1e18
         self.last_hold = ""
         self._latest: WindowFigures | None = None
+        self._shift_pending = False
 
     @property
     def max_k(self) -> int:
@@ -112,21 +121,34 @@ class Controller:
         text = await self.engine.metrics_text()
         if text is not None:
             self.window.add(snapshot_from_text(text, now))
-        if now - self._last_eval < self.settings.eval_s:
+            if (shift := change_point(self.window.polls(), self.settings.shift)) is not None:
+                self._on_shift(shift)
+        if now - self._last_eval < self.settings.eval_s and not self._shift_pending:
             return None
         self._last_eval = now
         return await self.evaluate(now)
 
+    def _on_shift(self, shift: Shift) -> None:
+        log.info("speculation shift engine=%s: first-position acceptance %.3f -> %.3f "
+                 "(statistic %.0f); deciding on the new regime only", self.name, shift.before,
+                 shift.after, shift.statistic)
+        self.window.cut(shift.index)
+        self.stats.shifts += 1
+        self._shift_pending = True
+
     async def evaluate(self, now: float) -> Decision | None:
         current = self.engine.current_schedule()
-        found = self.window.figures(current, self.max_k)
+        found = self.window.figures(current, self.max_k, self.settings.policy.max_batch)
         if found is None:
             return None
         self._latest = found
         self._calibrate(found, current)
         self._measure_gain(found)
         decision, self.state = decide(self.settings.policy, self.state, self.cost,
-                                      found.figures, current=current, now=now)
+                                      found.figures, current=current, now=now,
+                                      out_s=self.stats.out_s, shifted=self._shift_pending)
+        if decision.ranges:  # the shift's evidence was enough to decide on
+            self._shift_pending = False
         self._record(decision, found)
         if decision.action == "change" and self.settings.act:
             await self._apply(decision)
@@ -139,11 +161,15 @@ class Controller:
         return await self._apply(Decision("change", "requested", current, schedule, 0.0, ()))
 
     def _calibrate(self, found: WindowFigures, current: sch.Schedule) -> None:
+        if found.prefill_per_token is not None and found.prefill_chunk is not None:
+            self.cost = replace(self.cost, prefill_per_token=found.prefill_per_token,
+                                prefill_chunk=found.prefill_chunk)
         if found.measured_itl_s is None:
             return
         self.cost = calibrate(self.cost, measured_itl_s=found.measured_itl_s,
                               batch_weights=found.figures.batch_weights,
-                              k_of=lambda b: sch.k_for_batch(current, b, self.max_k))
+                              k_of=lambda b: sch.k_for_batch(current, b, self.max_k),
+                              per_position=found.figures.per_position)
 
     def _measure_gain(self, found: WindowFigures) -> None:
         before, now_rate = self.stats.rate_before, found.tokens_per_busy_second
@@ -154,10 +180,13 @@ class Controller:
         self.stats.decisions[decision.action] += 1
         self.stats.last = decision
         inputs = {"per_position": [round(p, 3) for p in found.figures.per_position],
-                  "drafts": found.figures.drafts,
+                  "drafts": found.figures.drafts, "load": round(found.load, 3),
+                  "out_s": self.stats.out_s,
                   "batch_weights": dict(sorted(found.figures.batch_weights.items())),
                   "measured_itl_s": found.measured_itl_s,
                   "step_time_factor": {"off": self.cost.factor_off, "on": self.cost.factor_on},
+                  "prefill": {"per_token": found.prefill_per_token,
+                              "chunk": found.prefill_chunk},
                   "current": sch.render(decision.current),
                   "proposed": sch.render(decision.proposed)}
         log.info("speculation decision engine=%s %s", self.name,
@@ -190,9 +219,11 @@ class Controller:
         self.stats.rate_before = self._latest.tokens_per_busy_second if self._latest else None
         log.info("speculation rollout engine=%s: %s -> %s", self.name, sch.render(good),
                  sch.render(decision.proposed))
+        started = self._now()
         try:
             self.rollout.move(RolloutState.RESTARTING)
             await self.engine.reconfigure(decision.proposed)
+            self.stats.out_s = self._now() - started
         except ReconfigureFailed as exc:
             log.error("speculation rollout engine=%s failed (%s); rolling back to %s",
                       self.name, exc, sch.render(good))

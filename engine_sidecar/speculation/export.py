@@ -44,6 +44,9 @@ def render(c: Controller) -> str:
         lines += _family("predicted_gain", "gauge", "Predicted goodput gain of the proposed "
                          "schedule over the current one (0.05 = 5 %).",
                          [("", st.last.predicted_gain)])
+        lines += _family("required_gain", "gauge", "Gain a change needs now to pay for its "
+                         "restart at the engine's load (0.05 = 5 %).",
+                         [("", st.last.required_gain)])
     if st.last_change_gain is not None:
         lines += _family("last_change_predicted_gain", "gauge",
                          "Predicted gain of the last schedule rolled out.",
@@ -52,6 +55,11 @@ def render(c: Controller) -> str:
         lines += _family("last_change_measured_gain", "gauge", "Output tokens per busy second "
                          "since the last change over the window before it, minus 1.",
                          [("", st.measured_gain)])
+    if st.out_s is not None:
+        lines += _family("last_restart_seconds", "gauge", "How long the last rollout kept the "
+                         "engine out (drain, restart, warm-up).", [("", st.out_s)])
+    lines += _family("shifts_total", "counter", "Acceptance shifts found by the change-point "
+                     "test.", [("", float(st.shifts))])
     lines += _family("decisions_total", "counter", "Controller evaluations by outcome.",
                      [(f'{{action="{a}"}}', float(n)) for a, n in st.decisions.items()])
     lines += _family("reconfigurations_total", "counter", "Schedule rollouts by result.",

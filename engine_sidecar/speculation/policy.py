@@ -4,13 +4,23 @@ Rules:
 - For each batch-size range the best K (0 = off) maximises accepted tokens per second,
   ``b * (1 + sum(p[:K])) / step_time(b, K)``, averaged over the batch sizes the engine ran at
   inside the range (weighted by time); a range the engine never ran at is judged at its middle.
-- A range keeps its current K unless the best one beats it by the margin (hysteresis per range);
-  the lowest range never drops below ``probe_k`` so that acceptance keeps being measured (vLLM
-  counts nothing while nobody drafts).
+- Within ``tie`` of the best value the shortest draft is the best K: a difference that small is
+  inside the model's error, and a shorter draft loses far less if acceptance falls (a long draft
+  at a large batch is paid in FLOPs by every step whether or not its tokens are accepted).
+- A proposal sets every range to its best K: the hysteresis is on the decision to restart (the
+  engine-wide gain must beat the margin), not per range, since once the engine restarts anyway a
+  range kept at a worse K only loses. The lowest range never drops below ``probe_k`` so that
+  acceptance keeps being measured (vLLM counts nothing while nobody drafts).
 - The engine-wide predicted gain is the ratio of the two schedules' throughput over the batch
   sizes seen. A change is proposed only when that gain exceeds the margin, the same proposal came
-  out of ``confirmations`` evaluations in a row, the last change is ``min_interval_s`` old, and the
-  window holds at least ``min_drafts`` drafts (or acceptance is otherwise known).
+  out of ``confirmations`` evaluations in a row (or the shift test has already established that
+  acceptance moved), the last change is ``min_interval_s`` old, and the window holds at least
+  ``min_drafts`` drafts (or acceptance is otherwise known).
+- A change must also pay for its restart (:func:`required_gain`): while the engine is out (a
+  measured or assumed ``out_s``) the rest of the pool carries its share, which is free while the
+  pool has room and costs about the engine's whole output once it runs full. The gain over
+  ``horizon_s`` must exceed that cost, so a change worth making at low load waits while the pool
+  is busy, and is made when the load falls if it is still worth it.
 - Per-position acceptance under a schedule that mixes draft lengths: a position ``i`` is only
   proposed in steps whose K exceeds ``i``, so its denominator is the drafts of those steps, which
   :func:`estimate_positions` infers from the batch sizes seen; unobserved positions repeat the last
@@ -40,16 +50,28 @@ class PolicySettings:
     confirmations: int = 2
     min_drafts: float = 50.0
     probe_k: int = 1
+    tie: float = 0.01
+    # A restart must pay for itself within this horizon (how long a measured regime is expected
+    # to last); until a restart has been timed, one is assumed to keep the engine out this long.
+    horizon_s: float = 600.0
+    restart_cost_s: float = 60.0
+    # Below this load the other engines of the pool absorb a restarting engine's share for free.
+    spare_load: float = 0.5
 
     def __post_init__(self) -> None:
         if self.max_k < 1 or self.max_batch < 1:
             raise ValueError("max_k and max_batch must be >= 1")
         if not self.edges or self.edges[0] != 1 or list(self.edges) != sorted(set(self.edges)):
             raise ValueError("edges must be increasing and start at 1")
-        if self.margin < 0 or self.min_interval_s < 0 or self.confirmations < 1:
-            raise ValueError("margin and min_interval_s must be >= 0, confirmations >= 1")
+        if self.margin < 0 or self.min_interval_s < 0 or self.confirmations < 1 \
+                or not 0 <= self.tie < 1:
+            raise ValueError("margin and min_interval_s must be >= 0, confirmations >= 1, "
+                             "tie within 0..1")
         if not 0 <= self.probe_k <= self.max_k:
             raise ValueError("probe_k must be within 0..max_k")
+        if self.horizon_s <= 0 or self.restart_cost_s < 0 or not 0 <= self.spare_load < 1:
+            raise ValueError("horizon_s must be > 0, restart_cost_s >= 0, spare_load within "
+                             "0..1 (excluding 1)")
 
     @property
     def used_edges(self) -> tuple[int, ...]:
@@ -63,6 +85,7 @@ class Figures:
     per_position: tuple[float, ...]
     batch_weights: Mapping[int, float]
     drafts: float
+    load: float = 0.0  # 0..1: how full the engine ran (KV usage or batch over the maximum)
 
 
 @dataclass(frozen=True)
@@ -82,10 +105,12 @@ class Decision:
     proposed: Schedule
     predicted_gain: float
     ranges: tuple[RangeChoice, ...]
+    required_gain: float = 0.0
 
     def as_log(self) -> dict[str, object]:
         return {"action": self.action, "reason": self.reason,
                 "predicted_gain": round(self.predicted_gain, 4),
+                "required_gain": round(self.required_gain, 4),
                 "ranges": [c.__dict__ for c in self.ranges]}
 
 
@@ -133,7 +158,8 @@ def estimate_positions(accepted_per_pos: tuple[float, ...], drafts: float,
 
 
 def _rate(cost: StepCost, p: tuple[float, ...], b: int, k: int) -> float:
-    return b * tokens_per_step(p, k) / cost.step_time(b, k)
+    tokens = tokens_per_step(p, k)
+    return b * tokens / cost.step_time(b, k, tokens)
 
 
 def _range_value(cost: StepCost, p: tuple[float, ...], r: Range, weights: Mapping[int, float],
@@ -147,8 +173,9 @@ def _range_value(cost: StepCost, p: tuple[float, ...], r: Range, weights: Mappin
 def _choose(settings: PolicySettings, cost: StepCost, p: tuple[float, ...], r: Range, *,
             weights: Mapping[int, float], current_k: int, lowest: bool) -> RangeChoice:
     values = [_range_value(cost, p, r, weights, k) for k in range(settings.max_k + 1)]
-    best = max(range(len(values)), key=lambda k: (values[k], -k))  # ties: the shorter draft
-    chosen = best if values[best] > values[current_k] * (1 + settings.margin) else current_k
+    top = max(values)
+    best = next(k for k, v in enumerate(values) if v >= top * (1 - settings.tie))
+    chosen = best
     if lowest:
         chosen = max(chosen, settings.probe_k)
     gain = values[chosen] / values[current_k] - 1 if values[current_k] > 0 else 0.0
@@ -186,32 +213,48 @@ def _same_ks(a: Schedule, b: Schedule, max_k: int, max_batch: int) -> bool:
                for n in range(1, max_batch + 1))
 
 
+def required_gain(settings: PolicySettings, load: float, out_s: float | None) -> float:
+    """The least predicted gain that pays for a restart at ``load``: the margin, plus the share
+    of the engine's output the pool cannot absorb while it is out, spread over the horizon."""
+    spill = min(1.0, max(0.0, (load - settings.spare_load) / (1.0 - settings.spare_load)))
+    out = settings.restart_cost_s if out_s is None else out_s
+    return settings.margin + spill * out / settings.horizon_s
+
+
 def decide(settings: PolicySettings, state: PolicyState, cost: StepCost, figures: Figures, *,
-           current: Schedule, now: float) -> tuple[Decision, PolicyState]:
-    """One evaluation: the decision and the policy's next state."""
+           current: Schedule, now: float, out_s: float | None = None,
+           shifted: bool = False) -> tuple[Decision, PolicyState]:
+    """One evaluation: the decision and the policy's next state. ``out_s``: how long the last
+    restart kept the engine out (None: not measured yet); ``shifted``: the shift test fired."""
     if not any(w > 0 for b, w in figures.batch_weights.items() if b > 0):
         return _hold("wait", "no load observed", current, state), replace(state, streak=0)
     if not figures.per_position or figures.drafts < settings.min_drafts:
         reason = f"acceptance not measured yet ({figures.drafts:.0f} drafts in the window)"
         return _hold("wait", reason, current, state), replace(state, streak=0)
     proposed, choices, gain = propose(settings, cost, figures, current)
+    need = required_gain(settings, figures.load, out_s)
     if _same_ks(proposed, current, settings.max_k, settings.max_batch) or gain <= settings.margin:
         decision = Decision("keep", f"predicted gain {gain:+.1%} within margin", current,
-                            proposed, gain, choices)
+                            proposed, gain, choices, need)
         return decision, replace(state, streak=0, last_proposal=())
     same = bool(state.last_proposal) and _same_ks(proposed, state.last_proposal,
                                                   settings.max_k, settings.max_batch)
-    streak = state.streak + 1 if same else 1
+    streak = settings.confirmations if shifted else state.streak + 1 if same else 1
     state = replace(state, streak=streak, last_proposal=proposed)
+
+    def wait(why: str) -> tuple[Decision, PolicyState]:
+        return Decision("wait", f"gain {gain:+.1%}: {why}", current, proposed, gain, choices,
+                        need), state
+
     if streak < settings.confirmations:
-        return Decision("wait", f"gain {gain:+.1%}: confirmation {streak}/"
-                        f"{settings.confirmations}", current, proposed, gain, choices), state
+        return wait(f"confirmation {streak}/{settings.confirmations}")
+    if gain <= need:
+        return wait(f"not worth a restart at load {figures.load:.0%} (needs {need:+.1%})")
     if now - state.last_change_at < settings.min_interval_s:
         left = settings.min_interval_s - (now - state.last_change_at)
-        return Decision("wait", f"gain {gain:+.1%}: last change too recent ({left:.0f} s to "
-                        "go)", current, proposed, gain, choices), state
+        return wait(f"last change too recent ({left:.0f} s to go)")
     return Decision("change", f"predicted gain {gain:+.1%}", current, proposed, gain,
-                    choices), state
+                    choices, need), state
 
 
 def committed(state: PolicyState, now: float) -> PolicyState:

@@ -6,11 +6,17 @@ Rules:
   batch-size time shares are the running samples it holds.
 - Figures are differences between the newest snapshot and the oldest inside the window; any
   counter going backwards means the engine restarted, and the window starts again.
+- ``polls`` gives the per-poll evidence the shift test reads (drafts, first position accepted);
+  ``cut`` drops what came before a change point, so the figures describe the new regime only.
+- ``load`` is how full the engine ran over the window (mean KV-cache usage or mean batch over
+  ``max_num_seqs``, whichever is higher): what the rest of the pool would have to absorb while
+  this engine restarts.
 - Pure: the caller passes the time each snapshot was taken.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter, deque
 from dataclasses import dataclass
 
@@ -21,6 +27,14 @@ from engine_sidecar.vllm import metrics as m
 ITL_SUM = "vllm:inter_token_latency_seconds_sum"
 ITL_COUNT = "vllm:inter_token_latency_seconds_count"
 GENERATION = "vllm:generation_tokens_total"
+PROMPT = "vllm:prompt_tokens_total"
+PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
+PREFIX_HITS = "vllm:prefix_cache_hits_total"
+REQUESTS = "vllm:request_success_total"
+KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")  # the latter: vLLM <= 0.10
+
+
+MIN_REQUESTS = 5  # finished requests a window needs before its prefill share is believed
 
 
 @dataclass(frozen=True)
@@ -33,10 +47,13 @@ class Snapshot:
     itl_sum: float
     itl_count: float
     generation_tokens: float
+    kv_usage: float = 0.0
+    prefill_tokens: float = 0.0  # prompt tokens computed (not served from the prefix cache)
+    requests: float = 0.0  # requests finished
 
     def counters(self) -> tuple[float, ...]:
         return (self.drafts, self.itl_sum, self.itl_count, self.generation_tokens,
-                *self.accepted_per_pos)
+                self.prefill_tokens, self.requests, *self.accepted_per_pos)
 
 
 def snapshot_from_text(text: str, at: float) -> Snapshot:
@@ -48,7 +65,26 @@ def snapshot_from_text(text: str, at: float) -> Snapshot:
         drafts=spec.drafts if spec else 0.0,
         accepted_per_pos=spec.accepted_per_pos if spec else (),
         itl_sum=m.total(samples, ITL_SUM) or 0.0, itl_count=m.total(samples, ITL_COUNT) or 0.0,
-        generation_tokens=m.total(samples, GENERATION) or 0.0)
+        generation_tokens=m.total(samples, GENERATION) or 0.0, kv_usage=_kv_usage(samples),
+        prefill_tokens=_prefill(samples), requests=m.total(samples, REQUESTS) or 0.0)
+
+
+def _prefill(samples: list[m.Sample]) -> float:
+    """Prompt tokens the engine computed: prefix-cache queries (which count recomputation after
+    a preemption too) less hits; without the query counter, prompt tokens less hits."""
+    hits = m.total(samples, PREFIX_HITS) or 0.0
+    queried = m.total(samples, PREFIX_QUERIES)
+    if queried is None:
+        queried = m.total(samples, PROMPT) or 0.0
+    return max(0.0, queried - hits)
+
+
+def _kv_usage(samples: list[m.Sample]) -> float:
+    for name in KV_USAGE:
+        values = [s.value for s in samples if s.name == name]
+        if values:  # data-parallel ranks: the fullest one is what spills first
+            return max(values)
+    return 0.0
 
 
 @dataclass(frozen=True)
@@ -57,6 +93,10 @@ class WindowFigures:
     measured_itl_s: float | None
     tokens_per_busy_second: float | None  # output tokens per second while anything ran
     waiting: float  # mean queue over the window: a moment's queue between steps is no backlog
+    load: float = 0.0  # 0..1, see the module rules
+    # Prompt tokens computed per output token and per finished request; None: too few requests.
+    prefill_per_token: float | None = None
+    prefill_chunk: float | None = None
 
 
 def _went_backwards(new: Snapshot, old: Snapshot) -> bool:
@@ -81,7 +121,19 @@ class MetricsWindow:
         while len(self._snaps) >= 2 and self._snaps[1].at <= snap.at - self.window_s:
             self._snaps.popleft()
 
-    def figures(self, current: Schedule, max_k: int) -> WindowFigures | None:
+    def polls(self) -> list[tuple[float, float]]:
+        """``(drafts, first position accepted)`` between consecutive snapshots, oldest first."""
+        snaps = list(self._snaps)
+        return [(new.drafts - old.drafts, _first(new) - _first(old))
+                for old, new in itertools.pairwise(snaps)]
+
+    def cut(self, poll: int) -> None:
+        """Keep the snapshots from the start of poll ``poll`` (an index into :meth:`polls`)."""
+        for _ in range(min(poll, len(self._snaps) - 1)):
+            self._snaps.popleft()
+
+    def figures(self, current: Schedule, max_k: int, max_batch: int = 256
+                ) -> WindowFigures | None:
         if len(self._snaps) < 2:
             return None
         old, new = self._snaps[0], self._snaps[-1]
@@ -99,4 +151,16 @@ class MetricsWindow:
         tokens = new.generation_tokens - old.generation_tokens
         rate = tokens / (busy * span) if busy > 0 and span > 0 else None
         waiting = sum(s.waiting for s in self._snaps) / len(self._snaps)
-        return WindowFigures(Figures(per_pos, weights, drafts), itl, rate, waiting)
+        load = max(sum(s.kv_usage for s in self._snaps) / len(self._snaps),
+                   sum(s.running for s in self._snaps) / len(self._snaps) / max(1, max_batch))
+        prefill = new.prefill_tokens - old.prefill_tokens
+        requests = new.requests - old.requests
+        measured = requests >= MIN_REQUESTS and tokens > 0
+        return WindowFigures(Figures(per_pos, weights, drafts, min(1.0, load)), itl, rate,
+                             waiting, min(1.0, load),
+                             prefill / tokens if measured else None,
+                             prefill / requests if measured else None)
+
+
+def _first(snap: Snapshot) -> float:
+    return snap.accepted_per_pos[0] if snap.accepted_per_pos else 0.0

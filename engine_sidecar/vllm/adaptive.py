@@ -34,6 +34,7 @@ from engine_sidecar.speculation.controller import (
 from engine_sidecar.speculation.cost import StepCost
 from engine_sidecar.speculation.lease import Lease, LocalLease, RedisLease
 from engine_sidecar.speculation.policy import DEFAULT_EDGES, PolicySettings
+from engine_sidecar.speculation.shift import ShiftSettings
 from engine_sidecar.vllm import metrics as m
 from engine_sidecar.vllm.profile import Profile, ProfileError, build_command, with_schedule
 from engine_sidecar.vllm.supervisor import StartupFailed, Supervisor
@@ -54,6 +55,12 @@ class AdaptiveSettings:
     confirmations: int = 2
     min_drafts: float = 50.0
     probe_k: int = 1
+    tie: float = 0.01
+    horizon_s: float = 600.0
+    restart_cost_s: float = 60.0
+    spare_load: float = 0.5
+    shift_threshold: float = 25.0
+    shift_min: float = 0.1
     edges: tuple[int, ...] = DEFAULT_EDGES
     poll_s: float = 5.0
     eval_s: float = 30.0
@@ -112,9 +119,12 @@ def _controller_settings(profile: Profile, s: AdaptiveSettings) -> ControllerSet
         max_k=max(1, profile.engine.num_speculative_tokens),
         max_batch=profile.engine.max_num_seqs or 256, edges=s.edges, margin=s.margin,
         min_interval_s=s.min_interval_s, confirmations=s.confirmations,
-        min_drafts=s.min_drafts, probe_k=s.probe_k)
+        min_drafts=s.min_drafts, probe_k=s.probe_k, tie=s.tie, horizon_s=s.horizon_s,
+        restart_cost_s=s.restart_cost_s, spare_load=s.spare_load)
     return ControllerSettings(policy=policy, act=s.act, poll_s=s.poll_s, eval_s=s.eval_s,
-                              window_s=s.window_s, max_waiting=s.max_waiting)
+                              window_s=s.window_s, max_waiting=s.max_waiting,
+                              shift=ShiftSettings(threshold=s.shift_threshold,
+                                                  min_shift=s.shift_min))
 
 
 class VllmEngineHandle:
