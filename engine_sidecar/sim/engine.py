@@ -56,6 +56,7 @@ class Sampling:
     cache_salt: str | None = None
     workload: str | None = None  # picks the acceptance class (sim/speculation.py)
     only: int | None = None  # ``allowed_token_ids`` of one token: that word, once
+    read_cache: bool = True  # False for prompt_logprobs requests, as vLLM 0.32 does
 
 
 class RequestStream:
@@ -222,7 +223,7 @@ class SimEngine:
         req = SimRequest(
             request_id=public_id, token_ids=array("I", prompt_ids), prompt_len=len(prompt_ids),
             target_len=target, finish_reason=reason, priority=sampling.priority, seq=self._seq,
-            words=words, root=root_for(sampling.cache_salt),
+            words=words, root=root_for(sampling.cache_salt), read_cache=sampling.read_cache,
             acceptance=simspec.acceptance_for(
                 self.config.spec, self.config.acceptance, sampling.workload, self.sim_time(),
                 self.config.num_speculative_tokens) if self.config.num_speculative_tokens else (),

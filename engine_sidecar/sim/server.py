@@ -123,7 +123,8 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
                         seed=parsed.seed, priority=parsed.priority, ignore_eos=parsed.ignore_eos,
                         cache_salt=parsed.cache_salt,
                         workload=request.headers.get("X-Workload-Class", "")[:64] or None,
-                        only=_only(parsed.allowed_token_ids))
+                        only=_only(parsed.allowed_token_ids),
+                        read_cache=parsed.prompt_logprobs is None)
     stream = engine.submit(ident.response_id, parsed.prompt_ids, sampling, client_id=base_id)
     engine.in_flight += 1
     try:

