@@ -18,7 +18,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from engine_sidecar.sim import adaptive
+from engine_sidecar.sim import adaptive, generate
 from engine_sidecar.sim.agreement import prompt_logprobs
 from engine_sidecar.sim.engine import Sampling, SimEngine
 from engine_sidecar.sim.protocol import ApiError, Kind, Limits, ParsedRequest, parse, prompt_ids_of
@@ -67,6 +67,7 @@ def build_app(engine: SimEngine) -> web.Application:
     app.on_response_prepare.append(_engine_header)
     app.router.add_post("/v1/chat/completions", _chat)
     app.router.add_post("/v1/completions", _completions)
+    app.router.add_post(generate.PATH, _generate_tokens)
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
     app.router.add_get("/version", _version)
@@ -95,6 +96,13 @@ async def _chat(request: web.Request) -> web.StreamResponse:
 
 async def _completions(request: web.Request) -> web.StreamResponse:
     return await _generate(request, "completion")
+
+
+async def _generate_tokens(request: web.Request) -> web.StreamResponse:
+    engine = request.app[ENGINE]
+    if engine.draining:
+        raise ApiError(503, "The engine is draining and accepts no new requests.")
+    return await generate.generate(request, engine)
 
 
 async def _admit(request: web.Request, engine: SimEngine, kind: Kind) -> ParsedRequest:

@@ -11,6 +11,9 @@ Rules:
   not reachable yet leave the alias *unverified*: it is served by the target alone, and the
   check runs again every ``RECHECK_S`` until it passes (or fails, which is then logged loudly
   and keeps the alias target-only).
+- Cache-reading verification (``alias.verify = "cached"``) is tried on the target's first
+  verification; a target that does not serve it is remembered per alias (logged once) and the
+  alias verifies through ``prompt_logprobs`` from then on.
 - ``route`` returns a ``Drafting`` plan, or the reason the request goes to the target pool
   unchanged (a pass-through: the normal relay path serves it, the answer is the target's own).
 """
@@ -56,6 +59,9 @@ class AliasState:
     history: AcceptanceHistory
     facts: TokenFacts
     verified: bool | None = None  # None: not checked yet (engines unreachable)
+    # Whether the target serves cache-reading verification: None not tried yet, False not served
+    # (every verification then recomputes the context through prompt_logprobs).
+    cached_verify: bool | None = None
 
 
 @dataclass(frozen=True)

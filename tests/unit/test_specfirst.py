@@ -16,6 +16,7 @@ from proxy.core.specfirst import (
     TokenFacts,
     Verdict,
     advance,
+    cached_covers,
     eligibility,
     settle,
     top1,
@@ -176,3 +177,15 @@ def test_a_speculative_alias_names_both_pools() -> None:
     with pytest.raises(ConfigError, match=r"aliases\[0\]\.draft"):
         Config(pools=pools, aliases=(AliasConfig("m", mode="speculative_first", draft="tiny",
                                                  target="big"),))
+
+
+def test_cached_verification_trusts_only_computed_positions() -> None:
+    # 300 prompt tokens + 16 drafted: entry j needs position j - 1 computed, so the draft's
+    # entries (300..315) are the target's only if at most 299 tokens came from the cache.
+    assert cached_covers(316, 16, 288)
+    assert cached_covers(316, 16, 0)
+    assert cached_covers(316, 16, 299)
+    assert not cached_covers(316, 16, 300)  # position 299 was cached: entry 300 is garbage
+    assert not cached_covers(316, 16, 315)
+    assert not cached_covers(316, 16, None)  # the engine did not say: trust nothing
+    assert not cached_covers(316, 16, -1)
