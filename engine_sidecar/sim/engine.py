@@ -150,8 +150,9 @@ class SimEngine:
         self.aborted_ids: deque[str] = deque(maxlen=_ABORTED_KEPT)
         self.aborted_client_ids: deque[str] = deque(maxlen=_ABORTED_KEPT)
         self.in_flight = 0
-        # Simulated seconds the engine spent running steps (its GPU's busy time).
+        # Simulated seconds the engine spent running steps (its GPU's busy time), and the steps.
         self.busy_s = 0.0
+        self.steps = 0
         self._streams: dict[SimRequest, RequestStream] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -341,6 +342,7 @@ class SimEngine:
                                         plan.attn_work, plan.draft_len) / scale
             await asyncio.sleep(max(0.0, started + dt - loop.time()))
             self.busy_s += dt * scale
+            self.steps += 1
             self._deliver(self.scheduler.complete(plan))
             self._publish_kv_events()
 
@@ -427,5 +429,5 @@ class SimEngine:
             "aborted_ids": list(self.aborted_ids),
             "aborted_request_ids": list(self.aborted_client_ids), "faults": self.faults.as_dict(),
             "kv_events": self.kv_events.state() if self.kv_events is not None else None,
-            "busy_s": self.busy_s,
+            "busy_s": self.busy_s, "steps": self.steps,
         }

@@ -395,6 +395,10 @@ class AliasConfig:
     # by itself). "prompt_logprobs": /v1/completions, which vLLM serves without reading the
     # prefix cache, so every round recomputes the whole prompt and answer so far.
     verify: str = "cached"
+    # Longest a ready verification waits (seconds) for those of other answers still drafting
+    # for the same target engine, so that they share one engine step (proxy.core.specbatch);
+    # 0 sends each at once.
+    verify_window_s: float = 0.0
     # A tenant's traffic on this alias goes target-only for fallback_retry_s once more than this
     # share of its drafted tokens (over the last history_rounds rounds, once fallback_min_tokens
     # have been judged) disagreed with the target.
@@ -441,6 +445,7 @@ class AliasConfig:
         _require(1 <= self.min_chunk <= self.chunk, "min_chunk", "must be in 1..chunk")
         _require(self.temperature_policy in TEMPERATURE_POLICIES, "temperature_policy",
                  f"must be one of {', '.join(TEMPERATURE_POLICIES)}")
+        _require(0.0 <= self.verify_window_s <= 1.0, "verify_window_s", "must be in 0..1")
         _require(self.verify in VERIFY_MODES, "verify",
                  f"must be one of {', '.join(VERIFY_MODES)}")
         _require(0.0 <= self.fallback_rejection <= 1.0, "fallback_rejection", "must be in 0..1")

@@ -44,8 +44,9 @@ class SpecFirstMetrics:
         self.verifications = Counter(
             "kvproxy_specfirst_verifications",
             "Verification calls to the target by how they were made: cached (the prefix cache "
-            "read), recomputed (prompt_logprobs, the whole context computed again) or "
-            "cache_overlap (a cached verification whose cache covered the draft, redone)",
+            "read), recomputed (prompt_logprobs, the whole context computed again) or redone "
+            "(a cache-reading verification whose answer could not be used: the cache covered "
+            "the draft, or the engine could not serialise the uncomputed positions)",
             ["alias", "mode"], registry=r)
         self.role_checks = Counter(
             "kvproxy_specfirst_token_role_checks",

@@ -205,13 +205,16 @@ class SpecAnswer:
             return None
         n = min(self.plan.state.history.chunk(self.plan.key), answer.remaining)
         top_k = APPROX_TOP_K if self.temperature > 0 else 0
+        gate = self.plan.gate
         try:
-            drafted = await speclegs.draft(draft, answer.context(), n,
-                                           temperature=self.temperature, extra=self.extra,
-                                           top_k=top_k)
+            with gate.drafting(target.name, n):
+                drafted = await speclegs.draft(draft, answer.context(), n,
+                                               temperature=self.temperature, extra=self.extra,
+                                               top_k=top_k)
         except LegFailed:
             self.metrics.draft_failures.labels(self.alias.name).inc()
             return None
+        await gate.ready(target.name, self.alias.verify_window_s)
         checked = await self._verify(target, answer.context(*drafted.tokens),
                                      len(drafted.tokens), top_k or 1)
         verdict = (verify_sampled(drafted.tokens, drafted.entries, checked.entries,
@@ -236,7 +239,7 @@ class SpecAnswer:
                             "context", self.alias.name, exc)
             else:
                 state.cached_verify = True
-                count.labels(self.alias.name, "cached" if got else "cache_overlap").inc()
+                count.labels(self.alias.name, "cached" if got else "redone").inc()
                 if got is not None:
                     return got
         count.labels(self.alias.name, "recomputed").inc()

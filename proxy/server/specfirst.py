@@ -36,6 +36,7 @@ from proxy.core.specfirst import AcceptanceHistory, HistoryConfig, TokenFacts, e
 from proxy.observe.specmetrics import SpecFirstMetrics
 from proxy.server.context import ShellContext
 from proxy.server.keys import SHELL
+from proxy.server.specgate import VerifyGate
 from proxy.server.speclegs import Leg, LegFailed
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,7 @@ class Drafting:
     state: AliasState
     key: tuple[str, str]
     sampled: bool
+    gate: VerifyGate
 
 
 @dataclass
@@ -78,6 +80,7 @@ class SpecFirst:
     aliases: dict[str, AliasState]
     metrics: SpecFirstMetrics
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    gate: VerifyGate = field(default_factory=VerifyGate)
 
     def route(self, name: str, inbound: Inbound, tenant: str, now: float
               ) -> Drafting | str | None:
@@ -94,7 +97,7 @@ class SpecFirst:
         key = (tenant, alias.name)
         if not state.history.drafting(key, now):
             return "fallback"
-        return Drafting(state, key, verdict.sampled)
+        return Drafting(state, key, verdict.sampled, self.gate)
 
 
 SPECFIRST = web.AppKey("specfirst", SpecFirst)

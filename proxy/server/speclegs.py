@@ -228,8 +228,9 @@ _SAMPLING_FIELDS = ("top_p", "top_k", "min_p", "seed", "skip_special_tokens")
 async def verify_cached(leg: Leg, ids: Sequence[int], n_draft: int, *, temperature: float,
                         extra: Mapping[str, Any], top_k: int = 1) -> Verified | None:
     """``verify`` through vLLM's token-in endpoint with the prefix cache read: only the positions
-    past the cached part are computed (None: the cache covered a drafted position, so its
-    log-probabilities are not the target's; ``NoCachedVerify``: the endpoint is not there)."""
+    past the cached part are computed (None: the answer cannot be used, because the cache covered
+    a drafted position or vLLM could not serialise the uncomputed ones; ``NoCachedVerify``: the
+    endpoint is not there)."""
     params = {"max_tokens": 1, "temperature": temperature, "prompt_logprobs": top_k,
               "skip_reading_prefix_cache": False, "detokenize": False,
               **{k: v for k, v in extra.items() if k in _SAMPLING_FIELDS}}
@@ -240,6 +241,11 @@ async def verify_cached(leg: Leg, ids: Sequence[int], n_draft: int, *, temperatu
     except LegFailed as exc:
         if exc.upstream_status in (403, 404, 405):
             raise NoCachedVerify(f"engine {leg.name} answered HTTP {exc.upstream_status}") from None
+        if exc.upstream_status == 400:
+            # vLLM fills the uncomputed (cached) positions with whatever its buffer held and
+            # may then fail to serialise them ("Out of range float values"): the request was
+            # not at fault, the cache-free verification answers it (or refuses it in turn).
+            return None
         raise
     usage = data.get("usage")
     details = usage.get("prompt_tokens_details") if isinstance(usage, Mapping) else None

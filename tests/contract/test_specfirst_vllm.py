@@ -36,15 +36,15 @@ TARGET, SELF, DRAFT = "tiny-target", "tiny-target-self", "tiny-draft"
 pytestmark = pytest.mark.timeout(STARTUP_TIMEOUT_S + 900)
 
 
-def _start(python: str, model: str, names: list[str], core: str, log: Path
-           ) -> tuple[subprocess.Popen[bytes], str]:
+def _start(python: str, model: str, names: list[str], core: str, log: Path,
+           *extra: str) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
            "VLLM_CPU_OMP_THREADS_BIND": core}
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
            "--served-model-name", *names, "--host", "127.0.0.1", "--port", str(port),
            "--dtype", "float32", "--max-model-len", "2048", "--block-size", "32",
-           "--enable-prefix-caching", "--seed", "0"]
+           "--enable-prefix-caching", "--seed", "0", *extra]
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
@@ -74,7 +74,9 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str
     python = require_vllm()
     models = tiny_models(python)
     logs = tmp_path_factory.mktemp("specfirst-vllm")
-    procs = [_start(python, models["target"], [TARGET, SELF], "0", logs / "target.log"),
+    # The target serves cache-reading verification (the token-in endpoint, cached-token counts).
+    procs = [_start(python, models["target"], [TARGET, SELF], "0", logs / "target.log",
+                    "--enable-scale-out", "--enable-prompt-tokens-details"),
              _start(python, models["draft"], [DRAFT], "1", logs / "draft.log")]
     try:
         for proc, url in procs:
@@ -174,9 +176,24 @@ async def test_speculative_first_answers_equal_the_target_alone(
                         drafted[alias] += int(headers["X-Draft-Tokens"])
                         total[alias] += int(headers["X-Draft-Tokens"]) + \
                             int(headers["X-Target-Tokens"])
+            modes = await _verifications(http, server.url)
     finally:
         await server.stop()
     # The target as its own draft: the target rejects (almost) nothing, so most tokens are
     # drafted (the rest: the one token each round adds after a fully kept chunk).
     assert drafted["sf-self"] >= 0.6 * total["sf-self"]
     assert drafted["sf"] > 0
+    # Rounds verified reading the target's prefix cache, and rounds whose drafted positions the
+    # cache already held (the target answered the same prompt first), verified again without it.
+    assert modes.get("cached", 0) > 0 and modes.get("redone", 0) > 0, modes
+
+
+async def _verifications(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    async with http.get(url + "/metrics") as resp:
+        text = await resp.text()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("kvproxy_specfirst_verifications_total{"):
+            mode = line.split('mode="', 1)[1].split('"', 1)[0]
+            out[mode] = out.get(mode, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out

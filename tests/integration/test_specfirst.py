@@ -327,4 +327,31 @@ async def test_cached_positions_of_a_verification_are_not_trusted(spec_stack: Fa
     stack = await spec_stack(0.9, alias={"fallback_rejection": 1.0})
     await _drafted_equals_target(stack, _prompts(6), target_first=True)
     assert await stack.metric("kvproxy_specfirst_verifications_total", alias=ALIAS,
-                              mode="cache_overlap") > 0
+                              mode="redone") > 0
+
+
+async def test_verifications_of_concurrent_answers_share_target_steps(
+        spec_stack: Factory) -> None:
+    """Answers started 30 ms apart draft in step with each other but out of phase: each
+    verification would reach the target alone and buy it a step of its own. With a window, a
+    ready verification waits for the others still drafting, and they share steps."""
+    stack = await spec_stack(1.0, alias={"verify_window_s": 0.3, "chunk": 8},
+                             stop_len=(48, 48), time_scale=1.0)
+    prompts = _prompts(6)
+    wants = [await _answer(stack, TARGET, p, chat=True, stream=False, max_tokens=40)
+             for p in prompts]
+    async with stack.http.get(stack.cluster.urls[0] + "/admin/state") as resp:
+        steps_before = (await resp.json())["steps"]
+
+    async def one(i: int) -> Answer:
+        await asyncio.sleep(0.03 * i)
+        return await _answer(stack, ALIAS, prompts[i], chat=True, stream=False, max_tokens=40)
+
+    async with asyncio.timeout(60):
+        gots = await asyncio.gather(*(one(i) for i in range(len(prompts))))
+    assert [g[:3] for g in gots] == [w[:3] for w in wants]
+    async with stack.http.get(stack.cluster.urls[0] + "/admin/state") as resp:
+        steps = (await resp.json())["steps"] - steps_before
+    verifications = sum([await stack.metric("kvproxy_specfirst_verifications_total",
+                                            alias=ALIAS, mode=m) for m in ("cached", "redone")])
+    assert verifications >= 1.5 * steps, (verifications, steps)

@@ -9,6 +9,7 @@ import pytest
 
 from proxy.core.config import AliasConfig, Config, EngineConfig, PoolConfig
 from proxy.core.errors import ConfigError, UpstreamError
+from proxy.core.specbatch import eta, hold
 from proxy.core.specfirst import (
     AcceptanceHistory,
     HistoryConfig,
@@ -189,3 +190,28 @@ def test_cached_verification_trusts_only_computed_positions() -> None:
     assert not cached_covers(316, 16, 315)
     assert not cached_covers(316, 16, None)  # the engine did not say: trust nothing
     assert not cached_covers(316, 16, -1)
+
+
+def test_a_ready_verification_is_held_only_while_others_can_join_it() -> None:
+    assert hold([0.01, 0.3], waited_s=0.0, window_s=0.05)
+    assert hold([0.0], waited_s=0.049, window_s=0.05)
+    assert hold([-0.02], waited_s=0.0, window_s=0.05)  # overdue: about to come
+    assert not hold([], waited_s=0.0, window_s=0.05)  # nobody drafting
+    assert not hold([0.2, 0.3], waited_s=0.0, window_s=0.05)  # nobody ready in time
+    assert not hold([0.03], waited_s=0.03, window_s=0.05)  # not within what is left
+    assert not hold([0.0], waited_s=0.05, window_s=0.05)  # the window has passed
+    assert not hold([0.0], waited_s=0.0, window_s=0.0)  # batching off
+
+
+def test_a_drafts_eta_comes_from_the_measured_seconds_per_token() -> None:
+    assert eta(started=10.0, tokens=16, s_per_token=0.015, now=10.1) == pytest.approx(0.14)
+    assert eta(started=10.0, tokens=16, s_per_token=None, now=10.1) == 0.0  # not learned yet
+
+
+def test_verification_settings_are_checked() -> None:
+    base = {"mode": "speculative_first", "draft": "d", "target": "t"}
+    assert AliasConfig("a", **base).verify == "cached"
+    with pytest.raises(ConfigError, match="verify_window_s"):
+        AliasConfig("a", verify_window_s=2.0, **base)
+    with pytest.raises(ConfigError, match="verify"):
+        AliasConfig("a", verify="sometimes", **base)
