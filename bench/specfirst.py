@@ -9,6 +9,10 @@ target's greedy token with probability level + 0.05) and ``hard`` (level - 0.05)
 as a Poisson process, greedy, streamed, with prompts of ~200 tokens and natural answers of
 32..192 tokens.
 
+At the highest level a third arm verifies through ``prompt_logprobs`` on ``/v1/completions``
+(``verify = "prompt_logprobs"``), which vLLM computes without reading its prefix cache, instead
+of the default cache-reading token-in endpoint.
+
 Measured per arm: the share of output tokens written by the draft, target GPU-seconds per 1k
 output tokens (the target engine's own busy time, ``/admin/state`` ``busy_s``, over the tokens
 delivered), TTFT and end-to-end p50/p90. The virtual clock counts engine time only: the proxy's
@@ -57,6 +61,7 @@ WORDS = ("cache", "route", "token", "engine", "prefix", "tenant", "block", "queu
 class Arm:
     level: float
     speculative: bool
+    verify: str = "cached"  # the alias's verification transport (AliasConfig.verify)
     ttft: list[float] = field(default_factory=list)
     e2e: list[float] = field(default_factory=list)
     tokens: int = 0
@@ -70,8 +75,8 @@ class Arm:
 
     def row(self) -> dict[str, Any]:
         return {
-            "agreement": self.level, "arm": "speculative_first" if self.speculative else
-            "target_only", "requests": len(self.e2e), "failed": self.failed,
+            "agreement": self.level, "arm": self._name(), "requests": len(self.e2e),
+            "failed": self.failed,
             "output_tokens": self.tokens,
             "draft_share": round(self.draft_tokens / max(1, self.tokens), 3),
             "target_gpu_s_per_1k": round(1000 * self.target_busy_s / max(1, self.tokens), 3),
@@ -85,6 +90,12 @@ class Arm:
         }
 
 
+    def _name(self) -> str:
+        if not self.speculative:
+            return "target_only"
+        return "speculative_first" + ("" if self.verify == "cached" else f"/{self.verify}")
+
+
 def _engines(level: float, time_scale: float) -> list[SimEngineConfig]:
     common: dict[str, Any] = {"time_scale": time_scale, "stop_len_range": (32, 192),
                               "max_model_len": 4096}
@@ -96,11 +107,11 @@ def _engines(level: float, time_scale: float) -> list[SimEngineConfig]:
     ]
 
 
-def _config(urls: Sequence[str]) -> Config:
+def _config(urls: Sequence[str], verify: str = "cached") -> Config:
     pools = (PoolConfig("target", TARGET, (EngineConfig("h100-0", urls[0]),)),
              PoolConfig("draft", DRAFT, (EngineConfig("l4-0", urls[1]),)))
     alias = AliasConfig(ALIAS, mode="speculative_first", draft="draft", target="target",
-                        chunk=16, fallback_retry_s=30.0)
+                        chunk=16, fallback_retry_s=30.0, verify=verify)
     tenants = tuple(TenantConfig(name, (f"key-{name}-000",)) for name in ("easy", "hard"))
     return Config(server=ServerConfig(host="127.0.0.1", port=0),
                   auth=AuthConfig(tenants=tenants),
@@ -148,7 +159,7 @@ async def _busy(http: aiohttp.ClientSession, url: str) -> float:
 
 async def run_arm(arm: Arm, requests: int, rate: float, seed: int) -> Arm:
     cluster = await start_cluster(_engines(arm.level, 1.0), port=0)
-    server = ProxyServer(_config(cluster.urls))
+    server = ProxyServer(_config(cluster.urls, arm.verify))
     await server.start()
     rng = random.Random(seed)
     wall = time.perf_counter()
@@ -183,10 +194,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rows = []
     for level in args.levels:
-        for speculative in (False, True):
-            arm = vclock.run(run_arm(Arm(level, speculative), args.requests, args.rate,
-                                     args.seed))
-            rows.append(arm.row())
+        arms = [Arm(level, False), Arm(level, True)]
+        if level == max(args.levels):  # what verification costs without the prefix cache
+            arms.append(Arm(level, True, "prompt_logprobs"))
+        for arm in arms:
+            rows.append(vclock.run(run_arm(arm, args.requests, args.rate, args.seed)).row())
             print(json.dumps(rows[-1]), flush=True)
     args.out.write_text(json.dumps({"settings": dataclasses.asdict(_Settings(
         args.requests, args.rate, args.seed)), "rows": rows}, indent=2) + "\n")

@@ -6,24 +6,27 @@ Rules:
   verifications that reach an idle engine one by one each buy a step of their own. Holding a
   ready verification briefly, while other answers on the same target engine are still drafting,
   lets their verifications join it in one step.
-- A batch is held only while some *other* answer drafting for the same target engine is
-  expected to be ready within what is left of the window (its ``eta``: its chunk times the
-  draft's measured seconds per token, from when it began, minus the time since; unknown is 0),
-  and never longer than the window after the first verification of the batch became ready.
-  With nobody about to join (low load, or drafts far from done) nothing waits.
+- A batch opens (the first ready verification waits) only if some *other* answer drafting for
+  the same target engine is expected back within the window (its ``eta``: its chunk times the
+  draft's measured seconds per token, from when it began; unknown is 0). With nobody about to
+  join (low load, or drafts far from done) nothing waits.
+- An open batch waits for every drafter until the window has passed (later verifications
+  join it) and goes at once when nobody is drafting for that engine any more.
 - Pure: times in, a decision out.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Sequence
 
 
-def hold(etas: Iterable[float], waited_s: float, window_s: float) -> bool:
+def hold(etas: Sequence[float], waited_s: float, window_s: float, *, opening: bool) -> bool:
     """Whether a batch whose first verification became ready ``waited_s`` ago keeps waiting,
-    ``etas`` being the other drafting answers' expected seconds until they are ready."""
-    left = window_s - waited_s
-    return window_s > 0 and left > 0 and any(eta <= left for eta in etas)
+    ``etas`` being the other drafting answers' expected seconds until they are ready (opening:
+    the batch has no verification yet but the one deciding)."""
+    if window_s <= 0 or waited_s >= window_s or not etas:
+        return False
+    return not opening or any(eta <= window_s for eta in etas)
 
 
 def eta(started: float, tokens: int, s_per_token: float | None, now: float) -> float:

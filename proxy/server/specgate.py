@@ -4,9 +4,8 @@ Rules:
 - One ``VerifyGate`` per application; state is keyed by the target engine's configured name.
 - ``drafting`` brackets a draft call (whatever its outcome) and learns the draft's seconds per
   token from it (a moving average per target engine); ``ready`` is awaited before the
-  verification call. A batch is released all at once, when no other drafter is expected within
-  what is left of its window (checked as each becomes ready) or by its window's timer, so the
-  held verifications reach the engine together.
+  verification call. A batch is released all at once, when nobody drafts for its engine any
+  more or by its window's timer, so the held verifications reach the engine together.
 - No task per batch: one event and one timer handle; a waiter that is cancelled (its client
   left) just stops waiting, the others are not disturbed.
 """
@@ -59,6 +58,8 @@ class VerifyGate:
                 (1 - _EWMA) * state.s_per_token + _EWMA * took
         finally:
             del state.drafts[me]
+            if not state.drafts:
+                self._release(state)
 
     async def ready(self, engine: str, window_s: float) -> None:
         """Return when this verification may go (at once unless others can join it)."""
@@ -66,7 +67,7 @@ class VerifyGate:
         batch = state.batch
         opened, window = (now, window_s) if batch is None else (batch.opened, batch.window_s)
         etas = [eta(began, n, state.s_per_token, now) for began, n in state.drafts.values()]
-        if not hold(etas, now - opened, window):
+        if not hold(etas, now - opened, window, opening=batch is None):
             self._release(state)
             return
         if batch is None:

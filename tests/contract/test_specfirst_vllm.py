@@ -28,7 +28,14 @@ import orjson
 import pytest
 
 from contract.conftest import STARTUP_TIMEOUT_S, free_port, require_vllm, tiny_models
-from proxy.core.config import AliasConfig, Config, EngineConfig, PoolConfig, ServerConfig
+from proxy.core.config import (
+    AliasConfig,
+    Config,
+    EngineConfig,
+    PoolConfig,
+    ServerConfig,
+    TelemetryConfig,
+)
 from proxy.server.lifecycle import ProxyServer
 
 BACKENDS = ("vllm",)
@@ -101,7 +108,11 @@ def _config(target_url: str, draft_url: str) -> Config:
     aliases = tuple(AliasConfig(name, mode="speculative_first", draft=pool, target="target",
                                 chunk=6, fallback_rejection=1.0)
                     for name, pool in (("sf", "draft"), ("sf-self", "self")))
-    return Config(server=ServerConfig(host="127.0.0.1", port=0), pools=pools, aliases=aliases)
+    # vLLM-CPU on a busy machine can take over 150 ms to render /metrics: scrape less eagerly,
+    # so that a slow scrape does not shed the draft leg (what is checked here is the answers).
+    telemetry = TelemetryConfig(interval_s=1.0, timeout_s=0.9, stale_after_s=5.0)
+    return Config(server=ServerConfig(host="127.0.0.1", port=0), pools=pools, aliases=aliases,
+                  telemetry=telemetry)
 
 
 SUBJECTS = ("the cache", "a queue of requests", "prefix blocks", "tenants", "draft models",

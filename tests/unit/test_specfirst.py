@@ -193,14 +193,16 @@ def test_cached_verification_trusts_only_computed_positions() -> None:
 
 
 def test_a_ready_verification_is_held_only_while_others_can_join_it() -> None:
-    assert hold([0.01, 0.3], waited_s=0.0, window_s=0.05)
-    assert hold([0.0], waited_s=0.049, window_s=0.05)
-    assert hold([-0.02], waited_s=0.0, window_s=0.05)  # overdue: about to come
-    assert not hold([], waited_s=0.0, window_s=0.05)  # nobody drafting
-    assert not hold([0.2, 0.3], waited_s=0.0, window_s=0.05)  # nobody ready in time
-    assert not hold([0.03], waited_s=0.03, window_s=0.05)  # not within what is left
-    assert not hold([0.0], waited_s=0.05, window_s=0.05)  # the window has passed
-    assert not hold([0.0], waited_s=0.0, window_s=0.0)  # batching off
+    # Opening a batch: only if another draft is expected back within the window.
+    assert hold([0.01, 0.3], waited_s=0.0, window_s=0.05, opening=True)
+    assert hold([-0.02], waited_s=0.0, window_s=0.05, opening=True)  # overdue: about to come
+    assert not hold([0.2, 0.3], waited_s=0.0, window_s=0.05, opening=True)  # none in time
+    assert not hold([], waited_s=0.0, window_s=0.05, opening=True)  # nobody drafting
+    assert not hold([0.0], waited_s=0.0, window_s=0.0, opening=True)  # batching off
+    # An open batch waits for every drafter until its window has passed.
+    assert hold([0.2], waited_s=0.01, window_s=0.05, opening=False)
+    assert not hold([0.0], waited_s=0.05, window_s=0.05, opening=False)
+    assert not hold([], waited_s=0.01, window_s=0.05, opening=False)
 
 
 def test_a_drafts_eta_comes_from_the_measured_seconds_per_token() -> None:
