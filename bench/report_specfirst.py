@@ -98,7 +98,19 @@ def render(results: Path) -> str | None:
             other = read_json(results / name)
             parts += ["", f"{label} (settings {other['settings']}):", "",
                       _table(other["rows"]), "", *verdicts(other["rows"])]
-    return "\n".join(parts) + "\n"
+    return "\n".join([*parts, *_windows(results)]) + "\n"
+
+
+def _windows(results: Path) -> list[str]:
+    """The ``--windows`` comparisons (``specfirst-window-*.json``), one table each."""
+    out: list[str] = []
+    for path in sorted(results.glob("specfirst-window-*.json")):
+        data = read_json(path)
+        if not out:
+            out += ["", "`verify_window_s` compared (`python -m bench.specfirst --levels 0.9 "
+                    "--windows ...`; the default is 0.05):"]
+        out += ["", f"Settings {data['settings']}:", "", _table(data["rows"])]
+    return out
 
 
 def write_specfirst(results: Path) -> str | None:

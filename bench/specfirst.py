@@ -62,6 +62,7 @@ class Arm:
     level: float
     speculative: bool
     verify: str = "cached"  # the alias's verification transport (AliasConfig.verify)
+    window: float | None = None  # the alias's verify_window_s (None: its default)
     ttft: list[float] = field(default_factory=list)
     e2e: list[float] = field(default_factory=list)
     tokens: int = 0
@@ -93,7 +94,8 @@ class Arm:
     def _name(self) -> str:
         if not self.speculative:
             return "target_only"
-        return "speculative_first" + ("" if self.verify == "cached" else f"/{self.verify}")
+        name = "speculative_first" + ("" if self.verify == "cached" else f"/{self.verify}")
+        return name + ("" if self.window is None else f"/window={self.window:g}")
 
 
 def _engines(level: float, time_scale: float) -> list[SimEngineConfig]:
@@ -107,11 +109,14 @@ def _engines(level: float, time_scale: float) -> list[SimEngineConfig]:
     ]
 
 
-def _config(urls: Sequence[str], verify: str = "cached") -> Config:
+def _config(urls: Sequence[str], verify: str = "cached", window: float | None = None
+            ) -> Config:
     pools = (PoolConfig("target", TARGET, (EngineConfig("h100-0", urls[0]),)),
              PoolConfig("draft", DRAFT, (EngineConfig("l4-0", urls[1]),)))
     alias = AliasConfig(ALIAS, mode="speculative_first", draft="draft", target="target",
                         chunk=16, fallback_retry_s=30.0, verify=verify)
+    if window is not None:
+        alias = dataclasses.replace(alias, verify_window_s=window)
     tenants = tuple(TenantConfig(name, (f"key-{name}-000",)) for name in ("easy", "hard"))
     return Config(server=ServerConfig(host="127.0.0.1", port=0),
                   auth=AuthConfig(tenants=tenants),
@@ -159,7 +164,7 @@ async def _busy(http: aiohttp.ClientSession, url: str) -> float:
 
 async def run_arm(arm: Arm, requests: int, rate: float, seed: int) -> Arm:
     cluster = await start_cluster(_engines(arm.level, 1.0), port=0)
-    server = ProxyServer(_config(cluster.urls, arm.verify))
+    server = ProxyServer(_config(cluster.urls, arm.verify, arm.window))
     await server.start()
     rng = random.Random(seed)
     wall = time.perf_counter()
@@ -191,11 +196,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--levels", type=float, nargs="*", default=list(LEVELS))
     parser.add_argument("--out", type=Path, default=RESULTS / "specfirst.json")
+    parser.add_argument("--windows", type=float, nargs="*", default=[],
+                        help="verify_window_s values to compare (replaces the default arms)")
     args = parser.parse_args(argv)
     rows = []
     for level in args.levels:
         arms = [Arm(level, False), Arm(level, True)]
-        if level == max(args.levels):  # what verification costs without the prefix cache
+        if args.windows:
+            arms = [Arm(level, False), *(Arm(level, True, window=w) for w in args.windows)]
+        elif level == max(args.levels):  # what verification costs without the prefix cache
             arms.append(Arm(level, True, "prompt_logprobs"))
         for arm in arms:
             rows.append(vclock.run(run_arm(arm, args.requests, args.rate, args.seed)).row())
