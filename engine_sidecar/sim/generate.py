@@ -86,6 +86,8 @@ async def generate(request: web.Request, engine: SimEngine) -> web.Response:
     ids = _token_ids(body, engine.config.max_model_len)
     workload = request.headers.get("X-Workload-Class", "")[:64] or None
     sampling, lp = _sampling(engine, body["sampling_params"], workload)
+    if not engine.fits(len(ids) + sampling.max_tokens):
+        raise _bad("The request needs more KV-cache blocks than the engine has.", "max_tokens")
     stream = engine.submit("gen-" + uuid.uuid4().hex, ids, sampling)
     engine.in_flight += 1
     try:

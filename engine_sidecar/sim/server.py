@@ -102,7 +102,17 @@ async def _generate_tokens(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
     if engine.draining:
         raise ApiError(503, "The engine is draining and accepts no new requests.")
+    await _inject(engine)
     return await generate.generate(request, engine)
+
+
+async def _inject(engine: SimEngine) -> None:
+    """The injected faults every generation route suffers before it starts."""
+    faults = engine.faults
+    if faults.header_delay_s > 0:
+        await asyncio.sleep(faults.header_delay_s)
+    if faults.error_rate > 0 and engine.fault_rng.random() < faults.error_rate:
+        raise ApiError(faults.error_status, "Injected fault: the engine failed this request.")
 
 
 async def _admit(request: web.Request, engine: SimEngine, kind: Kind) -> ParsedRequest:
@@ -112,11 +122,7 @@ async def _admit(request: web.Request, engine: SimEngine, kind: Kind) -> ParsedR
     if not engine.fits(len(parsed.prompt_ids) + parsed.max_tokens):
         raise ApiError(400, "The request needs more KV-cache blocks than the engine has.",
                        "max_tokens")
-    faults = engine.faults
-    if faults.header_delay_s > 0:
-        await asyncio.sleep(faults.header_delay_s)
-    if faults.error_rate > 0 and engine.fault_rng.random() < faults.error_rate:
-        raise ApiError(faults.error_status, "Injected fault: the engine failed this request.")
+    await _inject(engine)
     return parsed
 
 

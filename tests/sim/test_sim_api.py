@@ -215,3 +215,37 @@ async def test_prompt_logprobs_requests_skip_the_prefix_cache(start: Start,
     async with http.get(url + "/admin/state") as resp:
         state = await resp.json()
     assert state["busy_s"] > 0
+
+
+async def test_token_in_generate_reads_the_cache_and_leaves_cached_positions_uncomputed(
+        start: Start, http: aiohttp.ClientSession) -> None:
+    cluster = await start()
+    url = cluster.urls[0]
+    ids = list(range(100, 400))
+    params = {"max_tokens": 1, "temperature": 0, "prompt_logprobs": 1}
+    async with http.post(url + "/v1/completions", json={"prompt": ids, "max_tokens": 1}) as resp:
+        assert resp.status == 200
+    body = {"token_ids": ids, "sampling_params": params | {"skip_reading_prefix_cache": False}}
+    async with http.post(url + "/inference/v1/generate", json=body) as resp:
+        data = await resp.json()
+    cached = data["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached == 288 and len(data["choices"][0]["token_ids"]) == 1
+    entries = data["prompt_logprobs"]
+    assert len(entries) == 300 and entries[0] is None
+    rank1 = [next(k for k, v in e.items() if v["rank"] == 1) for e in entries[1:]]
+    assert set(rank1[:cached]) == {"0"}  # not computed: junk, as vLLM's
+    assert rank1[cached:] == [str(t) for t in ids[cached + 1:]]
+    # prompt_logprobs without the flag: vLLM's default skips the cache
+    body = {"token_ids": ids, "sampling_params": params}
+    async with http.post(url + "/inference/v1/generate", json=body) as resp:
+        data = await resp.json()
+    assert data["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+async def test_token_in_generate_needs_scale_out(start: Start,
+                                                 http: aiohttp.ClientSession) -> None:
+    cluster = await start(SimEngineConfig(scale_out=False, time_scale=FAST))
+    body = {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 1}}
+    async with http.post(cluster.urls[0] + "/inference/v1/generate", json=body) as resp:
+        assert resp.status == 403
+        assert "--enable-scale-out" in (await resp.json())["error"]["message"]
