@@ -9,6 +9,10 @@ target's greedy token with probability level + 0.05) and ``hard`` (level - 0.05)
 as a Poisson process, greedy, streamed, with prompts of ~200 tokens and natural answers of
 32..192 tokens.
 
+At the highest level a third arm verifies through ``prompt_logprobs`` on ``/v1/completions``
+(``verify = "prompt_logprobs"``), which vLLM computes without reading its prefix cache, instead
+of the default cache-reading token-in endpoint.
+
 Measured per arm: the share of output tokens written by the draft, target GPU-seconds per 1k
 output tokens (the target engine's own busy time, ``/admin/state`` ``busy_s``, over the tokens
 delivered), TTFT and end-to-end p50/p90. The virtual clock counts engine time only: the proxy's
@@ -57,6 +61,8 @@ WORDS = ("cache", "route", "token", "engine", "prefix", "tenant", "block", "queu
 class Arm:
     level: float
     speculative: bool
+    verify: str = "cached"  # the alias's verification transport (AliasConfig.verify)
+    window: float | None = None  # the alias's verify_window_s (None: its default)
     ttft: list[float] = field(default_factory=list)
     e2e: list[float] = field(default_factory=list)
     tokens: int = 0
@@ -70,8 +76,8 @@ class Arm:
 
     def row(self) -> dict[str, Any]:
         return {
-            "agreement": self.level, "arm": "speculative_first" if self.speculative else
-            "target_only", "requests": len(self.e2e), "failed": self.failed,
+            "agreement": self.level, "arm": self._name(), "requests": len(self.e2e),
+            "failed": self.failed,
             "output_tokens": self.tokens,
             "draft_share": round(self.draft_tokens / max(1, self.tokens), 3),
             "target_gpu_s_per_1k": round(1000 * self.target_busy_s / max(1, self.tokens), 3),
@@ -85,6 +91,13 @@ class Arm:
         }
 
 
+    def _name(self) -> str:
+        if not self.speculative:
+            return "target_only"
+        name = "speculative_first" + ("" if self.verify == "cached" else f"/{self.verify}")
+        return name + ("" if self.window is None else f"/window={self.window:g}")
+
+
 def _engines(level: float, time_scale: float) -> list[SimEngineConfig]:
     common: dict[str, Any] = {"time_scale": time_scale, "stop_len_range": (32, 192),
                               "max_model_len": 4096}
@@ -96,11 +109,14 @@ def _engines(level: float, time_scale: float) -> list[SimEngineConfig]:
     ]
 
 
-def _config(urls: Sequence[str]) -> Config:
+def _config(urls: Sequence[str], verify: str = "cached", window: float | None = None
+            ) -> Config:
     pools = (PoolConfig("target", TARGET, (EngineConfig("h100-0", urls[0]),)),
              PoolConfig("draft", DRAFT, (EngineConfig("l4-0", urls[1]),)))
     alias = AliasConfig(ALIAS, mode="speculative_first", draft="draft", target="target",
-                        chunk=16, fallback_retry_s=30.0)
+                        chunk=16, fallback_retry_s=30.0, verify=verify)
+    if window is not None:
+        alias = dataclasses.replace(alias, verify_window_s=window)
     tenants = tuple(TenantConfig(name, (f"key-{name}-000",)) for name in ("easy", "hard"))
     return Config(server=ServerConfig(host="127.0.0.1", port=0),
                   auth=AuthConfig(tenants=tenants),
@@ -148,7 +164,7 @@ async def _busy(http: aiohttp.ClientSession, url: str) -> float:
 
 async def run_arm(arm: Arm, requests: int, rate: float, seed: int) -> Arm:
     cluster = await start_cluster(_engines(arm.level, 1.0), port=0)
-    server = ProxyServer(_config(cluster.urls))
+    server = ProxyServer(_config(cluster.urls, arm.verify, arm.window))
     await server.start()
     rng = random.Random(seed)
     wall = time.perf_counter()
@@ -180,13 +196,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--levels", type=float, nargs="*", default=list(LEVELS))
     parser.add_argument("--out", type=Path, default=RESULTS / "specfirst.json")
+    parser.add_argument("--windows", type=float, nargs="*", default=[],
+                        help="verify_window_s values to compare (replaces the default arms)")
     args = parser.parse_args(argv)
     rows = []
     for level in args.levels:
-        for speculative in (False, True):
-            arm = vclock.run(run_arm(Arm(level, speculative), args.requests, args.rate,
-                                     args.seed))
-            rows.append(arm.row())
+        arms = [Arm(level, False), Arm(level, True)]
+        if args.windows:
+            arms = [Arm(level, False), *(Arm(level, True, window=w) for w in args.windows)]
+        elif level == max(args.levels):  # what verification costs without the prefix cache
+            arms.append(Arm(level, True, "prompt_logprobs"))
+        for arm in arms:
+            rows.append(vclock.run(run_arm(arm, args.requests, args.rate, args.seed)).row())
             print(json.dumps(rows[-1]), flush=True)
     args.out.write_text(json.dumps({"settings": dataclasses.asdict(_Settings(
         args.requests, args.rate, args.seed)), "rows": rows}, indent=2) + "\n")

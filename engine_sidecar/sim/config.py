@@ -142,6 +142,8 @@ class SimEngineConfig:
     # A real model's tokenizer (tokenizer.json or its directory, chat template beside it) instead
     # of the 4-bytes-per-token one: prompts get the token ids a vLLM engine of that model gives.
     tokenizer: str | None = None
+    # vLLM's ``--enable-scale-out``: serve the token-in ``/inference/v1/generate`` (generate.py).
+    scale_out: bool = True
     faults: FaultConfig = field(default_factory=FaultConfig, compare=False)
 
     def __post_init__(self) -> None:

@@ -56,6 +56,7 @@ class Sampling:
     cache_salt: str | None = None
     workload: str | None = None  # picks the acceptance class (sim/speculation.py)
     only: int | None = None  # ``allowed_token_ids`` of one token: that word, once
+    read_cache: bool = True  # False for prompt_logprobs requests, as vLLM 0.32 does
 
 
 class RequestStream:
@@ -149,8 +150,9 @@ class SimEngine:
         self.aborted_ids: deque[str] = deque(maxlen=_ABORTED_KEPT)
         self.aborted_client_ids: deque[str] = deque(maxlen=_ABORTED_KEPT)
         self.in_flight = 0
-        # Simulated seconds the engine spent running steps (its GPU's busy time).
+        # Simulated seconds the engine spent running steps (its GPU's busy time), and the steps.
         self.busy_s = 0.0
+        self.steps = 0
         self._streams: dict[SimRequest, RequestStream] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -222,7 +224,7 @@ class SimEngine:
         req = SimRequest(
             request_id=public_id, token_ids=array("I", prompt_ids), prompt_len=len(prompt_ids),
             target_len=target, finish_reason=reason, priority=sampling.priority, seq=self._seq,
-            words=words, root=root_for(sampling.cache_salt),
+            words=words, root=root_for(sampling.cache_salt), read_cache=sampling.read_cache,
             acceptance=simspec.acceptance_for(
                 self.config.spec, self.config.acceptance, sampling.workload, self.sim_time(),
                 self.config.num_speculative_tokens) if self.config.num_speculative_tokens else (),
@@ -340,6 +342,7 @@ class SimEngine:
                                         plan.attn_work, plan.draft_len) / scale
             await asyncio.sleep(max(0.0, started + dt - loop.time()))
             self.busy_s += dt * scale
+            self.steps += 1
             self._deliver(self.scheduler.complete(plan))
             self._publish_kv_events()
 
@@ -426,5 +429,5 @@ class SimEngine:
             "aborted_ids": list(self.aborted_ids),
             "aborted_request_ids": list(self.aborted_client_ids), "faults": self.faults.as_dict(),
             "kv_events": self.kv_events.state() if self.kv_events is not None else None,
-            "busy_s": self.busy_s,
+            "busy_s": self.busy_s, "steps": self.steps,
         }

@@ -14,6 +14,10 @@ Rules:
   latest-arrived running request under ``fcfs``, the lowest-priority one under ``priority``. The
   victim releases its blocks and goes back to the head of the waiting queue with its output kept.
   No new request is admitted in a step that preempted.
+- A request that asks for ``prompt_logprobs`` does not read the prefix cache (``read_cache``
+  False): vLLM 0.32 sets ``skip_reading_prefix_cache`` for it, because the log-probabilities of
+  cached positions are never computed; it recomputes its whole prompt, is not counted as a
+  prefix-cache query, and still leaves its blocks in the cache for others.
 - ``complete`` applies a planned step: computed tokens advance, full blocks are registered in the
   prefix cache, finished prefills and decodes sample tokens; accepted draft tokens add tokens
   without extra steps. Pure and synchronous: the clock and the sleeping belong to the engine.
@@ -66,6 +70,7 @@ class SimRequest:
     num_cached_tokens: int = -1
     num_preemptions: int = 0
     acceptance: tuple[float, ...] = ()  # conditional per draft position; () = engine default
+    read_cache: bool = True  # False: prompt_logprobs wanted (vLLM skips the prefix-cache lookup)
 
     @property
     def num_tokens(self) -> int:
@@ -264,7 +269,8 @@ class Scheduler:
             req = self._peek_waiting()
             if req is None:
                 return
-            hits = self.pool.lookup(req.block_hashes[: (req.num_tokens - 1) // bs])
+            hits = self.pool.lookup(req.block_hashes[: (req.num_tokens - 1) // bs]) \
+                if req.read_cache else []
             self.pool.touch(hits)
             req.blocks = hits
             req.num_computed = req.num_registered = len(hits) * bs
@@ -279,8 +285,9 @@ class Scheduler:
             budget -= num_new
 
     def _admit(self, req: SimRequest, plan: StepPlan, num_new: int) -> None:
-        self.stats.prefix_queries += req.num_tokens
-        self.stats.prefix_hits += req.num_computed
+        if req.read_cache:
+            self.stats.prefix_queries += req.num_tokens
+            self.stats.prefix_hits += req.num_computed
         if req.num_cached_tokens < 0:
             req.num_cached_tokens = req.num_computed
         req.status = Status.RUNNING

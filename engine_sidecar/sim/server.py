@@ -18,7 +18,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from engine_sidecar.sim import adaptive
+from engine_sidecar.sim import adaptive, generate
 from engine_sidecar.sim.agreement import prompt_logprobs
 from engine_sidecar.sim.engine import Sampling, SimEngine
 from engine_sidecar.sim.protocol import ApiError, Kind, Limits, ParsedRequest, parse, prompt_ids_of
@@ -67,6 +67,7 @@ def build_app(engine: SimEngine) -> web.Application:
     app.on_response_prepare.append(_engine_header)
     app.router.add_post("/v1/chat/completions", _chat)
     app.router.add_post("/v1/completions", _completions)
+    app.router.add_post(generate.PATH, _generate_tokens)
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
     app.router.add_get("/version", _version)
@@ -97,6 +98,23 @@ async def _completions(request: web.Request) -> web.StreamResponse:
     return await _generate(request, "completion")
 
 
+async def _generate_tokens(request: web.Request) -> web.StreamResponse:
+    engine = request.app[ENGINE]
+    if engine.draining:
+        raise ApiError(503, "The engine is draining and accepts no new requests.")
+    await _inject(engine)
+    return await generate.generate(request, engine)
+
+
+async def _inject(engine: SimEngine) -> None:
+    """The injected faults every generation route suffers before it starts."""
+    faults = engine.faults
+    if faults.header_delay_s > 0:
+        await asyncio.sleep(faults.header_delay_s)
+    if faults.error_rate > 0 and engine.fault_rng.random() < faults.error_rate:
+        raise ApiError(faults.error_status, "Injected fault: the engine failed this request.")
+
+
 async def _admit(request: web.Request, engine: SimEngine, kind: Kind) -> ParsedRequest:
     if engine.draining:
         raise ApiError(503, "The engine is draining and accepts no new requests.")
@@ -104,11 +122,7 @@ async def _admit(request: web.Request, engine: SimEngine, kind: Kind) -> ParsedR
     if not engine.fits(len(parsed.prompt_ids) + parsed.max_tokens):
         raise ApiError(400, "The request needs more KV-cache blocks than the engine has.",
                        "max_tokens")
-    faults = engine.faults
-    if faults.header_delay_s > 0:
-        await asyncio.sleep(faults.header_delay_s)
-    if faults.error_rate > 0 and engine.fault_rng.random() < faults.error_rate:
-        raise ApiError(faults.error_status, "Injected fault: the engine failed this request.")
+    await _inject(engine)
     return parsed
 
 
@@ -123,7 +137,8 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
                         seed=parsed.seed, priority=parsed.priority, ignore_eos=parsed.ignore_eos,
                         cache_salt=parsed.cache_salt,
                         workload=request.headers.get("X-Workload-Class", "")[:64] or None,
-                        only=_only(parsed.allowed_token_ids))
+                        only=_only(parsed.allowed_token_ids),
+                        read_cache=parsed.prompt_logprobs is None)
     stream = engine.submit(ident.response_id, parsed.prompt_ids, sampling, client_id=base_id)
     engine.in_flight += 1
     try:

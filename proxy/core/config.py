@@ -381,6 +381,7 @@ class PoolConfig:
 
 ALIAS_MODES: tuple[str, ...] = ("route", "speculative_first")
 TEMPERATURE_POLICIES: tuple[str, ...] = ("target", "approximate")
+VERIFY_MODES: tuple[str, ...] = ("cached", "prompt_logprobs")
 
 
 @dataclass(frozen=True)
@@ -404,6 +405,17 @@ class AliasConfig:
     # Sampled requests (temperature > 0): "target" serves them from the target pool alone;
     # "approximate" drafts them with the speculative-sampling test on top-k log-probabilities.
     temperature_policy: str = "target"
+    # How the target verifies a chunk. "cached": vLLM's token-in endpoint reading the prefix
+    # cache, so a round computes only what the last one did not (the target needs vLLM 0.32+
+    # with --enable-scale-out --enable-prompt-tokens-details; without them the alias falls back
+    # by itself). "prompt_logprobs": /v1/completions, which vLLM serves without reading the
+    # prefix cache, so every round recomputes the whole prompt and answer so far.
+    verify: str = "cached"
+    # Longest a ready verification waits (seconds) for those of other answers still drafting
+    # for the same target engine, so that they share one engine step (proxy.core.specbatch);
+    # 0 sends each at once. 50 ms: on the benchmark (docs/benchmarks.md) it met the goals at
+    # 0.5, 1 and 2 requests/s; 100 ms cost more latency than it saved.
+    verify_window_s: float = 0.05
     # A tenant's traffic on this alias goes target-only for fallback_retry_s once more than this
     # share of its drafted tokens (over the last history_rounds rounds, once fallback_min_tokens
     # have been judged) disagreed with the target.
@@ -450,6 +462,9 @@ class AliasConfig:
         _require(1 <= self.min_chunk <= self.chunk, "min_chunk", "must be in 1..chunk")
         _require(self.temperature_policy in TEMPERATURE_POLICIES, "temperature_policy",
                  f"must be one of {', '.join(TEMPERATURE_POLICIES)}")
+        _require(0.0 <= self.verify_window_s <= 1.0, "verify_window_s", "must be in 0..1")
+        _require(self.verify in VERIFY_MODES, "verify",
+                 f"must be one of {', '.join(VERIFY_MODES)}")
         _require(0.0 <= self.fallback_rejection <= 1.0, "fallback_rejection", "must be in 0..1")
         _positive(self, "fallback_min_tokens", "history_rounds", "max_prompt_tokens",
                   "leg_timeout_s")

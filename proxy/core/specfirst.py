@@ -24,6 +24,10 @@ Rules:
   configured rejection rate the key is served target-only for ``retry_s``, then drafted again and
   judged afresh. The chunk shrinks with agreement (a long chunk only wastes draft time when the
   first token is usually wrong).
+- **Verification that reads the target's prefix cache** (``cached_covers``): vLLM computes no
+  logits for positions its prefix cache supplied, so a prompt log-probability is trusted only
+  where the engine says it computed the position before it (entry ``j`` needs position ``j - 1``);
+  otherwise the round is verified again without the cache.
 - Pure: no I/O, the clock and the random source are passed in.
 """
 
@@ -138,6 +142,13 @@ def verify_greedy(draft: Sequence[int], entries: Sequence[Mapping[str, Any] | No
         if best != token:
             return Verdict(j, best)
     return Verdict(len(draft), None)
+
+
+def cached_covers(n_ids: int, n_draft: int, cached: int | None) -> bool:
+    """Whether the prompt log-probabilities of the last ``n_draft`` of ``n_ids`` prompt tokens
+    are computed when the engine read ``cached`` tokens from its prefix cache (None: it did not
+    say, so nothing can be trusted)."""
+    return cached is not None and 0 <= cached <= n_ids - n_draft - 1
 
 
 def verify_sampled(

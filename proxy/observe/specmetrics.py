@@ -3,7 +3,7 @@ draft agreement and fallbacks.
 
 Rules: every series is named ``kvproxy_specfirst_*`` and registers in the proxy's own registry;
 every label is bounded (alias names come from the configuration, tenants through the proxy's
-``TenantLabels``, ``path`` and ``source`` from fixed sets).
+``TenantLabels``, ``path``, ``source`` and ``mode`` from fixed sets).
 """
 
 from __future__ import annotations
@@ -41,6 +41,13 @@ class SpecFirstMetrics:
             "kvproxy_specfirst_draft_failures",
             "Answers that lost their draft engine midway and went on with the target alone",
             ["alias"], registry=r)
+        self.verifications = Counter(
+            "kvproxy_specfirst_verifications",
+            "Verification calls to the target by how they were made: cached (the prefix cache "
+            "read), recomputed (prompt_logprobs, the whole context computed again) or redone "
+            "(a cache-reading verification whose answer could not be used: the cache covered "
+            "the draft, or the engine could not serialise the uncomputed positions)",
+            ["alias", "mode"], registry=r)
         self.role_checks = Counter(
             "kvproxy_specfirst_token_role_checks",
             "Calls asking the target whether it stops on a token", ["alias"], registry=r)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import random
 import time
 import uuid
@@ -57,7 +58,9 @@ from proxy.server import speclegs
 from proxy.server.context import ShellContext
 from proxy.server.job import Job
 from proxy.server.specfirst import Drafting
-from proxy.server.speclegs import Leg, LegFailed
+from proxy.server.speclegs import Leg, LegFailed, Verified
+
+log = logging.getLogger(__name__)
 
 TARGET_ONLY_CHUNK = 16  # tokens per target call once the draft is gone
 APPROX_TOP_K = 8
@@ -202,16 +205,18 @@ class SpecAnswer:
             return None
         n = min(self.plan.state.history.chunk(self.plan.key), answer.remaining)
         top_k = APPROX_TOP_K if self.temperature > 0 else 0
+        gate = self.plan.gate
         try:
-            drafted = await speclegs.draft(draft, answer.context(), n,
-                                           temperature=self.temperature, extra=self.extra,
-                                           top_k=top_k)
+            with gate.drafting(target.name, n):
+                drafted = await speclegs.draft(draft, answer.context(), n,
+                                               temperature=self.temperature, extra=self.extra,
+                                               top_k=top_k)
         except LegFailed:
             self.metrics.draft_failures.labels(self.alias.name).inc()
             return None
-        checked = await speclegs.verify(target, answer.context(*drafted.tokens),
-                                        len(drafted.tokens), temperature=self.temperature,
-                                        extra=self.extra, top_k=top_k or 1)
+        await gate.ready(target.name, self.alias.verify_window_s)
+        checked = await self._verify(target, answer.context(*drafted.tokens),
+                                     len(drafted.tokens), top_k or 1)
         verdict = (verify_sampled(drafted.tokens, drafted.entries, checked.entries,
                                   self.temperature, self.rng) if top_k
                    else verify_greedy(drafted.tokens, checked.entries))
@@ -219,6 +224,26 @@ class SpecAnswer:
         rnd = Round(drafted.tokens, drafted.finish, verdict, checked.bonus, checked.bonus_finish)
         await self._apply(answer, advance(rnd, self.plan.state.facts, answer.remaining), target)
         return draft
+
+    async def _verify(self, target: Leg, ids: list[int], n: int, top_k: int) -> Verified:
+        """Verify reading the target's prefix cache where it can; else recompute the context."""
+        state, count = self.plan.state, self.metrics.verifications
+        kw: dict[str, Any] = {"temperature": self.temperature, "extra": self.extra, "top_k": top_k}
+        if self.alias.verify == "cached" and state.cached_verify is not False:
+            try:
+                got = await speclegs.verify_cached(target, ids, n, **kw)
+            except speclegs.NoCachedVerify as exc:
+                state.cached_verify = False
+                log.warning("speculative-first alias %s: the target pool does not serve "
+                            "cache-reading verification (%s); every round recomputes the "
+                            "context", self.alias.name, exc)
+            else:
+                state.cached_verify = True
+                count.labels(self.alias.name, "cached" if got else "redone").inc()
+                if got is not None:
+                    return got
+        count.labels(self.alias.name, "recomputed").inc()
+        return await speclegs.verify(target, ids, n, **kw)
 
     async def _apply(self, answer: Answer, step: Step, target: Leg) -> None:
         if step.ask is not None:

@@ -11,6 +11,9 @@ Rules:
   not reachable yet leave the alias *unverified*: it is served by the target alone, and the
   check runs again every ``RECHECK_S`` until it passes (or fails, which is then logged loudly
   and keeps the alias target-only).
+- Cache-reading verification (``alias.verify = "cached"``) is tried on the target's first
+  verification; a target that does not serve it is remembered per alias (logged once) and the
+  alias verifies through ``prompt_logprobs`` from then on.
 - ``route`` returns a ``Drafting`` plan, or the reason the request goes to the target pool
   unchanged (a pass-through: the normal relay path serves it, the answer is the target's own).
 """
@@ -33,6 +36,7 @@ from proxy.core.specfirst import AcceptanceHistory, HistoryConfig, TokenFacts, e
 from proxy.observe.specmetrics import SpecFirstMetrics
 from proxy.server.context import ShellContext
 from proxy.server.keys import SHELL
+from proxy.server.specgate import VerifyGate
 from proxy.server.speclegs import Leg, LegFailed
 
 log = logging.getLogger(__name__)
@@ -56,6 +60,9 @@ class AliasState:
     history: AcceptanceHistory
     facts: TokenFacts
     verified: bool | None = None  # None: not checked yet (engines unreachable)
+    # Whether the target serves cache-reading verification: None not tried yet, False not served
+    # (every verification then recomputes the context through prompt_logprobs).
+    cached_verify: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -65,6 +72,7 @@ class Drafting:
     state: AliasState
     key: tuple[str, str]
     sampled: bool
+    gate: VerifyGate
 
 
 @dataclass
@@ -72,6 +80,7 @@ class SpecFirst:
     aliases: dict[str, AliasState]
     metrics: SpecFirstMetrics
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    gate: VerifyGate = field(default_factory=VerifyGate)
 
     def route(self, name: str, inbound: Inbound, tenant: str, now: float
               ) -> Drafting | str | None:
@@ -88,7 +97,7 @@ class SpecFirst:
         key = (tenant, alias.name)
         if not state.history.drafting(key, now):
             return "fallback"
-        return Drafting(state, key, verdict.sampled)
+        return Drafting(state, key, verdict.sampled, self.gate)
 
 
 SPECFIRST = web.AppKey("specfirst", SpecFirst)

@@ -26,6 +26,7 @@ import orjson
 
 from proxy.core.breaker import Outcome, classify_status
 from proxy.core.errors import KvproxyError, UpstreamError
+from proxy.core.specfirst import cached_covers
 from proxy.fleet.engines import Engine
 from proxy.fleet.upstream import DATA_POST, translate
 from proxy.server.context import ShellContext
@@ -206,15 +207,61 @@ def _draft_entries(logprobs: object, n: int) -> tuple[Entry, ...]:
 async def verify(leg: Leg, ids: Sequence[int], n_draft: int, *, temperature: float,
                  extra: Mapping[str, Any], top_k: int = 1) -> Verified:
     """The target's log-probabilities at the last ``n_draft`` positions of ``ids`` (one prefill
-    pass) and the one token it generates after them."""
+    pass) and the one token it generates after them. vLLM reads no prefix cache for a request
+    with ``prompt_logprobs``: the whole of ``ids`` is computed again (``verify_cached`` is not)."""
     body: dict[str, Any] = {"prompt": list(ids), "max_tokens": 1, "prompt_logprobs": top_k,
                             "return_token_ids": True, "stream": False,
                             **_sampling(temperature, extra)}
     choice = _choice(await leg.post("/v1/completions", body), leg.name)
-    lps = choice.get("prompt_logprobs")
-    if not isinstance(lps, list) or len(lps) != len(ids):
+    return _verified(leg, choice.get("prompt_logprobs"), choice, len(ids), n_draft)
+
+
+class NoCachedVerify(Exception):
+    """The target does not serve cache-reading verification (vLLM without ``--enable-scale-out``
+    or ``--enable-prompt-tokens-details``, or not vLLM 0.32+)."""
+
+
+GENERATE = "/inference/v1/generate"
+_SAMPLING_FIELDS = ("top_p", "top_k", "min_p", "seed", "skip_special_tokens")
+
+
+async def verify_cached(leg: Leg, ids: Sequence[int], n_draft: int, *, temperature: float,
+                        extra: Mapping[str, Any], top_k: int = 1) -> Verified | None:
+    """``verify`` through vLLM's token-in endpoint with the prefix cache read: only the positions
+    past the cached part are computed (None: the answer cannot be used, because the cache covered
+    a drafted position or vLLM could not serialise the uncomputed ones; ``NoCachedVerify``: the
+    endpoint is not there)."""
+    params = {"max_tokens": 1, "temperature": temperature, "prompt_logprobs": top_k,
+              "skip_reading_prefix_cache": False, "detokenize": False,
+              **{k: v for k, v in extra.items() if k in _SAMPLING_FIELDS}}
+    body: dict[str, Any] = {"token_ids": list(ids), "sampling_params": params,
+                            **{k: v for k, v in extra.items() if k in ("priority", "cache_salt")}}
+    try:
+        data = await leg.post(GENERATE, body)
+    except LegFailed as exc:
+        if exc.upstream_status in (403, 404, 405):
+            raise NoCachedVerify(f"engine {leg.name} answered HTTP {exc.upstream_status}") from None
+        if exc.upstream_status == 400:
+            # vLLM fills the uncomputed (cached) positions with whatever its buffer held and
+            # may then fail to serialise them ("Out of range float values"): the request was
+            # not at fault, the cache-free verification answers it (or refuses it in turn).
+            return None
+        raise
+    usage = data.get("usage")
+    details = usage.get("prompt_tokens_details") if isinstance(usage, Mapping) else None
+    cached = details.get("cached_tokens") if isinstance(details, Mapping) else None
+    if not isinstance(cached, int) or isinstance(cached, bool):
+        raise NoCachedVerify(f"engine {leg.name} does not report cached prompt tokens")
+    if not cached_covers(len(ids), n_draft, cached):
+        return None
+    return _verified(leg, data.get("prompt_logprobs"), _choice(data, leg.name), len(ids), n_draft)
+
+
+def _verified(leg: Leg, lps: object, choice: Mapping[str, Any], n_ids: int, n_draft: int
+              ) -> Verified:
+    if not isinstance(lps, list) or len(lps) != n_ids:
         raise LegFailed(f"engine {leg.name} sent no prompt_logprobs for the draft")
-    entries = tuple(e if isinstance(e, Mapping) else None for e in lps[len(ids) - n_draft:])
+    entries = tuple(e if isinstance(e, Mapping) else None for e in lps[n_ids - n_draft:])
     generated = _ids(choice.get("token_ids"), leg.name)
     finish = choice.get("finish_reason")
     return Verified(entries, generated[0] if generated else None,

