@@ -91,8 +91,8 @@ class KvproxyRouter:
                              for v in views}
         ranked = self.policy.rank(key, views)
         name = ranked[0]
-        info["believed_held"] = key.tokens - self.policy.uncached_tokens(key, name)
         prefill = self.policy.uncached_tokens(key, name)
+        info["believed_held"] = key.tokens - prefill
         self.policy.observe(key, name)
         e = int(name[1:])
         self.tickets[rid] = (e, self.states[e].on_dispatch(now, prefill))
@@ -252,8 +252,9 @@ def summarise(name: str, out: Outcome, reqs: Sequence[TraceRequest]) -> dict[str
     ttft = list(out.ttft.values())
     d = out.decisions
     lost = [x for x in d if max(x["held"]) - x["held"][x["pick"]] >= 512]
-    unknown = [x for x in lost if x.get("believed_held", 0) <= 0
-               or _believed_at_best(x) <= x.get("believed_held", 0)]
+    # The policy did not believe the better engine held more (always so for the peer's model,
+    # which logs no beliefs).
+    unknown = [x for x in lost if _believed_at_best(x) <= x.get("believed_held", 0)]
     per = out.per_engine
     return {
         "router": name, "n": len(ttft),
