@@ -105,7 +105,10 @@ class RoutingConfig:
     # An engine carrying fewer requests than this is never over the bound (idle pools don't spill).
     min_load_bound: int = 2
     block_chars: int = 256
-    max_blocks: int = 512
+    # Blocks hashed per prompt at most (2048 x 256 characters: about 128k tokens, a long
+    # context). A prompt's tail past it is never matched, so it would count as uncached on its
+    # own home engine too and push long documents off the engine holding them.
+    max_blocks: int = 2048
     # Depth (in blocks) of the chain hash that orders engines; deeper past a prefix most hold.
     affinity_blocks: int = 2
     # Recently routed block hashes remembered per engine (longest-prefix match); 0: no index.

@@ -10,7 +10,8 @@ processes reported. The transports (Redis stream, the workers' local hub) live i
 Rules:
 - The request path only appends to ``Outbox`` (no I/O, no encoding); a background task takes the
   batch every ``sharing.interval_s``. An outbox holds at most ``max_batch`` dispatches; more in one
-  interval are dropped and counted (routing then merely learns less).
+  interval are dropped and counted (routing then merely learns less). A message carries at most
+  ``dispatches_per_message`` of them, so that chains of ``routing.max_blocks`` fit a frame.
 - A message is one orjson object: ``{"v": 1, "r": sender, "s": seq, "d": [[pool, engine, chain],
   ...], "p": {engine: pending}, "o": {engine: open}}``. ``pending`` is the sender's requests sent
   since its last snapshot and still open (what adds to an engine's load); ``open``: all it has open.
@@ -112,6 +113,14 @@ def decode(raw: bytes, *, max_bytes: int, max_chain: int) -> Message:
         _counts(doc.get("p", {})),
         _counts(doc.get("o", {})),
     )
+
+
+def dispatches_per_message(max_chain: int, max_bytes: int) -> int:
+    """How many dispatches one message may carry so that it stays under ``max_bytes`` however
+    long their chains (up to ``max_chain``) and names are: half the budget for the worst case
+    (a hash is at most 20 digits and a comma), at least one, at most 64."""
+    worst = max_chain * 21 + 2 * MAX_NAME + 16
+    return max(1, min(64, max_bytes // 2 // worst))
 
 
 def _name(value: object) -> bool:

@@ -3,10 +3,11 @@
 Rules:
 - Every ``sharing.interval_s`` one round: take the outbox (dispatches the request path recorded),
   read each engine's in-flight counts, publish them as one message (or several of at most
-  ``_PER_MESSAGE`` dispatches), then merge what the other processes published: their dispatches
-  go into this process's policies through ``Policy.observe`` exactly as local ones do, their
-  in-flight counts into each engine's ``remote_pending`` (part of its load). Own messages and
-  unknown pools or engines are skipped; bad messages are dropped and counted.
+  ``dispatches_per_message`` dispatches: chains of ``max_chain`` blocks fit a frame), then
+  merge what the other processes published: their dispatches go into this process's policies
+  through ``Policy.observe`` exactly as local ones do, their in-flight counts into each
+  engine's ``remote_pending`` (part of its load). Own messages and unknown pools or engines are
+  skipped; bad messages are dropped and counted.
 - Counts are published when they change and at least every ``ttl_s / 4``, so a peer's figures
   never lapse while it lives, and vanish ``ttl_s`` after it dies or loses the transport.
 - Two transports: ``RedisStreamBus`` (one Redis stream for every replica, trimmed to
@@ -27,7 +28,16 @@ from typing import Protocol, TypeVar
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from proxy.core.routing import Policy, RouteKey
-from proxy.core.sharing import BadMessage, Dispatch, Message, Outbox, PeerTable, decode, encode
+from proxy.core.sharing import (
+    BadMessage,
+    Dispatch,
+    Message,
+    Outbox,
+    PeerTable,
+    decode,
+    dispatches_per_message,
+    encode,
+)
 from proxy.core.telemetry import EngineState
 from proxy.tenancy.hub import MAX_FRAME, BusDown
 from proxy.tenancy.redis_link import RedisClient, RedisLink, RedisUnavailable
@@ -35,7 +45,6 @@ from proxy.tenancy.redis_link import RedisClient, RedisLink, RedisUnavailable
 log = logging.getLogger("kvproxy.sharing")
 T = TypeVar("T")
 
-_PER_MESSAGE = 64  # dispatches per message: a 512-block chain is ~11 kB, so a message stays small
 _READ_COUNT = 512  # stream entries read per round at most
 
 
@@ -169,6 +178,7 @@ class SharedRouting:
         self._heartbeat_s = ttl_s / 4
         self.interval_s = interval_s
         self._max_chain = max_chain
+        self._per_message = dispatches_per_message(max_chain, MAX_FRAME)
         self._clock = clock
         self.metrics = SharingMetrics(registry)
         self.transport = transport
@@ -213,7 +223,8 @@ class SharedRouting:
         changed = (pending, opened) != self._last_counts
         if not dispatches and not changed and now - self._last_sent < self._heartbeat_s:
             return
-        chunks = [dispatches[i : i + _PER_MESSAGE] for i in range(0, len(dispatches), _PER_MESSAGE)]
+        per = self._per_message
+        chunks = [dispatches[i : i + per] for i in range(0, len(dispatches), per)]
         for i, chunk in enumerate(chunks or [[]]):
             self._seq += 1
             counts = (pending, opened) if i == len(chunks or [[]]) - 1 else ({}, {})

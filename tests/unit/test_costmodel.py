@@ -259,3 +259,27 @@ def test_under_load_a_conversation_keeps_the_engine_holding_its_history() -> Non
         policy.rank(key(7), loaded)
     # The same difference in queued work as before (both report three waiting).
     assert policy.rank(turn, loaded)[0] == "e0"
+
+
+def test_a_document_longer_than_32k_tokens_stays_on_the_engine_holding_it() -> None:
+    """The prompt's whole chain is hashed by default: its home counts all of it as held, and a
+    queue there shorter than recomputing the document elsewhere keeps it home (a 512-block cap
+    counted the 17k tokens past 32k as uncached at home too and moved it to the idle engine)."""
+    from proxy.core.prefix import prefix_chain  # noqa: PLC0415
+
+    doc = "".join(f"{i:07d} " for i in range(25_000))  # 200k characters: about 50k tokens
+
+    def doc_key(question: str) -> RouteKey:
+        text = doc + question
+        chain = prefix_chain(text, model="m", tenant="t", block_chars=CFG.block_chars,
+                             max_blocks=CFG.max_blocks)
+        return RouteKey(chain=chain, tenant="t", model="m",
+                        prompt_tokens=len(text) / CFG.chars_per_token,
+                        block_tokens=CFG.block_chars / CFG.chars_per_token)
+
+    policy = ExpectedTTFT(CFG)
+    policy.observe(doc_key("first question?"), "home")
+    # 40k prompt tokens of another request queued at home: 3.3 s, less than the 4.2 s of
+    # computing the document on the idle engine.
+    home = idle("home", load=1.0, prefill=40_000.0, pending=1)
+    assert policy.rank(doc_key("second question?"), [home, idle("other")])[0] == "home"

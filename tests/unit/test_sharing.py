@@ -12,6 +12,7 @@ from proxy.core.sharing import (
     Outbox,
     PeerTable,
     decode,
+    dispatches_per_message,
     encode,
 )
 from proxy.core.telemetry import EngineState
@@ -97,3 +98,23 @@ def test_other_processes_dispatches_count_in_an_engines_load() -> None:
     state.remote_pending = 2.0
     assert state.load() == 3.0
     assert state.view(1.0, True).load == 3.0
+
+
+@pytest.mark.parametrize("max_chain", [1, 512, 2048, 8192])
+def test_a_full_message_of_the_longest_chains_fits_a_frame(max_chain: int) -> None:
+    frame = 1 << 20
+    per = dispatches_per_message(max_chain, frame)
+    name = "n" * 256
+    chain = tuple([(1 << 64) - 1] * max_chain)  # the widest hashes, as decimal text
+    full = Message(name, 1 << 62, tuple(Dispatch(name, name, chain) for _ in range(per)))
+    raw = encode(full)
+    assert len(raw) <= frame
+    assert decode(raw, max_bytes=frame, max_chain=max_chain) == full
+
+
+def test_the_old_fixed_batch_of_64_does_not_fit_a_frame_with_2048_block_chains() -> None:
+    """Why the batch follows the chain cap: 64 dispatches of 128k-token prompts are 2.8 MB."""
+    chain = tuple([(1 << 64) - 1] * 2048)
+    raw = encode(Message("a", 1, tuple(Dispatch("p", "e", chain) for _ in range(64))))
+    assert len(raw) > 1 << 20
+    assert dispatches_per_message(2048, 1 << 20) < 64
