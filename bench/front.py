@@ -30,6 +30,7 @@ from bench.procs import Managed, free_port, http_get, tree_cpu_seconds
 HAPROXY = shutil.which("haproxy") or "/usr/sbin/haproxy"
 POLICY = "expected_ttft"
 REPLICA_COUNTERS = ("kvproxy_requests_total",)
+COMPARED = "@compared"  # suffix of the arms run from ``--compare-tree``
 
 
 @dataclass(frozen=True)
@@ -37,9 +38,16 @@ class Arm:
     replicas: int
     haproxy: bool = True
     sharing: bool = True
+    # Another source tree to run the replicas from (``--compare-tree``: the same arm with the
+    # code before a change, interleaved with it); "" for this one.
+    tree: str = ""
 
     @property
     def name(self) -> str:
+        return self.base_name + (COMPARED if self.tree else "")
+
+    @property
+    def base_name(self) -> str:
         if not self.haproxy:
             return f"direct-{self.replicas}"
         if self.replicas == 1:
@@ -151,9 +159,12 @@ def start_front(arm: Arm, urls: Sequence[str], model: str, redis_url: str, key_p
             port = free_port()
             cfg = work / f"replica-{i}.toml"
             cfg.write_text(replica_config(port, urls, model, redis_url, key_prefix, arm.sharing))
-            argv = [sys.executable, "-m", "proxy", "serve", "--log-level", "warning",
+            # -P: the working directory (this tree) must not shadow the compared one.
+            python = [sys.executable, "-P"] if arm.tree else [sys.executable]
+            argv = [*python, "-m", "proxy", "serve", "--log-level", "warning",
                     "--config", str(cfg)]
-            proc = Managed(f"kvproxy-{i}", argv, work / f"replica-{i}.log", cores=cores)
+            env = {"PYTHONPATH": arm.tree} if arm.tree else {}  # before the installed package
+            proc = Managed(f"kvproxy-{i}", argv, work / f"replica-{i}.log", env=env, cores=cores)
             front.replicas.append((proc.start(), f"http://127.0.0.1:{port}"))
         for proc, url in front.replicas:
             proc.wait_http(url + "/ready", timeout_s=90.0)

@@ -126,6 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 description=__doc__.splitlines()[0])
     p.add_argument("--arms", default=DEFAULT_ARMS, help=f"comma list (default {DEFAULT_ARMS})")
     p.add_argument("--direct", action="store_true", help="also the direct-1 arm (no HAProxy)")
+    p.add_argument("--compare-tree", type=Path, default=None,
+                   help="also every arm with the replicas run from this source tree (e.g. a "
+                   "`git archive` of the code before a change), interleaved, named ARM@compared")
     p.add_argument("--workloads", default=None,
                    help=f"bench.workloads names (default {DEFAULT_WORKLOADS}; --quick: "
                    f"{QUICK_WORKLOADS})")
@@ -202,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         arms = parse_arms(("direct-1," if args.direct else "") + args.arms)
+        if args.compare_tree is not None:
+            tree = str(args.compare_tree.resolve())
+            arms = [x for a in arms for x in (a, replace(a, tree=tree))]
         workloads = by_name(args.workloads or (QUICK_WORKLOADS if args.quick
                                                else DEFAULT_WORKLOADS))
     except ValueError as exc:

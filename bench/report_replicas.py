@@ -4,8 +4,9 @@ Rules:
 - Every number comes from the results; the wording around them is fixed and verdicts computed.
 - Each (workload, round) is judged on its own: every ratio divides an arm's figure by the
   *baseline* of the same workload and round, one replica behind HAProxy (``haproxy-1``; the
-  direct replica when that arm did not run). Summaries give the median ratio over rounds and its
-  spread (lowest-highest).
+  direct replica when that arm did not run), from the same source tree (arms ``…@compared``,
+  run from ``--compare-tree``, against ``haproxy-1@compared``). Summaries give the median ratio
+  over rounds and its spread (lowest-highest).
 - The goal (issue 14): with 4 replicas sharing routing state, TTFT p90 within 10 % of one
   replica's (ratio <= 1.10) and the prefix-cache hit rate within 10 % (ratio >= 0.90). A
   workload where either figure is missing is "not measured", never met.
@@ -17,6 +18,7 @@ import math
 import statistics
 from collections.abc import Mapping, Sequence
 
+from bench.front import COMPARED
 from bench.markdown import Run, fmt, num, stamp, table
 from bench.report_suite import figure
 from bench.stats import ratio
@@ -36,15 +38,17 @@ def rounds(runs: Sequence[Run], workload: str) -> dict[int, dict[str, Run]]:
     return out
 
 
-def baseline(arms: Mapping[str, Run]) -> Run | None:
-    return next((arms[b] for b in BASELINES if b in arms), None)
+def baseline(arms: Mapping[str, Run], arm: str = "") -> Run | None:
+    """The baseline of ``arm``: one replica run from the same source tree."""
+    suffix = COMPARED if arm.endswith(COMPARED) else ""
+    return next((arms[b + suffix] for b in BASELINES if b + suffix in arms), None)
 
 
 def ratios(runs: Sequence[Run], workload: str, arm: str, key: str) -> list[float]:
     """Per round, ``arm``'s figure over the baseline's (NaN where either is missing)."""
     out = []
     for arms in rounds(runs, workload).values():
-        base = baseline(arms)
+        base = baseline(arms, arm)
         if arm in arms:
             out.append(ratio(figure(arms[arm], key), figure(base or {}, key)))
     return out
