@@ -150,9 +150,11 @@ class Front:
 
 
 def start_front(arm: Arm, urls: Sequence[str], model: str, redis_url: str, key_prefix: str,
-                work: Path, cores: str | None, timeout_s: float) -> Front:
-    """Start the replicas (all at once, then wait for each) and HAProxy; on failure nothing
-    started here is left running."""
+                work: Path, cores: str | None, timeout_s: float,
+                overrides: Sequence[str] = ()) -> Front:
+    """Start the replicas (all at once, then wait for each; ``overrides``: ``kvproxy serve
+    --set`` items for every replica) and HAProxy; on failure nothing started here is left
+    running."""
     front = Front([], None, Endpoint("", "", model), None)
     try:
         for i in range(arm.replicas):
@@ -162,7 +164,7 @@ def start_front(arm: Arm, urls: Sequence[str], model: str, redis_url: str, key_p
             # -P: the working directory (this tree) must not shadow the compared one.
             python = [sys.executable, "-P"] if arm.tree else [sys.executable]
             argv = [*python, "-m", "proxy", "serve", "--log-level", "warning",
-                    "--config", str(cfg)]
+                    "--config", str(cfg), *(x for o in overrides for x in ("--set", o))]
             env = {"PYTHONPATH": arm.tree} if arm.tree else {}  # before the installed package
             proc = Managed(f"kvproxy-{i}", argv, work / f"replica-{i}.log", env=env, cores=cores)
             front.replicas.append((proc.start(), f"http://127.0.0.1:{port}"))

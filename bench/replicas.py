@@ -79,7 +79,7 @@ def measure(arm: Arm, plan: Plan, mapper: PromptMapper, redis: Redis, run_id: st
         fleet.start()
         front = start_front(arm, fleet.urls, plan.spec.model, redis.url,
                             f"kvproxy:bench:{run_id}:", work, _cores(args.router_cores),
-                            args.request_timeout_s + 30)
+                            args.request_timeout_s + 30, args.proxy_set)
         run_async(warm_up(front.endpoint, arm.replicas))
         before, cpu0, kv_config = fleet.scrape(), front.cpu_seconds(), fleet.kv_config()
         reps0, hap0 = front.replica_requests(), front.balancer_requests()
@@ -150,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--router-cores", default="0",
                    help="taskset cores for the replicas, HAProxy and Redis ('' = none)")
     p.add_argument("--request-timeout-s", type=float, default=180.0, help="wall-clock, per request")
+    p.add_argument("--proxy-set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="a kvproxy setting for every replica (repeatable), e.g. "
+                   "sharing.interval_s=0.005")
     p.add_argument("--out", type=Path, default=report.RESULTS)
     p.add_argument("--no-report", action="store_true")
     return p
@@ -184,6 +187,7 @@ def skeleton(args: argparse.Namespace, arms: Sequence[Arm]) -> dict[str, object]
             "output_scale": args.output_scale, "engine_cores": args.engine_cores,
             "router_cores": args.router_cores, "loadgen_cores": "unpinned",
             "request_timeout_s": args.request_timeout_s, "balance": "roundrobin (HTTP mode)",
+            "proxy_set": list(args.proxy_set),
         },
         "workloads": [], "runs": [],
     }

@@ -149,9 +149,15 @@ def settings(data: Mapping[str, object]) -> str:
         f"- traffic: the routing suite's quick workloads, the leading {s['slice_fraction']:g} of "
         f"each quick slice, at {_load(s)}; "
         f"engines and arrivals {s['time_scale']}x real time, latencies in engine time",
+        f"- replica settings beyond the defaults: "
+        f"{_overrides(s.get('proxy_set'))}",
         f"- {s['repeat']} round(s); arms interleaved within each workload; load average at the "
         f"end {load}",
     ])
+
+
+def _overrides(items: object) -> str:
+    return ", ".join(f"`{o}`" for o in items) if isinstance(items, list) and items else "none"
 
 
 def _load(s: Mapping[str, object]) -> str:
