@@ -12,8 +12,11 @@ Rules:
   batch every ``sharing.interval_s``. An outbox holds at most ``max_batch`` dispatches; more in one
   interval are dropped and counted (routing then merely learns less).
 - A message is one orjson object: ``{"v": 1, "r": sender, "s": seq, "d": [[pool, engine, chain],
-  ...], "p": {engine: pending}, "o": {engine: open}}``. ``pending`` is the sender's requests sent
-  since its last snapshot and still open (what adds to an engine's load); ``open``: all it has open.
+  ...], "p": {engine: pending}, "o": {engine: open}, "t": {engine: prefill}}``. ``pending`` is the
+  sender's requests sent since its last snapshot and still open (what adds to an engine's load);
+  ``open``: all it has open; ``prefill``: the prompt tokens the engine has still to compute for
+  the pending ones that have had no first byte (the queued work no snapshot shows yet, which the
+  cost model weighs). ``t`` is optional: a message without it says 0 tokens.
 - Messages come from outside the process and are not trusted: ``decode`` refuses anything over
   ``max_bytes``, of the wrong shape, with names or chains out of bounds, or with negative or absurd
   counts. Unknown pools and engines are ignored by the caller, never created.
@@ -32,6 +35,7 @@ import orjson
 VERSION = 1
 MAX_NAME = 256
 MAX_COUNT = 1_000_000.0
+MAX_TOKENS = 1e12
 _MAX_HASH = (1 << 64) - 1
 
 
@@ -51,6 +55,7 @@ class Message:
     dispatches: tuple[Dispatch, ...] = ()
     pending: Mapping[str, float] = field(default_factory=dict)
     open: Mapping[str, float] = field(default_factory=dict)
+    prefill: Mapping[str, float] = field(default_factory=dict)
 
 
 class Outbox:
@@ -83,6 +88,7 @@ def encode(msg: Message) -> bytes:
         "d": [[d.pool, d.engine, list(d.chain)] for d in msg.dispatches],
         "p": dict(msg.pending),
         "o": dict(msg.open),
+        "t": dict(msg.prefill),
     }
     return orjson.dumps(doc)
 
@@ -111,6 +117,7 @@ def decode(raw: bytes, *, max_bytes: int, max_chain: int) -> Message:
         tuple(_dispatches(doc.get("d", []), max_chain)),
         _counts(doc.get("p", {})),
         _counts(doc.get("o", {})),
+        _counts(doc.get("t", {}), MAX_TOKENS),
     )
 
 
@@ -132,13 +139,13 @@ def _dispatches(items: object, max_chain: int) -> Iterable[Dispatch]:
         yield Dispatch(item[0], item[1], tuple(chain))
 
 
-def _counts(doc: object) -> dict[str, float]:
+def _counts(doc: object, bound: float = MAX_COUNT) -> dict[str, float]:
     if not isinstance(doc, dict):
         raise BadMessage("counts are not an object")
     out: dict[str, float] = {}
     for name, value in doc.items():
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if not (_name(name) and ok and 0 <= value <= MAX_COUNT):
+        if not (_name(name) and ok and 0 <= value <= bound):
             raise BadMessage("bad count")
         out[name] = float(value)
     return out
@@ -150,6 +157,7 @@ class _Peer:
     open: Mapping[str, float]
     heard_at: float
     seq: int
+    prefill: Mapping[str, float]
 
 
 class PeerTable:
@@ -169,7 +177,7 @@ class PeerTable:
             self.expire(now)
             if len(self._peers) >= self.max_peers:
                 return False
-        self._peers[msg.sender] = _Peer(msg.pending, msg.open, now, msg.seq)
+        self._peers[msg.sender] = _Peer(msg.pending, msg.open, now, msg.seq, msg.prefill)
         return True
 
     def expire(self, now: float) -> None:
@@ -191,3 +199,12 @@ class PeerTable:
             for name, n in peer.open.items():
                 opened[name] = opened.get(name, 0.0) + n
         return pending, opened
+
+    def prefill_totals(self, now: float) -> dict[str, float]:
+        """Per engine, the prompt tokens the live peers' pending requests have still to prefill."""
+        out: dict[str, float] = {}
+        for peer in self._peers.values():
+            if now - peer.heard_at <= self.ttl_s:
+                for name, tokens in peer.prefill.items():
+                    out[name] = out.get(name, 0.0) + tokens
+        return out

@@ -23,7 +23,12 @@ Rules:
   after that snapshot was taken and still open, so a burst does not pile onto an engine that looked
   idle a moment ago. No clock is read here: callers pass ``now``.
 - Other proxy processes' requests count too: ``remote_pending`` (their requests sent since their
-  own last snapshot, set by ``proxy.tenancy.shared_routing``) adds to the load like this proxy's.
+  own last snapshot, set by ``proxy.tenancy.shared_routing``) adds to the load like this proxy's,
+  and ``remote_prefill`` (the prompt tokens those have still to prefill) to the prefill backlog
+  the cost model queues a request behind: otherwise N replicas each see 1/N of a burst and pile
+  it onto one engine until the next scrape. Their snapshots and this one are not taken at the same
+  instant, so for up to one interval a request may count both here and in the snapshot's waiting:
+  an over-count, never a burst let through.
 """
 
 from __future__ import annotations
@@ -281,6 +286,7 @@ class EngineState:
         # since their last snapshot (counted in the load), and open in all.
         self.remote_pending = 0.0
         self.remote_open = 0.0
+        self.remote_prefill = 0.0
         # ticket -> dispatch time (None: unknown, counted until the next snapshot of any age).
         self._since_snapshot: dict[int, float | None] = {}
         # Per open ticket: prompt tokens the engine is expected to prefill, until the first byte.
@@ -410,6 +416,13 @@ class EngineState:
     def dispatched_since_snapshot(self) -> int:
         return len(self._since_snapshot)
 
+    @property
+    def prefill_since_snapshot(self) -> float:
+        """Prompt tokens still to prefill of the requests sent since the snapshot (what the other
+        proxy processes cannot see in their snapshots yet)."""
+        prefill = self._prefill
+        return sum(prefill.get(t, 0.0) for t in self._since_snapshot)
+
     # -- views
 
     @property
@@ -451,7 +464,7 @@ class EngineState:
             fresh=self.health is Health.HEALTHY,
             load=self.load(),
             kv_usage=snap.kv_usage if snap is not None else 1.0,
-            prefill=sum(self._prefill.values()),
+            prefill=sum(self._prefill.values()) + self.remote_prefill,
             block_size=snap.block_size if snap is not None else None,
             running=snap.running if snap is not None else 0.0,
             waiting=snap.waiting if snap is not None else 0.0,

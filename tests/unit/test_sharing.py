@@ -5,6 +5,9 @@ from __future__ import annotations
 import orjson
 import pytest
 
+from proxy.core.config import RoutingConfig
+from proxy.core.costmodel import ExpectedTTFT
+from proxy.core.routeview import RouteKey
 from proxy.core.sharing import (
     BadMessage,
     Dispatch,
@@ -14,7 +17,7 @@ from proxy.core.sharing import (
     decode,
     encode,
 )
-from proxy.core.telemetry import EngineState
+from proxy.core.telemetry import EngineSnapshot, EngineState
 
 
 def _decode(raw: bytes) -> Message:
@@ -97,3 +100,54 @@ def test_other_processes_dispatches_count_in_an_engines_load() -> None:
     state.remote_pending = 2.0
     assert state.load() == 3.0
     assert state.view(1.0, True).load == 3.0
+
+
+def test_pending_prompt_tokens_travel_and_are_bounded() -> None:
+    msg = Message("r1", 3, (), {"t0": 2.0}, {"t0": 2.0}, {"t0": 48_000.0})
+    assert _decode(encode(msg)) == msg
+    # A sender that does not say how many tokens it has pending says 0.
+    assert _decode(b'{"v":1,"r":"x","s":1,"p":{"e":1}}').prefill == {}
+    for bad in (b'-1', b'1e13', b'"many"', b'true'):
+        with pytest.raises(BadMessage):
+            _decode(b'{"v":1,"r":"x","s":1,"t":{"e":' + bad + b"}}")
+
+
+def test_peer_prefill_adds_up_and_expires_with_the_peer() -> None:
+    table = PeerTable(ttl_s=2.0)
+    table.heard(Message("a", 1, pending={"e": 1.0}, prefill={"e": 3000.0}), now=10.0)
+    table.heard(Message("b", 1, pending={"e": 1.0}, prefill={"e": 500.0, "f": 9.0}), now=11.0)
+    assert table.prefill_totals(11.5) == {"e": 3500.0, "f": 9.0}
+    assert table.prefill_totals(12.5) == {"e": 500.0, "f": 9.0}  # a's figures expired
+
+
+def test_only_prompts_sent_since_the_snapshot_and_not_yet_answered_are_published() -> None:
+    state = EngineState("e", "p", "http://e", stale_after_s=1.0)
+    before = state.on_dispatch(now=0.5, prefill=1000.0)
+    state.on_scrape_ok(_snap(1.0), 1.0)  # the snapshot counts ``before`` among its waiting
+    answered = state.on_dispatch(now=1.1, prefill=200.0)
+    state.on_dispatch(now=1.2, prefill=3000.0)
+    state.on_first_byte(answered)
+    assert state.prefill_since_snapshot == 3000.0
+    assert before  # still open: this proxy counts it, the others see it in their snapshots
+
+
+def test_other_processes_pending_prompts_are_queued_work_the_cost_model_weighs() -> None:
+    cfg = RoutingConfig()
+    states = [EngineState(n, "p", f"http://{n}", stale_after_s=1.0) for n in ("a", "b")]
+    for s in states:
+        s.on_scrape_ok(_snap(1.0), 1.0)
+    key = RouteKey(chain=(1, 2, 3), prompt_tokens=2000.0)
+    policy = ExpectedTTFT(cfg)
+    views = [s.view(1.1, True) for s in states]
+    first = policy.rank(key, views)[0]
+    policy.observe(key, first)
+    assert policy.rank(key, views)[0] == first  # it holds the prompt now
+    # Another replica just sent a 40k-token prompt there: the prompt's next request goes elsewhere.
+    busy = states[[s.name for s in states].index(first)]
+    busy.remote_pending, busy.remote_prefill = 1.0, 40_000.0
+    assert busy.view(1.1, True).prefill == 40_000.0
+    assert policy.rank(key, [s.view(1.1, True) for s in states])[0] != first
+
+
+def _snap(at: float) -> EngineSnapshot:
+    return EngineSnapshot(taken_at=at, kv_usage=0.1, running=0.0, waiting=0.0)
