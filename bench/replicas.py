@@ -20,8 +20,12 @@ Rules:
 - HAProxy runs in HTTP mode with ``balance roundrobin``: every request is balanced on its own, also
   on kept-alive client connections. Its config is written here; it binds loopback ports only.
 - Replicas and HAProxy share the router core(s), the engines their own: N replicas get no more CPU
-  than one. Every process (engines, redis-server, replicas, HAProxy) is started here and stopped
-  here by its PID, whatever happens.
+  than one (on an otherwise idle machine; where other processes compete for that core, the
+  scheduler gives N processes a larger share than one). Every process (engines, redis-server,
+  replicas, HAProxy) is started here and stopped here by its PID, whatever happens.
+- ``--compare-tree DIR`` adds every arm once more with the replicas run from another source tree
+  (``ARM@compared``, judged against ``haproxy-1@compared``): a change measured before and after
+  in one interleaved run. ``--proxy-set`` passes settings to every replica.
 - Evidence that the balancer spread the load: each replica's ``kvproxy_requests_total`` over the
   run and HAProxy's own per-server request counts from its stats page.
 """

@@ -12,6 +12,7 @@ Rules:
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -94,13 +95,15 @@ def write_suite(results: Path) -> str | None:
     return text
 
 
-def write_replicas(results: Path) -> str | None:
+def write_replicas(results: Path, docs: Path) -> str | None:
+    """Writes ``replicas.md``; returns the text for the page at ``docs`` (links from there)."""
     path = results / "replicas.json"
     if not path.exists():
         return None
-    text = replicas_markdown(read_json(path))
-    (results / "replicas.md").write_text(text)
-    return text
+    data = read_json(path)
+    (results / "replicas.md").write_text(replicas_markdown(data))
+    prefix = os.path.relpath(results, docs.parent).replace(os.sep, "/") + "/"
+    return replicas_markdown(data, prefix)
 
 
 def _figure(draw: object, path: Path) -> str | None:
@@ -145,7 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if specfirst is not None:
         page += "\n" + "\n".join("##" + ln if ln.startswith("#") else ln
                                    for ln in specfirst.splitlines()) + "\n"
-    replicas = write_replicas(args.results)
+    replicas = write_replicas(args.results, args.docs)
     page += "\n" + _demoted(replicas if replicas is not None else "# Replica benchmark\n\n"
                              "No results yet: run `python -m bench.replicas`.")
     args.docs.write_text(page)

@@ -165,7 +165,11 @@ def _load(s: Mapping[str, object]) -> str:
     return f"x{fixed} for every workload" if fixed is not None else "round-robin's knee"
 
 
-def replicas_markdown(data: Mapping[str, object]) -> str:
+NOTES = "replicas-notes.md"
+
+
+def replicas_markdown(data: Mapping[str, object], link_prefix: str = "") -> str:
+    """The report; ``link_prefix``: where the results folder is from the page that shows it."""
     runs, ws = data["runs"], data["workloads"]
     assert isinstance(runs, list) and isinstance(ws, list)
     arms = [str(a) for a in data["settings"]["arms"]]  # type: ignore[index]
@@ -173,7 +177,9 @@ def replicas_markdown(data: Mapping[str, object]) -> str:
     parts = ["# Replica benchmark: kvproxy replicas behind HAProxy", "", stamp(data), "",
              "## Settings", "", settings(data), "", "## Goal: 4 replicas within 10 % of one", "",
              f"`{GOAL_ARM}` against `haproxy-1`, per workload (median ratio over rounds "
-             "[lowest-highest]):", "", *[verdict(runs, w) for w in names], ""]
+             "[lowest-highest]):", "", *[verdict(runs, w) for w in names], "",
+             f"What limits the replicas, what was changed for it and the comparison before and "
+             f"after: [{NOTES}]({link_prefix}{NOTES}).", ""]
     for w in names:
         rows = arm_rows(runs, w, arms)
         parts += [f"## Workload `{w}`", "", table(ARM_HEADER, rows) if rows else "No runs.", ""]
