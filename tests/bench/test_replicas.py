@@ -71,19 +71,22 @@ def _run(workload: str, arm: str, p90: float, hit: float, rnd: int = 0) -> dict[
 def test_report_judges_four_replicas_against_one_round_by_round() -> None:
     runs = [_run("rag", "haproxy-1", 2.0, 0.6), _run("rag", "haproxy-4-shared", 2.1, 0.58),
             _run("rag", "haproxy-1", 2.0, 0.6, 1), _run("rag", "haproxy-4-shared", 2.4, 0.5, 1),
-            _run("chat", "haproxy-1", 1.0, 0.5)]
+            _run("chat", "haproxy-1", 1.0, 0.5),
+            _run("unique", "haproxy-1", 2.0, 0.0), _run("unique", "haproxy-4-shared", 2.1, 0.0)]
     data = {"command": "python -m bench.replicas", "machine": MACHINE, "versions": {},
             "settings": {"arms": ["haproxy-1", "haproxy-4-shared"], "policy": "expected_ttft",
                          "balance": "roundrobin", "engines": 8, "profile": "p",
                          "engine_cores": "1", "router_cores": "0", "slice_fraction": 0.5,
                          "rate_scale_override": None, "time_scale": 3.0, "repeat": 2},
-            "workloads": [{"name": "rag"}, {"name": "chat"}], "runs": runs,
+            "workloads": [{"name": "rag"}, {"name": "chat"}, {"name": "unique"}], "runs": runs,
             "load_avg_at_end": [3.0, 2.0, 1.0]}
     text = replicas_markdown(data)
     # Round 1: p90 x1.05, hit x0.97; round 2: p90 x1.20, hit x0.83; medians 1.12 and 0.90.
     assert "- `rag`: missed on the medians — p90 ratio 1.12 [1.05-1.20] (≤ 1.10 in 1 of 2" in text
     assert "hit-rate ratio 0.90 [0.83-0.97] (≥ 0.90 in 1 of 2 rounds)" in text
     assert "- `chat`: not measured" in text
+    assert ("- `unique`: met on the medians — p90 ratio 1.05 (≤ 1.10 in 1 of 1 rounds), no prefix "
+            "reuse, so no hit rate to keep") in text
     assert "| `haproxy-4-shared` | 1.12 [1.05-1.20] | 2.25 [2.10-2.40] |" in text
     assert "load average at the end 3.00 2.00 1.00" in text
 
