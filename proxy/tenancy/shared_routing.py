@@ -5,8 +5,8 @@ Rules:
   read each engine's in-flight counts, publish them as one message (or several of at most
   ``_PER_MESSAGE`` dispatches), then merge what the other processes published: their dispatches
   go into this process's policies through ``Policy.observe`` exactly as local ones do, their
-  in-flight counts into each engine's ``remote_pending`` (part of its load) and their pending
-  prompt tokens into its ``remote_prefill`` (part of the cost model's queued work). Own messages and
+  in-flight counts into each engine's ``remote_pending`` (part of its load) and their prefill
+  backlogs into its ``remote_backlog`` (part of the cost model's queued work). Own messages and
   unknown pools or engines are skipped; bad messages are dropped and counted.
 - Counts are published when they change and at least every ``ttl_s / 4``, so a peer's figures
   never lapse while it lives, and vanish ``ttl_s`` after it dies or loses the transport.
@@ -28,7 +28,16 @@ from typing import Protocol, TypeVar
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from proxy.core.routing import Policy, RouteKey
-from proxy.core.sharing import BadMessage, Dispatch, Message, Outbox, PeerTable, decode, encode
+from proxy.core.sharing import (
+    NO_BACKLOG,
+    BadMessage,
+    Dispatch,
+    Message,
+    Outbox,
+    PeerTable,
+    decode,
+    encode,
+)
 from proxy.core.telemetry import EngineState
 from proxy.tenancy.hub import MAX_FRAME, BusDown
 from proxy.tenancy.redis_link import RedisClient, RedisLink, RedisUnavailable
@@ -176,7 +185,7 @@ class SharedRouting:
         self.sender = uuid.uuid4().hex[:16]
         self._seq = 0
         # (pending, open, prefill) as last published.
-        self._last_counts: tuple[dict[str, float], ...] = ({}, {}, {})
+        self._last_counts: tuple[Mapping[str, object], ...] = ({}, {}, {})
         self._last_sent = -1e18
         self._live: bool | None = None
         self._dropped_seen = 0
@@ -212,7 +221,7 @@ class SharedRouting:
         self._count_drops()
         pending = {e.name: float(e.state.dispatched_since_snapshot) for e in engines}
         opened = {e.name: float(e.state.open_requests) for e in engines}
-        prefill = {e.name: e.state.prefill_since_snapshot for e in engines}
+        prefill = {e.name: e.state.backlog for e in engines}
         changed = (pending, opened, prefill) != self._last_counts
         if not dispatches and not changed and now - self._last_sent < self._heartbeat_s:
             return
@@ -262,7 +271,7 @@ class SharedRouting:
         pending, opened = self._peers.totals(now)
         prefill = self._peers.prefill_totals(now)
         for engine in engines:
-            engine.state.remote_prefill = prefill.get(engine.name, 0.0)
+            engine.state.remote_backlog = prefill.get(engine.name, NO_BACKLOG)
             engine.state.remote_pending = pending.get(engine.name, 0.0)
             engine.state.remote_open = opened.get(engine.name, 0.0)
         self.metrics.peers.set(self._peers.live(now))

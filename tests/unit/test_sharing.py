@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import orjson
 import pytest
 
@@ -9,6 +11,7 @@ from proxy.core.config import RoutingConfig
 from proxy.core.costmodel import ExpectedTTFT
 from proxy.core.routeview import RouteKey
 from proxy.core.sharing import (
+    Backlog,
     BadMessage,
     Dispatch,
     Message,
@@ -102,33 +105,41 @@ def test_other_processes_dispatches_count_in_an_engines_load() -> None:
     assert state.view(1.0, True).load == 3.0
 
 
-def test_pending_prompt_tokens_travel_and_are_bounded() -> None:
-    msg = Message("r1", 3, (), {"t0": 2.0}, {"t0": 2.0}, {"t0": 48_000.0})
+def test_prefill_backlogs_travel_and_are_bounded() -> None:
+    msg = Message("r1", 3, (), {"t0": 2.0}, {"t0": 2.0}, {"t0": Backlog(48_000.0, 3.0, 1.0)})
     assert _decode(encode(msg)) == msg
-    # A sender that does not say how many tokens it has pending says 0.
+    # A sender that does not say what it has pending says nothing is.
     assert _decode(b'{"v":1,"r":"x","s":1,"p":{"e":1}}').prefill == {}
-    for bad in (b'-1', b'1e13', b'"many"', b'true'):
+    for bad in (b"[-1,1,0]", b"[1e13,1,0]", b"[1,2,3]", b"[1,1]", b'"many"', b"[true,1,0]"):
         with pytest.raises(BadMessage):
             _decode(b'{"v":1,"r":"x","s":1,"t":{"e":' + bad + b"}}")
 
 
-def test_peer_prefill_adds_up_and_expires_with_the_peer() -> None:
+def test_peer_backlogs_add_up_and_expire_with_the_peer() -> None:
     table = PeerTable(ttl_s=2.0)
-    table.heard(Message("a", 1, pending={"e": 1.0}, prefill={"e": 3000.0}), now=10.0)
-    table.heard(Message("b", 1, pending={"e": 1.0}, prefill={"e": 500.0, "f": 9.0}), now=11.0)
-    assert table.prefill_totals(11.5) == {"e": 3500.0, "f": 9.0}
-    assert table.prefill_totals(12.5) == {"e": 500.0, "f": 9.0}  # a's figures expired
+    table.heard(Message("a", 1, prefill={"e": Backlog(3000.0, 2.0, 1.0)}), now=10.0)
+    table.heard(Message("b", 1, prefill={"e": Backlog(500.0, 1.0, 0.0),
+                                         "f": Backlog(9.0, 1.0, 1.0)}), now=11.0)
+    assert table.prefill_totals(11.5) == {"e": (3500.0, 3.0, 1.0), "f": (9.0, 1.0, 1.0)}
+    assert table.prefill_totals(12.5) == {"e": (500.0, 1.0, 0.0), "f": (9.0, 1.0, 1.0)}
 
 
-def test_only_prompts_sent_since_the_snapshot_and_not_yet_answered_are_published() -> None:
+def test_the_published_backlog_is_every_prompt_not_yet_answered() -> None:
     state = EngineState("e", "p", "http://e", stale_after_s=1.0)
-    before = state.on_dispatch(now=0.5, prefill=1000.0)
-    state.on_scrape_ok(_snap(1.0), 1.0)  # the snapshot counts ``before`` among its waiting
+    state.on_dispatch(now=0.5, prefill=1000.0)
+    state.on_scrape_ok(_snap(1.0), 1.0)  # the snapshot counts the first among its waiting
     answered = state.on_dispatch(now=1.1, prefill=200.0)
     state.on_dispatch(now=1.2, prefill=3000.0)
     state.on_first_byte(answered)
-    assert state.prefill_since_snapshot == 3000.0
-    assert before  # still open: this proxy counts it, the others see it in their snapshots
+    assert state.backlog == (4000.0, 2.0, 1.0)
+
+
+def test_other_processes_backlog_counts_like_this_proxys_own() -> None:
+    state = EngineState("e", "p", "http://e", stale_after_s=1.0)
+    state.on_scrape_ok(replace(_snap(1.0), waiting=3.0), 1.0)
+    state.remote_backlog = Backlog(9000.0, 3.0, 2.0)
+    view = state.view(1.1, True)
+    assert (view.prefill, view.pending, view.pending_seen) == (9000.0, 3, 2)
 
 
 def test_other_processes_pending_prompts_are_queued_work_the_cost_model_weighs() -> None:
@@ -144,7 +155,7 @@ def test_other_processes_pending_prompts_are_queued_work_the_cost_model_weighs()
     assert policy.rank(key, views)[0] == first  # it holds the prompt now
     # Another replica just sent a 40k-token prompt there: the prompt's next request goes elsewhere.
     busy = states[[s.name for s in states].index(first)]
-    busy.remote_pending, busy.remote_prefill = 1.0, 40_000.0
+    busy.remote_pending, busy.remote_backlog = 1.0, Backlog(40_000.0, 1.0, 0.0)
     assert busy.view(1.1, True).prefill == 40_000.0
     assert policy.rank(key, [s.view(1.1, True) for s in states])[0] != first
 
