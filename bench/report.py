@@ -12,6 +12,7 @@ Rules:
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,6 +24,7 @@ from bench.markdown import fmt, footer_text, num
 from bench.report_noise import noise_markdown
 from bench.report_overcommit import write_overcommit
 from bench.report_overhead import overhead_markdown, overhead_ratios
+from bench.report_replicas import replicas_markdown
 from bench.report_routing import calibration_markdown, routing_markdown
 from bench.report_soak import soak_markdown
 from bench.report_specfirst import write_specfirst
@@ -97,11 +99,27 @@ def write_suite(results: Path) -> str | None:
     return text
 
 
+def write_replicas(results: Path, docs: Path) -> str | None:
+    """Writes ``replicas.md``; returns the text for the page at ``docs`` (links from there)."""
+    path = results / "replicas.json"
+    if not path.exists():
+        return None
+    data = read_json(path)
+    (results / "replicas.md").write_text(replicas_markdown(data))
+    prefix = os.path.relpath(results, docs.parent).replace(os.sep, "/") + "/"
+    return replicas_markdown(data, prefix)
+
+
 def _figure(draw: object, path: Path) -> str | None:
     if plots.available() is not None:
         return None
     draw(path)  # type: ignore[operator]
     return path.name
+
+
+def _demoted(text: str) -> str:
+    """A report as a section of the page: headings two levels down."""
+    return "\n".join("##" + ln if ln.startswith("#") else ln for ln in text.splitlines()) + "\n"
 
 
 def report_args(results: Path) -> list[str]:
@@ -134,6 +152,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if specfirst is not None:
         page += "\n" + "\n".join("##" + ln if ln.startswith("#") else ln
                                    for ln in specfirst.splitlines()) + "\n"
+    replicas = write_replicas(args.results, args.docs)
+    page += "\n" + _demoted(replicas if replicas is not None else "# Replica benchmark\n\n"
+                             "No results yet: run `python -m bench.replicas`.")
     args.docs.write_text(page)
     print(f"wrote {args.docs} and reports under {args.results}")
     return 0

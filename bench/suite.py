@@ -120,12 +120,15 @@ def kv_tokens(profile: str, num_gpu_blocks: int | None) -> int:
     return (num_gpu_blocks or PROFILES[profile].num_gpu_blocks(16)) * 16
 
 
-def prepare(w: Workload, args: argparse.Namespace, routers: list[Router]) -> Prepared:
+def prepare(w: Workload, args: argparse.Namespace, routers: list[Router],
+            knee: float | None = None) -> Prepared:
+    """``w`` ready to replay at round-robin's knee, or at the load ``knee`` when given (no
+    calibration: for short checks)."""
     caps = Caps(max_input_tokens=w.max_input_tokens, max_output_tokens=args.max_output_tokens,
                 output_scale=args.output_scale)
     reqs = apply_caps(w.requests(args.quick), caps)
-    cal = calibrate(reqs, engines=args.engines, profile=args.profile,
-                    num_gpu_blocks=args.num_gpu_blocks)
+    cal = Calibration({}, {"rate_scale": knee}, []) if knee is not None else calibrate(
+        reqs, engines=args.engines, profile=args.profile, num_gpu_blocks=args.num_gpu_blocks)
     duration = w.quick_s if args.quick else w.full_s
     wargs = argparse.Namespace(**{**vars(args), "rate_scale": cal.knee_scale, "trace": w.name,
                                   "max_input_tokens": w.max_input_tokens,

@@ -6,6 +6,8 @@
 #   scripts/setup.sh --prometheus  also installs Debian's prometheus (for promtool) when missing
 #   scripts/setup.sh --kubectl     also installs Debian's kubernetes-client (kubectl, for
 #                                  `kubectl kustomize`) when kubectl is missing
+#   scripts/setup.sh --haproxy     also installs Debian's haproxy (the replica benchmark's
+#                                  balancer, bench/replicas.py) when it is missing
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -13,7 +15,8 @@ requirements=requirements-ci.txt
 # Debian packages the tests need, installed only when missing: redis-server (--redis) and
 # Prometheus' promtool, which checks and unit-tests the alert rules (--prometheus), and kubectl,
 # which renders the Kubernetes manifests (--kubectl; bookworm's 1.20 embeds kustomize v2.0.3, the
-# oldest the manifests are written for; a newer kubectl already installed is used as it is).
+# oldest the manifests are written for; a newer kubectl already installed is used as it is), and
+# HAProxy, the balancer in front of the replicas in the replica benchmark (--haproxy).
 packages=()
 for arg in "$@"; do
   case "$arg" in
@@ -21,7 +24,9 @@ for arg in "$@"; do
     --redis) command -v redis-server >/dev/null 2>&1 || packages+=(redis-server) ;;
     --prometheus) command -v promtool >/dev/null 2>&1 || packages+=(prometheus) ;;
     --kubectl) command -v kubectl >/dev/null 2>&1 || packages+=(kubernetes-client) ;;
-    *) echo "setup.sh: unknown option $arg (--runtime, --redis, --prometheus, --kubectl)" >&2; exit 2 ;;
+    # Looked for where the benchmark runs it: /usr/sbin is not on every user's PATH.
+    --haproxy) [ -x /usr/sbin/haproxy ] || command -v haproxy >/dev/null 2>&1 || packages+=(haproxy) ;;
+    *) echo "setup.sh: unknown option $arg (--runtime, --redis, --prometheus, --kubectl, --haproxy)" >&2; exit 2 ;;
   esac
 done
 

@@ -114,6 +114,34 @@ def choose(estimates: Sequence[Estimate], tolerance: float,
     return (pick.name, *(e.name for e in rest))
 
 
+# A typical prompt in tokens before the pool's own mean is known (no request routed yet by the
+# cost model, or another policy in force): a short chat turn with a system prompt.
+TYPICAL_PROMPT_TOKENS = 1024.0
+
+
+def typical_prompt(policy: object) -> float:
+    """A pool's typical prompt in tokens: the cost model's running mean once it has one."""
+    if isinstance(policy, ExpectedTTFT) and policy.mean_prompt > 0:
+        return policy.mean_prompt
+    return TYPICAL_PROMPT_TOKENS
+
+
+def expected_wait(engines: Sequence[EngineView], typical_tokens: float,
+                  cfg: RoutingConfig) -> float | None:
+    """Seconds a typical new request would wait for its first token in a pool: the lowest
+    expected TTFT over the pool's candidates (fresh routable engines, else the stale ones, as
+    ``rank`` would take) for ``typical_tokens`` of prompt that no engine holds, the snapshots'
+    waiting requests of unknown size counted at ``typical_tokens`` each. On an idle pool this is
+    the request's own prefill and one step; queued work only adds to it. None: no engine is
+    routable (nothing to wait for; the shed rate tells that story)."""
+    cands, _stale = candidates(engines)
+    if not cands:
+        return None
+    typical = max(0.0, typical_tokens)
+    key = RouteKey((), prompt_tokens=typical)
+    return min(estimate(e, 0.0, key, typical, cfg).ttft_s for e in cands)
+
+
 class ExpectedTTFT:
     """Lowest expected time to first token, with the engines' caches from ``PrefixHoldings``."""
 

@@ -13,8 +13,14 @@ Rules:
   interval are dropped and counted (routing then merely learns less). A message carries at most
   ``dispatches_per_message`` of them, so that chains of ``routing.max_blocks`` fit a frame.
 - A message is one orjson object: ``{"v": 1, "r": sender, "s": seq, "d": [[pool, engine, chain],
-  ...], "p": {engine: pending}, "o": {engine: open}}``. ``pending`` is the sender's requests sent
-  since its last snapshot and still open (what adds to an engine's load); ``open``: all it has open.
+  ...], "p": {engine: pending}, "o": {engine: open}, "t": {engine: [tokens, requests, seen]}}``.
+  ``pending`` is the sender's requests sent since its last snapshot and still open (what adds to
+  an engine's load); ``open``: all it has open; ``t``, its prefill backlog there: the requests
+  that have had no first byte, the prompt tokens the engine has still to compute for them, and
+  how many of them the sender's last snapshot already counted (sent before it). That is the
+  queued work the cost model weighs: a snapshot shows such requests only as counts (a long
+  prompt in chunked prefill shows as running). ``t`` is optional: a message without it says
+  nothing is pending.
 - Messages come from outside the process and are not trusted: ``decode`` refuses anything over
   ``max_bytes``, of the wrong shape, with names or chains out of bounds, or with negative or absurd
   counts. Unknown pools and engines are ignored by the caller, never created.
@@ -27,12 +33,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import orjson
 
 VERSION = 1
 MAX_NAME = 256
 MAX_COUNT = 1_000_000.0
+MAX_TOKENS = 1e12
 _MAX_HASH = (1 << 64) - 1
 
 
@@ -45,6 +53,17 @@ class Dispatch:
     chain: tuple[int, ...]
 
 
+class Backlog(NamedTuple):
+    """One sender's requests at one engine that have had no first byte."""
+
+    tokens: float  # prompt tokens the engine has still to compute for them
+    requests: float
+    seen: float  # of those, the ones its last snapshot of the engine counted
+
+
+NO_BACKLOG = Backlog(0.0, 0.0, 0.0)
+
+
 @dataclass(frozen=True)
 class Message:
     sender: str
@@ -52,6 +71,7 @@ class Message:
     dispatches: tuple[Dispatch, ...] = ()
     pending: Mapping[str, float] = field(default_factory=dict)
     open: Mapping[str, float] = field(default_factory=dict)
+    prefill: Mapping[str, Backlog] = field(default_factory=dict)
 
 
 class Outbox:
@@ -84,6 +104,7 @@ def encode(msg: Message) -> bytes:
         "d": [[d.pool, d.engine, list(d.chain)] for d in msg.dispatches],
         "p": dict(msg.pending),
         "o": dict(msg.open),
+        "t": {name: list(b) for name, b in msg.prefill.items()},
     }
     return orjson.dumps(doc)
 
@@ -112,6 +133,7 @@ def decode(raw: bytes, *, max_bytes: int, max_chain: int) -> Message:
         tuple(_dispatches(doc.get("d", []), max_chain)),
         _counts(doc.get("p", {})),
         _counts(doc.get("o", {})),
+        _backlogs(doc.get("t", {})),
     )
 
 
@@ -141,13 +163,33 @@ def _dispatches(items: object, max_chain: int) -> Iterable[Dispatch]:
         yield Dispatch(item[0], item[1], tuple(chain))
 
 
-def _counts(doc: object) -> dict[str, float]:
+def _backlogs(doc: object) -> dict[str, Backlog]:
+    if not isinstance(doc, dict):
+        raise BadMessage("backlogs are not an object")
+    out: dict[str, Backlog] = {}
+    for name, value in doc.items():
+        if not (_name(name) and isinstance(value, list) and len(value) == 3):
+            raise BadMessage("bad backlog")
+        tokens, requests, seen = value
+        if not (_number(tokens, MAX_TOKENS) and _number(requests, MAX_COUNT)
+                and _number(seen, requests)):
+            raise BadMessage("bad backlog")
+        out[name] = Backlog(float(tokens), float(requests), float(seen))
+    return out
+
+
+def _number(value: object, bound: float) -> bool:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return ok and 0 <= value <= bound  # type: ignore[operator]
+
+
+def _counts(doc: object, bound: float = MAX_COUNT) -> dict[str, float]:
     if not isinstance(doc, dict):
         raise BadMessage("counts are not an object")
     out: dict[str, float] = {}
     for name, value in doc.items():
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if not (_name(name) and ok and 0 <= value <= MAX_COUNT):
+        if not (_name(name) and ok and 0 <= value <= bound):
             raise BadMessage("bad count")
         out[name] = float(value)
     return out
@@ -159,6 +201,7 @@ class _Peer:
     open: Mapping[str, float]
     heard_at: float
     seq: int
+    prefill: Mapping[str, Backlog]
 
 
 class PeerTable:
@@ -178,7 +221,7 @@ class PeerTable:
             self.expire(now)
             if len(self._peers) >= self.max_peers:
                 return False
-        self._peers[msg.sender] = _Peer(msg.pending, msg.open, now, msg.seq)
+        self._peers[msg.sender] = _Peer(msg.pending, msg.open, now, msg.seq, msg.prefill)
         return True
 
     def expire(self, now: float) -> None:
@@ -200,3 +243,13 @@ class PeerTable:
             for name, n in peer.open.items():
                 opened[name] = opened.get(name, 0.0) + n
         return pending, opened
+
+    def prefill_totals(self, now: float) -> dict[str, Backlog]:
+        """Per engine, the live peers' prefill backlogs summed."""
+        out: dict[str, Backlog] = {}
+        for peer in self._peers.values():
+            if now - peer.heard_at <= self.ttl_s:
+                for name, b in peer.prefill.items():
+                    t, r, k = out.get(name, NO_BACKLOG)
+                    out[name] = Backlog(t + b.tokens, r + b.requests, k + b.seen)
+        return out

@@ -23,7 +23,13 @@ Rules:
   after that snapshot was taken and still open, so a burst does not pile onto an engine that looked
   idle a moment ago. No clock is read here: callers pass ``now``.
 - Other proxy processes' requests count too: ``remote_pending`` (their requests sent since their
-  own last snapshot, set by ``proxy.tenancy.shared_routing``) adds to the load like this proxy's.
+  own last snapshot, set by ``proxy.tenancy.shared_routing``) adds to the load like this proxy's,
+  and ``remote_backlog`` (their requests without a first byte: prompt tokens still to compute,
+  how many, how many their snapshots counted) to the prefill backlog the cost model queues a
+  request behind, exactly as this proxy's own: otherwise N replicas each see 1/N of a burst and
+  pile it onto one engine until the next scrape, and after it see the others' long prompts in
+  chunked prefill only as running sequences. Their snapshots and this one are not taken at the
+  same instant: for up to one interval a request may count twice (an over-count) or be missed.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from enum import Enum
 
 from proxy.core.rates import EngineRates, update_rates
 from proxy.core.routeview import EngineView
+from proxy.core.sharing import NO_BACKLOG, Backlog
 
 # Bounds past which a figure is a lie or a bug, not a reading: KV usage is a 0-1 fraction (a little
 # rounding slack allowed); an engine runs hundreds of sequences, a million queued is already absurd.
@@ -281,6 +288,7 @@ class EngineState:
         # since their last snapshot (counted in the load), and open in all.
         self.remote_pending = 0.0
         self.remote_open = 0.0
+        self.remote_backlog = NO_BACKLOG
         # ticket -> dispatch time (None: unknown, counted until the next snapshot of any age).
         self._since_snapshot: dict[int, float | None] = {}
         # Per open ticket: prompt tokens the engine is expected to prefill, until the first byte.
@@ -410,6 +418,12 @@ class EngineState:
     def dispatched_since_snapshot(self) -> int:
         return len(self._since_snapshot)
 
+    @property
+    def backlog(self) -> Backlog:
+        """This proxy's requests here without a first byte, as the other processes weigh them."""
+        prefill = self._prefill
+        return Backlog(sum(prefill.values()), float(len(prefill)), float(self._pending_seen()))
+
     # -- views
 
     @property
@@ -444,19 +458,19 @@ class EngineState:
     def view(self, now: float, breaker_allows: bool) -> EngineView:
         """What routing and admission see of this engine at ``now``."""
         self.tick(now, self.stale_after_s)
-        snap = self.snapshot
+        snap, remote = self.snapshot, self.remote_backlog
         return EngineView(
             name=self.name,
             routable=self.health in (Health.HEALTHY, Health.STALE) and breaker_allows,
             fresh=self.health is Health.HEALTHY,
             load=self.load(),
             kv_usage=snap.kv_usage if snap is not None else 1.0,
-            prefill=sum(self._prefill.values()),
+            prefill=sum(self._prefill.values()) + remote.tokens,
             block_size=snap.block_size if snap is not None else None,
             running=snap.running if snap is not None else 0.0,
             waiting=snap.waiting if snap is not None else 0.0,
-            pending=len(self._prefill),
-            pending_seen=self._pending_seen(),
+            pending=len(self._prefill) + int(remote.requests),
+            pending_seen=self._pending_seen() + int(remote.seen),
             prefill_tps=self.rates.prefill_tps,
             step_s=self.rates.step_s,
         )

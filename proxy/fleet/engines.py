@@ -11,13 +11,14 @@ requests through; every engine of a pool shares that pool's detector.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from proxy.core.breaker import Breaker, BreakerState, Outcome
 from proxy.core.commitment import Commitments, OutputEstimate, projected_usage
 from proxy.core.config import Config, EngineConfig, OutlierConfig
+from proxy.core.costmodel import TYPICAL_PROMPT_TOKENS, expected_wait
 from proxy.core.errors import ConfigError
 from proxy.core.outlier import Ejection, OutlierDetector, Result
 from proxy.core.pressure import NO_PRESSURE, Pressure, PressureTracker
@@ -207,12 +208,18 @@ class Fleet:
     def gauge_rows(self, now: float) -> list[EngineGaugeRow]:
         return [_gauge_row(e, now) for e in self]
 
-    def pool_rows(self, now: float) -> list[PoolRow]:
-        """Each pool's autoscaling signals, from its fresh engines (``observe.signals``)."""
-        return [_pool_row(name, engines, now) for name, engines in self._pools.items()]
+    def pool_rows(self, now: float, typical: Mapping[str, float] | None = None) -> list[PoolRow]:
+        """Each pool's autoscaling signals, from its fresh engines (``observe.signals``);
+        ``typical``: each pool's typical prompt in tokens (for the expected wait)."""
+        typical = typical or {}
+        return [
+            _pool_row(name, engines, now, typical.get(name, TYPICAL_PROMPT_TOKENS), self._cfg)
+            for name, engines in self._pools.items()
+        ]
 
 
-def _pool_row(pool: str, engines: Sequence[Engine], now: float) -> PoolRow:
+def _pool_row(pool: str, engines: Sequence[Engine], now: float, typical: float,
+              cfg: Config) -> PoolRow:
     waiting, kv = 0.0, []
     for engine in engines:
         state, snap = engine.state, engine.state.snapshot
@@ -221,7 +228,8 @@ def _pool_row(pool: str, engines: Sequence[Engine], now: float) -> PoolRow:
             continue
         waiting += snap.waiting + state.dispatched_since_snapshot + state.remote_pending
         kv.append(snap.kv_usage)
-    return PoolRow(pool, waiting, sum(kv) / len(kv) if kv else None)
+    wait = expected_wait([e.view(now) for e in engines], typical, cfg.routing)
+    return PoolRow(pool, waiting, sum(kv) / len(kv) if kv else None, wait)
 
 
 def _engine(cfg: Config, pool: str, engine: EngineConfig) -> Engine:

@@ -2,11 +2,13 @@
 
 Rules: refreshed right before each exposition, like the per-engine gauges. Queue length and KV
 usage come from the engines' last scrapes as this proxy holds them (fresh engines only: a stale
-figure would scale on the past); the shed rate is measured over the last ``SHED_WINDOW_S`` from
-the proxy's own ``kvproxy_shed_total``, sampled at each exposition (so it needs two expositions
-``SHED_MIN_SPAN_S`` apart before it reads anything but 0). Merged over workers, queue length and
-KV usage take the maximum (every worker scrapes the same engines) and the shed rate adds up
-(``proxy.observe.merge``).
+figure would scale on the past). The expected wait is the routing cost model's
+(``proxy.core.costmodel.expected_wait``) over the engines routing would consider, computed by the
+fleet from the same views a request would be ranked on. The shed rate is measured over the last
+``SHED_WINDOW_S`` from the proxy's own ``kvproxy_shed_total``, sampled at each exposition (so it
+needs two expositions ``SHED_MIN_SPAN_S`` apart before it reads anything but 0). Merged over
+workers, queue length, KV usage and the expected wait take the maximum (every worker scrapes the
+same engines) and the shed rate adds up (``proxy.observe.merge``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ class PoolRow:
     pool: str
     waiting: float  # requests queued in the pool's fresh engines, plus those sent since
     kv_usage: float | None  # mean over the fresh engines; None: none is fresh
+    # Seconds a typical new request would wait for its first token on the pool's best engine
+    # (``proxy.core.costmodel.expected_wait``); None: no engine is routable.
+    expected_wait_s: float | None = None
 
 
 class PoolGauges:
@@ -44,6 +49,12 @@ class PoolGauges:
             "Requests per second refused with 503 for this pool over the last minute",
             ["pool"], registry=registry,
         )  # fmt: skip
+        self.expected_wait = Gauge(
+            "kvproxy_pool_expected_wait_seconds",
+            "Seconds a typical new request (the pool's mean prompt, nothing cached) would wait "
+            "for its first token on the pool's best engine, from the routing cost model",
+            ["pool"], registry=registry,
+        )  # fmt: skip
         self._samples: dict[str, deque[tuple[float, float]]] = {}
 
     def refresh(self, rows: Iterable[PoolRow], sheds: Counter, now: float) -> None:
@@ -52,6 +63,9 @@ class PoolGauges:
             self.queue.labels(row.pool).set(row.waiting)
             self.kv_usage.labels(row.pool).set(
                 float("nan") if row.kv_usage is None else row.kv_usage
+            )
+            self.expected_wait.labels(row.pool).set(
+                float("nan") if row.expected_wait_s is None else row.expected_wait_s
             )
             self.shed_rate.labels(row.pool).set(self._rate(row.pool, totals.get(row.pool, 0.0),
                                                            now))  # fmt: skip

@@ -23,6 +23,7 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from proxy.core.admission import REASON_NO_ENGINE, Priority, engine_priority, parse_priority
 from proxy.core.cache_entry import CachedResponse
+from proxy.core.costmodel import typical_prompt
 from proxy.core.deadline import FIELD as TIMEOUT_FIELD
 from proxy.core.deadline import HEADER as TIMEOUT_HEADER
 from proxy.core.deadline import client_timeout
@@ -399,7 +400,8 @@ def own_metrics(ctx: ShellContext) -> bytes:
     """This process's exposition, engine gauges refreshed now."""
     now = ctx.clock()
     ctx.metrics.refresh_engines(ctx.fleet.gauge_rows(now), HEALTH_STATES)
-    ctx.metrics.pools.refresh(ctx.fleet.pool_rows(now), ctx.metrics.sheds, now)
+    typical = {pool: typical_prompt(policy) for pool, policy in ctx.policies.items()}
+    ctx.metrics.pools.refresh(ctx.fleet.pool_rows(now, typical), ctx.metrics.sheds, now)
     if ctx.precise is not None:
         ctx.precise.refresh_metrics()
     return ctx.metrics.render()

@@ -6,8 +6,9 @@ Rules:
   ``dispatches_per_message`` dispatches: chains of ``max_chain`` blocks fit a frame), then
   merge what the other processes published: their dispatches go into this process's policies
   through ``Policy.observe`` exactly as local ones do, their in-flight counts into each
-  engine's ``remote_pending`` (part of its load). Own messages and unknown pools or engines are
-  skipped; bad messages are dropped and counted.
+  engine's ``remote_pending`` (part of its load) and their prefill backlogs into its
+  ``remote_backlog`` (part of the cost model's queued work). Own messages and unknown pools or
+  engines are skipped; bad messages are dropped and counted.
 - Counts are published when they change and at least every ``ttl_s / 4``, so a peer's figures
   never lapse while it lives, and vanish ``ttl_s`` after it dies or loses the transport.
 - Two transports: ``RedisStreamBus`` (one Redis stream for every replica, trimmed to
@@ -29,6 +30,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from proxy.core.routing import Policy, RouteKey
 from proxy.core.sharing import (
+    NO_BACKLOG,
     BadMessage,
     Dispatch,
     Message,
@@ -184,7 +186,8 @@ class SharedRouting:
         self.transport = transport
         self.sender = uuid.uuid4().hex[:16]
         self._seq = 0
-        self._last_counts: tuple[dict[str, float], dict[str, float]] = ({}, {})
+        # (pending, open, prefill) as last published.
+        self._last_counts: tuple[Mapping[str, object], ...] = ({}, {}, {})
         self._last_sent = -1e18
         self._live: bool | None = None
         self._dropped_seen = 0
@@ -220,19 +223,20 @@ class SharedRouting:
         self._count_drops()
         pending = {e.name: float(e.state.dispatched_since_snapshot) for e in engines}
         opened = {e.name: float(e.state.open_requests) for e in engines}
-        changed = (pending, opened) != self._last_counts
+        prefill = {e.name: e.state.backlog for e in engines}
+        changed = (pending, opened, prefill) != self._last_counts
         if not dispatches and not changed and now - self._last_sent < self._heartbeat_s:
             return
         per = self._per_message
         chunks = [dispatches[i : i + per] for i in range(0, len(dispatches), per)]
         for i, chunk in enumerate(chunks or [[]]):
             self._seq += 1
-            counts = (pending, opened) if i == len(chunks or [[]]) - 1 else ({}, {})
+            counts = (pending, opened, prefill) if i == len(chunks or [[]]) - 1 else ({}, {}, {})
             msg = Message(self.sender, self._seq, tuple(chunk), *counts)
             await self._bus.publish(encode(msg))
             self.metrics.published.labels("dispatches").inc(len(chunk))
             self.metrics.published.labels("messages").inc()
-        self._last_counts, self._last_sent = (pending, opened), now
+        self._last_counts, self._last_sent = (pending, opened, prefill), now
 
     def _count_drops(self) -> None:
         dropped = self._outbox.dropped - self._dropped_seen
@@ -251,7 +255,7 @@ class SharedRouting:
             if msg.sender == self.sender:
                 continue
             self._learn(msg.dispatches, pools)
-            if msg.pending or msg.open or not msg.dispatches:
+            if msg.pending or msg.open or msg.prefill or not msg.dispatches:
                 self._peers.heard(msg, now)
             self.metrics.merged.labels("messages").inc()
 
@@ -268,7 +272,9 @@ class SharedRouting:
 
     def _apply_counts(self, engines: list[HasState], now: float) -> None:
         pending, opened = self._peers.totals(now)
+        prefill = self._peers.prefill_totals(now)
         for engine in engines:
+            engine.state.remote_backlog = prefill.get(engine.name, NO_BACKLOG)
             engine.state.remote_pending = pending.get(engine.name, 0.0)
             engine.state.remote_open = opened.get(engine.name, 0.0)
         self.metrics.peers.set(self._peers.live(now))

@@ -172,7 +172,7 @@ def test_prometheus_rule_passes_promtool(rendered: dict[str, list[Obj]], tmp_pat
     promtool_check({}, tmp_path, rules=rule["spec"]["groups"])
 
 
-def test_engines_scale_per_pool_on_queue_length_and_shed_rate(
+def test_engines_scale_per_pool_on_queue_length_shed_rate_and_expected_wait(
     rendered: dict[str, list[Obj]], tmp_path: Path
 ) -> None:
     objs = rendered["overlays/gpu"]
@@ -188,9 +188,12 @@ def test_engines_scale_per_pool_on_queue_length_and_shed_rate(
             assert trig["type"] == "prometheus"
             query = trig["metadata"]["query"]
             assert f'pool="{pool}"' in query and 'namespace="kvproxy"' in query
-            by_metric[re.findall(r"(vllm:num_requests_waiting|kvproxy_shed_total)", query)[0]] = 1
+            found = re.findall(r"(vllm:num_requests_waiting|kvproxy_shed_total|"
+                               r"kvproxy_pool_expected_wait_seconds)", query)
+            by_metric[found[0]] = 1
             queries[f"keda:{trig['name']}".replace("-", "_")] = query
-        assert set(by_metric) == {"vllm:num_requests_waiting", "kvproxy_shed_total"}
+        assert set(by_metric) == {"vllm:num_requests_waiting", "kvproxy_shed_total",
+                                  "kvproxy_pool_expected_wait_seconds"}
     promtool_check(queries, tmp_path)
 
 

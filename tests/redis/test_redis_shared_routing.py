@@ -161,3 +161,48 @@ async def test_a_replica_that_loses_redis_routes_alone_and_says_so(
 
 async def _is(value: Awaitable[float], want: float) -> bool:
     return await value == want
+
+
+async def _prefill_seen(http: aiohttp.ClientSession, url: str, engine: str) -> float:
+    async with http.get(url + "/admin/engines") as resp:
+        rows = (await resp.json())["engines"]
+    return float(next(r["prefill_pending_tokens"] for r in rows if r["name"] == engine))
+
+
+async def test_a_prompt_one_replica_sent_is_queued_work_at_the_other(
+    replicas: Replicas, redis_server: RedisServer, cluster: SimCluster
+) -> None:
+    a, b = await replicas(redis_server.url)
+    async with aiohttp.ClientSession(headers=AUTH) as http:
+        for server in (a, b):
+            await wait_for(lambda s=server: _ready(http, s.url))
+        for url in cluster.urls:  # no first byte for seconds: the prompt waits to be computed
+            async with http.post(url + "/admin/faults", json={"header_delay_s": 5.0}) as r:
+                assert r.status == 200
+        sent = asyncio.create_task(http.post(a.url + "/v1/chat/completions", json=body(" long")))
+        try:
+            await wait_for(lambda: _has_open(http, a.url))
+            home = next(iter(await _open_at(http, a.url)))
+            # Hold A's snapshot of the engine where it was: the prompt stays "sent since".
+            url = cluster.urls[[e.name for e in cluster.engines].index(home)]
+            async with http.post(url + "/admin/faults", json={"metrics_status": 500}) as r:
+                assert r.status == 200
+            mine = await _prefill_seen(http, a.url, home)
+            assert mine > 1000  # the prompt's tokens, as A counts them
+            # B sent nothing there, yet counts A's prompt as work queued ahead of its requests.
+            await wait_for(lambda: _is_at_least(_prefill_seen(http, b.url, home), mine))
+            assert not await _open_at(http, b.url)
+        finally:
+            sent.cancel()
+            await asyncio.gather(sent, return_exceptions=True)
+            for url in cluster.urls:
+                async with http.delete(url + "/admin/faults") as r:
+                    assert r.status == 200
+
+
+async def _has_open(http: aiohttp.ClientSession, url: str) -> bool:
+    return bool(await _open_at(http, url))
+
+
+async def _is_at_least(value: Awaitable[float], want: float) -> bool:
+    return await value >= want

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import orjson
 import pytest
 
+from proxy.core.config import RoutingConfig
+from proxy.core.costmodel import ExpectedTTFT
+from proxy.core.routeview import RouteKey
 from proxy.core.sharing import (
+    Backlog,
     BadMessage,
     Dispatch,
     Message,
@@ -15,7 +21,7 @@ from proxy.core.sharing import (
     dispatches_per_message,
     encode,
 )
-from proxy.core.telemetry import EngineState
+from proxy.core.telemetry import EngineSnapshot, EngineState
 
 
 def _decode(raw: bytes) -> Message:
@@ -118,3 +124,62 @@ def test_the_old_fixed_batch_of_64_does_not_fit_a_frame_with_2048_block_chains()
     raw = encode(Message("a", 1, tuple(Dispatch("p", "e", chain) for _ in range(64))))
     assert len(raw) > 1 << 20
     assert dispatches_per_message(2048, 1 << 20) < 64
+
+
+def test_prefill_backlogs_travel_and_are_bounded() -> None:
+    msg = Message("r1", 3, (), {"t0": 2.0}, {"t0": 2.0}, {"t0": Backlog(48_000.0, 3.0, 1.0)})
+    assert _decode(encode(msg)) == msg
+    # A sender that does not say what it has pending says nothing is.
+    assert _decode(b'{"v":1,"r":"x","s":1,"p":{"e":1}}').prefill == {}
+    for bad in (b"[-1,1,0]", b"[1e13,1,0]", b"[1,2,3]", b"[1,1]", b'"many"', b"[true,1,0]"):
+        with pytest.raises(BadMessage):
+            _decode(b'{"v":1,"r":"x","s":1,"t":{"e":' + bad + b"}}")
+
+
+def test_peer_backlogs_add_up_and_expire_with_the_peer() -> None:
+    table = PeerTable(ttl_s=2.0)
+    table.heard(Message("a", 1, prefill={"e": Backlog(3000.0, 2.0, 1.0)}), now=10.0)
+    table.heard(Message("b", 1, prefill={"e": Backlog(500.0, 1.0, 0.0),
+                                         "f": Backlog(9.0, 1.0, 1.0)}), now=11.0)
+    assert table.prefill_totals(11.5) == {"e": (3500.0, 3.0, 1.0), "f": (9.0, 1.0, 1.0)}
+    assert table.prefill_totals(12.5) == {"e": (500.0, 1.0, 0.0), "f": (9.0, 1.0, 1.0)}
+
+
+def test_the_published_backlog_is_every_prompt_not_yet_answered() -> None:
+    state = EngineState("e", "p", "http://e", stale_after_s=1.0)
+    state.on_dispatch(now=0.5, prefill=1000.0)
+    state.on_scrape_ok(_snap(1.0), 1.0)  # the snapshot counts the first among its waiting
+    answered = state.on_dispatch(now=1.1, prefill=200.0)
+    state.on_dispatch(now=1.2, prefill=3000.0)
+    state.on_first_byte(answered)
+    assert state.backlog == (4000.0, 2.0, 1.0)
+
+
+def test_other_processes_backlog_counts_like_this_proxys_own() -> None:
+    state = EngineState("e", "p", "http://e", stale_after_s=1.0)
+    state.on_scrape_ok(replace(_snap(1.0), waiting=3.0), 1.0)
+    state.remote_backlog = Backlog(9000.0, 3.0, 2.0)
+    view = state.view(1.1, True)
+    assert (view.prefill, view.pending, view.pending_seen) == (9000.0, 3, 2)
+
+
+def test_other_processes_pending_prompts_are_queued_work_the_cost_model_weighs() -> None:
+    cfg = RoutingConfig()
+    states = [EngineState(n, "p", f"http://{n}", stale_after_s=1.0) for n in ("a", "b")]
+    for s in states:
+        s.on_scrape_ok(_snap(1.0), 1.0)
+    key = RouteKey(chain=(1, 2, 3), prompt_tokens=2000.0)
+    policy = ExpectedTTFT(cfg)
+    views = [s.view(1.1, True) for s in states]
+    first = policy.rank(key, views)[0]
+    policy.observe(key, first)
+    assert policy.rank(key, views)[0] == first  # it holds the prompt now
+    # Another replica just sent a 40k-token prompt there: the prompt's next request goes elsewhere.
+    busy = states[[s.name for s in states].index(first)]
+    busy.remote_pending, busy.remote_backlog = 1.0, Backlog(40_000.0, 1.0, 0.0)
+    assert busy.view(1.1, True).prefill == 40_000.0
+    assert policy.rank(key, [s.view(1.1, True) for s in states])[0] != first
+
+
+def _snap(at: float) -> EngineSnapshot:
+    return EngineSnapshot(taken_at=at, kv_usage=0.1, running=0.0, waiting=0.0)
