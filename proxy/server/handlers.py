@@ -133,12 +133,13 @@ async def _serve(
         if drafted is not None:
             visit.discard()  # assembled here, not relayed: the cache keeps engines' own answers
             return drafted
-        job.pool = _admit(ctx, plan, priority, inbound, job.max_tokens)
+        job.pool, views = _admit(ctx, plan, priority, inbound, job.max_tokens)
         if job.pool != plan.pool:
             visit.discard()  # another pool's answer is not the answer for the model asked for
         model = upstream_model(ctx.cfg, job.pool, inbound.model)
         salting = _isolate(ctx, job.pool, tenant, salt)
-        ranked = _rank(ctx, job, model, inbound, priority, salting=salting, tenant=tenant)
+        ranked = _rank(ctx, job, model, inbound, priority, pool_views=views, salting=salting,
+                       tenant=tenant)
         job.body = rewrite(
             _upstream_body(job, inbound.body),
             model=model,
@@ -236,19 +237,22 @@ def _need(ctx: ShellContext, pool: str, inbound: Inbound, max_tokens: int | None
 
 def _admit(
     ctx: ShellContext, plan: PoolPlan, priority: Priority, inbound: Inbound, max_tokens: int | None
-) -> str:
-    """The pool that serves the request, or ``NoCapacity`` (shed) with the reason."""
+) -> tuple[str, list[EngineView]]:
+    """The pool that serves the request and its engines' views (built once per request: the
+    ranking reads the same ones), or ``NoCapacity`` (shed) with the reason."""
     now = ctx.clock()
     need = _need(ctx, plan.pool, inbound, max_tokens)
-    decision = ctx.admission.decide(plan.pool, priority, ctx.fleet.views(plan.pool, now), need)
+    views = ctx.fleet.views(plan.pool, now)
+    decision = ctx.admission.decide(plan.pool, priority, views, need)
     if isinstance(decision, Admit):
-        return _admitted(ctx, plan.pool, decision)
+        return _admitted(ctx, plan.pool, decision), views
     for fallback in _fallbacks(plan, priority):
         need = _need(ctx, fallback, inbound, max_tokens)
-        second = ctx.admission.decide(fallback, priority, ctx.fleet.views(fallback, now), need)
+        views = ctx.fleet.views(fallback, now)
+        second = ctx.admission.decide(fallback, priority, views, need)
         if isinstance(second, Admit):
             ctx.metrics.degraded.labels(plan.pool, fallback).inc()
-            return _admitted(ctx, fallback, second)
+            return _admitted(ctx, fallback, second), views
     if decision.reason == REASON_NO_ENGINE:
         raise NoEngine(plan.pool, reason=decision.reason, retry_after_s=decision.retry_after_s)
     raise NoCapacity(
@@ -283,6 +287,7 @@ def _rank(
     inbound: Inbound,
     priority: Priority,
     *,
+    pool_views: list[EngineView],
     salting: Salting,
     tenant: str,
 ) -> tuple[str, ...]:
@@ -298,7 +303,7 @@ def _rank(
     )
     policy = ctx.policies[pool]
     need = _need(ctx, pool, inbound, job.max_tokens)
-    views = ctx.admission.eligible(priority, _with_room(ctx, pool), need)
+    views = ctx.admission.eligible(priority, _with_room(ctx, pool, pool_views), need)
     holdings = (None if ctx.precise is None else
                 ctx.precise.holdings(pool, inbound, salting.salt, views))
     held = None if holdings is None else holdings.known([v.name for v in views])
@@ -321,13 +326,12 @@ def _rank(
     return ranked
 
 
-def _with_room(ctx: ShellContext, pool: str) -> list[EngineView]:
+def _with_room(ctx: ShellContext, pool: str, views: list[EngineView]) -> list[EngineView]:
     """The pool's engines that may take one more request from this proxy. When the pool has
     routable engines but all hold ``upstream.max_connections_per_engine`` requests, the request
     is shed at once: waiting in the proxy's connection pool would only end in a timeout, and the
     engines' own waiting queues are where work should queue."""
     limit = ctx.cfg.upstream.max_connections_per_engine
-    views = ctx.fleet.views(pool, ctx.clock())
     room = [v for v in views if not ctx.fleet.get(v.name).full(limit)]
     if any(v.routable for v in views) and not any(v.routable for v in room):
         raise NoCapacity(
