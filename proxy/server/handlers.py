@@ -352,15 +352,15 @@ def _engine_priority(ctx: ShellContext, pool: str, priority: Priority) -> int | 
 def _observe(ctx: ShellContext, job: Job) -> None:
     m = ctx.metrics
     status = str(job.status or 500)
-    m.requests.labels(job.pool, job.engine, job.cls, status).inc()
+    m.requests_by(job.pool, job.engine, job.cls, status).inc()
     if job.status == CLIENT_CLOSED:
         m.client_disconnects.labels(job.pool).inc()
     if job.shed_reason is not None:
         m.sheds.labels(job.pool, job.cls, job.shed_reason).inc()
     now = ctx.clock()
-    m.duration.labels(job.pool, status).observe(now - job.started_at)
+    m.duration_by(job.pool, status).observe(now - job.started_at)
     if job.first_byte_at is not None:
-        m.ttft.labels(job.pool).observe(job.first_byte_at - job.started_at)
+        m.ttft_by(job.pool).observe(job.first_byte_at - job.started_at)
     _account(ctx, job, status)
     if ctx.cfg.log.access:
         accesslog.emit(accesslog.access_fields(job, now))
@@ -369,13 +369,13 @@ def _observe(ctx: ShellContext, job: Job) -> None:
 def _account(ctx: ShellContext, job: Job, status: str) -> None:
     m = ctx.metrics
     tenant = m.tenant_labels(job.tenant or "")  # refused before it was identified: "other"
-    m.tenant_requests.labels(tenant, job.pool, status).inc()
+    m.tenant_requests_by(tenant, job.pool, status).inc()
     usage = job.usage
     # A cache hit cost the engines nothing: its answer's usage was counted when it was generated.
     if usage is not None and job.engine != "cache":
-        m.tenant_tokens.labels(tenant, job.pool, "prompt").inc(usage.prompt)
-        m.tenant_tokens.labels(tenant, job.pool, "completion").inc(usage.completion)
-        m.tenant_tokens.labels(tenant, job.pool, "cached").inc(usage.cached)
+        m.tenant_tokens_by(tenant, job.pool, "prompt").inc(usage.prompt)
+        m.tenant_tokens_by(tenant, job.pool, "completion").inc(usage.completion)
+        m.tenant_tokens_by(tenant, job.pool, "cached").inc(usage.cached)
 
 
 # --- the proxy's own endpoints -------------------------------------------------------------------
