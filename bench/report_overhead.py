@@ -11,7 +11,7 @@ from collections.abc import Mapping
 
 from bench.markdown import fmt, ms, num, stamp, table
 from bench.stats import ratio
-from bench.targets import overhead_targets
+from bench.targets import cpu_targets, overhead_targets
 
 OVERHEAD_HEADER = ("streams", "path", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "out tok/s",
                    "TTFT p50 x", "TTFT p99 x", "ITL p50 x", "tok/s x", "TTFT p50 x per round",
@@ -166,7 +166,8 @@ def overhead_markdown(data: Mapping[str, object], png: str | None) -> str:
         "`kvproxy_engine_snapshot_age_seconds` (every engine's) and `kvproxy_engine_health`.", "",
         "## Router CPU per request: a + b x tokens", "", fit_text(data), "",
         "## kvproxy relay rate", "", relay_text(data), "",
-        "## Targets", "", overhead_targets(overhead_ratios(data)), "",
+        "## Targets", "", overhead_targets(overhead_ratios(data)),
+        cpu_targets(data.get("fit"), data.get("relay")), "",
         "## Routers that did not run", "",
         "\n".join(f"- **{k}**: `{str(v)[:600]}`" for k, v in unavailable.items())
         or "Every router listed ran.", "",
