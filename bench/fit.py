@@ -4,16 +4,26 @@ Rules: at one concurrency, every router gets interleaved slices with answers of 
 ``tokens`` (16 and 256 by default); its CPU per completed request at each length gives the line
 through them (two lengths: exact; more: least squares). Direct requests are not measured here:
 they cost a router nothing.
+
+A router's CPU while it serves nothing (kvproxy scrapes every engine's ``/metrics`` five times a
+second; a round-robin Rust router does nothing) is measured first, over ``IDLE_S`` with no
+traffic, and reported as ``idle_cpu_ms_per_s``. It is part of the raw figures (``a_ms``,
+``b_us_per_token``), where it leaks into b: a slice of long answers completes fewer requests per
+second, so each carries more of it. ``a_net_ms`` and ``b_net_us_per_token`` are the same line with
+the idle rate times each slice's span taken off first: the cost of serving requests alone.
 """
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import math
 import time
 from typing import TYPE_CHECKING
 
 from bench.loadgen import make_session
+
+IDLE_S = 4.0
 
 if TYPE_CHECKING:
     from bench.loadgen import Endpoint
@@ -45,23 +55,46 @@ async def measure_fit(paths: Paths, started: list[tuple[Router, Managed, Endpoin
     for t, variant in variants.items():
         variant.output_tokens = t
     cpu: dict[str, dict[int, float]] = {}
+    spans: dict[str, dict[int, float]] = {}
     done: dict[str, dict[int, int]] = {}
     print(f"== CPU fit at {conc} streams, answers of {tokens} tokens", flush=True)
+    idle = await idle_rates(started)
     async with make_session() as session:
         start = time.perf_counter()
         for _ in range(rounds):
             for router, _, _ in started:
                 for t in tokens:
-                    recs, _, used = await _slice(session, variants[t], started, router.name, conc,
-                                                 slice_s, start, ramp_s)
+                    recs, span, used = await _slice(session, variants[t], started, router.name,
+                                                    conc, slice_s, start, ramp_s)
                     cpu.setdefault(router.name, {}).setdefault(t, 0.0)
                     cpu[router.name][t] += used
+                    spans.setdefault(router.name, {}).setdefault(t, 0.0)
+                    spans[router.name][t] += span
                     done.setdefault(router.name, {}).setdefault(t, 0)
                     done[router.name][t] += sum(1 for r in recs if r.ok)
-    out: dict[str, object] = {}
-    for name, per in cpu.items():
-        ms = {t: per[t] * 1000.0 / done[name][t] for t in per if done[name][t]}
-        a, b = line([(float(t), v) for t, v in ms.items()])
-        out[name] = {"cpu_ms_per_request": {str(t): v for t, v in ms.items()},
-                     "a_ms": a, "b_us_per_token": b * 1000.0}
-    return {"concurrency": conc, "tokens": tokens, "routers": out}
+    out = {name: _router_fit(per, spans[name], done[name], idle.get(name, 0.0))
+           for name, per in cpu.items()}
+    return {"concurrency": conc, "tokens": tokens, "idle_s": IDLE_S, "routers": out}
+
+
+async def idle_rates(started: list[tuple[Router, Managed, Endpoint]]) -> dict[str, float]:
+    """Each router's CPU seconds per second with no traffic at all, all measured at once."""
+    before = {router.name: proc.cpu_seconds() for router, proc, _ in started}
+    t0 = time.perf_counter()
+    await asyncio.sleep(IDLE_S)
+    span = time.perf_counter() - t0
+    return {router.name: (proc.cpu_seconds() - before[router.name]) / span
+            for router, proc, _ in started}
+
+
+def _router_fit(cpu: dict[int, float], spans: dict[int, float], done: dict[int, int],
+                idle: float) -> dict[str, object]:
+    ms = {t: cpu[t] * 1000.0 / done[t] for t in cpu if done[t]}
+    net = {t: max(0.0, cpu[t] - idle * spans[t]) * 1000.0 / done[t] for t in cpu if done[t]}
+    a, b = line([(float(t), v) for t, v in ms.items()])
+    a_net, b_net = line([(float(t), v) for t, v in net.items()])
+    return {"cpu_ms_per_request": {str(t): v for t, v in ms.items()},
+            "net_cpu_ms_per_request": {str(t): v for t, v in net.items()},
+            "idle_cpu_ms_per_s": idle * 1000.0,
+            "a_ms": a, "b_us_per_token": b * 1000.0,
+            "a_net_ms": a_net, "b_net_us_per_token": b_net * 1000.0}

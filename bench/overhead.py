@@ -101,8 +101,11 @@ def main(argv: list[str] | None = None) -> int:
     slice_s = args.slice_s or (3.0 if args.quick else 6.0)
     rounds = args.rounds or (2 if args.quick else 3)
     levels = [int(c) for c in args.concurrency.split(",")]
+    fit_tokens = [int(t) for t in args.fit_tokens.split(",")] if args.fit_tokens else []
+    # Room for the longest answer asked for, the fit's included (else the engines refuse those).
+    longest = max([args.output_tokens, *fit_tokens])
     spec = FleetSpec(engines=args.engines, profile=args.profile, time_scale=args.time_scale,
-                     max_model_len=args.prompt_tokens + args.output_tokens + 64)
+                     max_model_len=args.prompt_tokens + longest + 64)
     result: dict[str, object] = {
         "benchmark": "overhead", "command": machine.command_line(),
         "started_at": machine.now_utc(), "machine": machine.environment(),
@@ -128,8 +131,8 @@ def main(argv: list[str] | None = None) -> int:
                                                  args.ramp_s))
             if args.fit_tokens:
                 result["fit"] = run_async(fit.measure_fit(
-                    paths, started, [int(t) for t in args.fit_tokens.split(",")],
-                    args.fit_concurrency, rounds, slice_s, args.ramp_s))
+                    paths, started, fit_tokens, args.fit_concurrency, rounds, slice_s,
+                    args.ramp_s))
         result["load_after"] = os.getloadavg()
     finally:
         for _, proc, _ in started:

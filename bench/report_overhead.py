@@ -11,7 +11,7 @@ from collections.abc import Mapping
 
 from bench.markdown import fmt, ms, num, stamp, table
 from bench.stats import ratio
-from bench.targets import overhead_targets
+from bench.targets import cpu_targets, overhead_targets
 
 OVERHEAD_HEADER = ("streams", "path", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "out tok/s",
                    "TTFT p50 x", "TTFT p99 x", "ITL p50 x", "tok/s x", "TTFT p50 x per round",
@@ -111,14 +111,19 @@ def fit_text(data: Mapping[str, object]) -> str:
         return "Not measured in this run."
     tokens = found.get("tokens", [])
     header = ("router", *(f"CPU ms/req at {t} tokens" for t in tokens), "a (ms per request)",
-              "b (us per token)")
+              "b (us per token)", "idle CPU ms/s", "a net of idle (ms)", "b net of idle (us)")
     rows = []
     for name, r in found["routers"].items():
         per = r.get("cpu_ms_per_request", {})
         rows.append([name, *(fmt(num(per.get(str(t))), 3) for t in tokens),
-                     fmt(num(r.get("a_ms")), 3), fmt(num(r.get("b_us_per_token")), 1)])
+                     fmt(num(r.get("a_ms")), 3), fmt(num(r.get("b_us_per_token")), 1),
+                     fmt(num(r.get("idle_cpu_ms_per_s")), 1), fmt(num(r.get("a_net_ms")), 3),
+                     fmt(num(r.get("b_net_us_per_token")), 1)])
     return (f"At {found.get('concurrency')} streams, interleaved; the line through CPU per "
-            f"request at each answer length.\n\n" + table(header, rows))
+            f"request at each answer length. Idle CPU: each router's CPU per second over "
+            f"{found.get('idle_s', 'n/a')} s with no traffic, measured before the slices; the "
+            f"net columns take it off each slice (times the slice's span) before the fit, the "
+            f"raw columns include it.\n\n" + table(header, rows))
 
 
 def overhead_settings(data: Mapping[str, object]) -> str:
@@ -161,7 +166,8 @@ def overhead_markdown(data: Mapping[str, object], png: str | None) -> str:
         "`kvproxy_engine_snapshot_age_seconds` (every engine's) and `kvproxy_engine_health`.", "",
         "## Router CPU per request: a + b x tokens", "", fit_text(data), "",
         "## kvproxy relay rate", "", relay_text(data), "",
-        "## Targets", "", overhead_targets(overhead_ratios(data)), "",
+        "## Targets", "", overhead_targets(overhead_ratios(data)),
+        cpu_targets(data.get("fit"), data.get("relay")), "",
         "## Routers that did not run", "",
         "\n".join(f"- **{k}**: `{str(v)[:600]}`" for k, v in unavailable.items())
         or "Every router listed ran.", "",

@@ -95,3 +95,36 @@ def overhead_targets(ratios: Mapping[str, Mapping[int, Mapping[str, float]]]) ->
                  "is the proxy's own cost; the default policy's ratio also reflects where it "
                  "places requests.)")
     return "\n".join(lines)
+
+
+CPU_PEER = "vllm-router/round_robin"
+RELAY_PACED_TARGET = 150_000.0
+
+
+def cpu_targets(fit: object, relay: object) -> str:
+    """Issue 16's CPU targets: every kvproxy router's b ≤ vllm-router's b and a ≤ 2 x its a (raw,
+    and net of idle CPU), and the paced relay rate."""
+    routers = fit.get("routers", {}) if isinstance(fit, Mapping) else {}
+    peer = routers.get(CPU_PEER, {})
+    lines = []
+    for name, r in routers.items():
+        if not name.startswith("kvproxy/"):
+            continue
+        for suffix, label in (("", "raw"), ("_net", "net of idle")):
+            b_key, a_key = f"b{suffix}_us_per_token", f"a{suffix}_ms"
+            b, peer_b = _num(r.get(b_key)), _num(peer.get(b_key))
+            a, peer_a = _num(r.get(a_key)), _num(peer.get(a_key))
+            lines.append(f"- `{name}` ({label}): b {b:.1f} us ≤ {CPU_PEER}'s {peer_b:.1f} us — "
+                         f"{_verdict(_check(b, peer_b, below=True))}; a {a:.3f} ms ≤ 2 x "
+                         f"{peer_a:.3f} ms — {_verdict(_check(a, 2 * peer_a, below=True))}")
+    paced = relay.get("paced", {}) if isinstance(relay, Mapping) else {}
+    rate = _num(paced.get("events_per_cpu_s") if isinstance(paced, Mapping) else None)
+    met = _check(rate, RELAY_PACED_TARGET, below=False)
+    lines.append(f"- relay, paced: {rate:.0f} events per proxy CPU-second ≥ "
+                 f"{RELAY_PACED_TARGET:.0f} — {_verdict(met)}")
+    return "\n".join(lines)
+
+
+def _num(value: object) -> float:
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    return float(value) if number else math.nan  # type: ignore[arg-type]

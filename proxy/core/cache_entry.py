@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol, cast
+from typing import Any, Protocol
 
 import orjson
 
@@ -92,7 +92,11 @@ def complete_json(body: bytes) -> dict[str, Any] | None:
 
 
 class StreamAssembler:
-    """Rebuilds the non-streamed answer from SSE bytes as they are relayed, chunk by chunk."""
+    """Rebuilds the non-streamed answer from SSE bytes, in one pass over them.
+
+    Fed the whole stream at once (the relay's case) or piece by piece (CRLF and events may be split
+    anywhere): only complete events are parsed, each once, and strings are joined once at the end,
+    so the cost is linear in the stream's size."""
 
     def __init__(self, *, chat: bool, max_bytes: int) -> None:
         self._chat = chat
@@ -100,7 +104,7 @@ class StreamAssembler:
         self._seen = 0
         self._buffer = b""
         self._head: dict[str, Any] = {}
-        self._choices: dict[int, dict[str, Any]] = {}
+        self._choices: dict[int, _Choice] = {}
         self._usage: object = None
         self.done = False
         self.storable = True
@@ -114,9 +118,11 @@ class StreamAssembler:
             self._give_up()
             return
         # Normalised on the whole remainder: a CRLF may be split across two reads.
-        self._buffer = (self._buffer + data).replace(b"\r\n", b"\n")
-        while self.storable and b"\n\n" in self._buffer:
-            event, self._buffer = self._buffer.split(b"\n\n", 1)
+        events = (self._buffer + data).replace(b"\r\n", b"\n").split(b"\n\n")
+        self._buffer = events.pop()  # an event not yet ended by its blank line
+        for event in events:
+            if not self.storable:
+                return
             self._event(event)
 
     def _give_up(self) -> None:
@@ -125,10 +131,13 @@ class StreamAssembler:
         self._choices.clear()
 
     def _event(self, event: bytes) -> None:
-        lines = [ln[5:].lstrip(b" ") for ln in event.split(b"\n") if ln.startswith(b"data:")]
-        if not lines:
-            return  # comments and keep-alives
-        data = b"\n".join(lines)
+        if event.startswith(b"data: ") and b"\n" not in event:
+            data = event[6:]  # the usual event: one data line
+        else:
+            lines = [ln[5:].lstrip(b" ") for ln in event.split(b"\n") if ln.startswith(b"data:")]
+            if not lines:
+                return  # comments and keep-alives
+            data = b"\n".join(lines)
         if self.done:
             self._give_up()
         elif data.strip() == b"[DONE]":
@@ -142,68 +151,97 @@ class StreamAssembler:
         except orjson.JSONDecodeError:
             self._give_up()
             return
-        if not isinstance(obj, dict) or "error" in obj or not isinstance(obj.get("choices"), list):
+        if not isinstance(obj, dict) or "error" in obj:
+            self._give_up()
+            return
+        choices = obj.get("choices")
+        if not isinstance(choices, list):
             self._give_up()
             return
         if not self._head:
             self._head = {k: obj[k] for k in _HEAD_FIELDS if k in obj}
         if obj.get("usage"):
             self._usage = obj["usage"]
-        for choice in obj["choices"]:
+        for choice in choices:
             if not (isinstance(choice, dict) and self._merge(choice)):
                 self._give_up()
                 return
 
     def _merge(self, choice: dict[str, Any]) -> bool:
         index = choice.get("index", 0)
-        if not isinstance(index, int):
+        if not isinstance(index, int) or choice.get("logprobs") is not None:
             return False
-        if choice.get("logprobs") is not None:
-            return False
-        into = self._choices.setdefault(index, {"index": index, "finish_reason": None})
+        into = self._choices.get(index)
+        if into is None:
+            into = self._choices[index] = _Choice(index)
         if choice.get("finish_reason") is not None:
-            into["finish_reason"] = choice["finish_reason"]
+            into.finish_reason = choice["finish_reason"]
         if "stop_reason" in choice:
-            into["stop_reason"] = choice["stop_reason"]
+            into.stop_reason = choice["stop_reason"]
+            into.has_stop_reason = True
         if self._chat:
             delta = choice.get("delta") or {}
-            return isinstance(delta, dict) and _merge_fields(into.setdefault("message", {}), delta)
-        return _merge_fields(into, {"text": choice.get("text") or ""})
+            return isinstance(delta, dict) and into.merge(delta)
+        return into.merge({"text": choice.get("text") or ""})
 
     def result(self) -> dict[str, Any] | None:
         """The complete answer, or None if the stream did not end normally."""
         if not (self.done and self.storable and self._choices) or self._buffer.strip():
             return None
-        choices = [self._finish_choice(self._choices[i]) for i in sorted(self._choices)]
+        choices = [self._choices[i].render(self._chat) for i in sorted(self._choices)]
         response = {**self._head, "object": "chat.completion" if self._chat else "text_completion"}
         response["choices"] = choices
         response["usage"] = self._usage
         return response if _finished(response) else None
 
-    def _finish_choice(self, choice: dict[str, Any]) -> dict[str, Any]:
-        out = dict(choice)
-        if self._chat:
-            message = dict(out.get("message", {}))
-            message.setdefault("role", "assistant")
-            message.setdefault("content", "")
-            out["message"] = message
+
+class _Choice:
+    """One choice being assembled: string fields kept as their pieces, joined once."""
+
+    __slots__ = ("fields", "finish_reason", "has_stop_reason", "index", "stop_reason")
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.finish_reason: object = None
+        self.stop_reason: object = None
+        self.has_stop_reason = False
+        # Field name -> its string pieces in order; ``role`` (replaced, not joined) -> [value].
+        self.fields: dict[str, list[Any]] = {}
+
+    def merge(self, delta: dict[str, Any]) -> bool:
+        """Strings concatenate, ``role`` is replaced; anything else (tool-call fragments and the
+        like) is not merged faithfully, so the answer is not stored (False)."""
+        fields = self.fields
+        for key, value in delta.items():
+            if value is None:
+                continue
+            if key == "role":
+                fields["role"] = [value]
+            elif isinstance(value, str):
+                pieces = fields.get(key)
+                if pieces is None:
+                    fields[key] = [value]
+                else:
+                    pieces.append(value)
+            elif value in ([], {}):
+                continue
+            else:
+                return False
+        return True
+
+    def render(self, chat: bool) -> dict[str, Any]:
+        joined = {k: v[0] if k == "role" else "".join(v) for k, v in self.fields.items()}
+        out: dict[str, Any] = {"index": self.index, "finish_reason": self.finish_reason}
+        if chat:
+            joined.setdefault("role", "assistant")
+            joined.setdefault("content", "")
+            out["message"] = joined
+        else:
+            out.update(joined)
+        if self.has_stop_reason:
+            out["stop_reason"] = self.stop_reason
         out["logprobs"] = None
         return out
-
-
-def _merge_fields(into: dict[str, Any], delta: dict[str, Any]) -> bool:
-    for key, value in delta.items():
-        if value is None:
-            continue
-        if key == "role":
-            into["role"] = value
-        elif isinstance(value, str):
-            into[key] = cast(str, into.get(key) or "") + value
-        elif value in ([], {}):
-            continue
-        else:
-            return False  # tool-call fragments and the like: not merged, so not stored
-    return True
 
 
 class Recorder(Protocol):

@@ -36,6 +36,7 @@ CacheBackendName = Literal["memory", "redis"]
 TRANSPORT_FIELDS = frozenset({"stream", "stream_options", "priority"})
 _KEY_DOMAIN = b"kvproxy-response-cache-v1"
 _EXACT_FLOAT_INTS = 2**53
+_CONTAINERS = (dict, list)  # a tuple: ``dict | list`` would build a union object on every test
 
 
 @dataclass(frozen=True)
@@ -159,7 +160,7 @@ def canonical_body(body: Mapping[str, Any]) -> bytes:
 
 def _normalise(value: Any) -> Any:
     """``value`` with integral floats as ints; iterative, so no depth can exhaust the stack."""
-    if not isinstance(value, dict | list):
+    if not isinstance(value, _CONTAINERS):
         return _number(value)
     root = _empty_like(value)
     todo: list[tuple[Any, Any]] = [(value, root)]
@@ -167,7 +168,7 @@ def _normalise(value: Any) -> Any:
         source, target = todo.pop()
         items = source.items() if isinstance(source, dict) else enumerate(source)
         for key, item in items:
-            if isinstance(item, dict | list):
+            if isinstance(item, _CONTAINERS):
                 copy = _empty_like(item)
                 todo.append((item, copy))
             else:

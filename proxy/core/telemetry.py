@@ -40,6 +40,7 @@ from collections import deque
 from dataclasses import dataclass
 from enum import Enum
 
+from proxy.core.pressure import NO_PRESSURE, Pressure
 from proxy.core.rates import EngineRates, update_rates
 from proxy.core.routeview import EngineView
 from proxy.core.sharing import NO_BACKLOG, Backlog
@@ -455,12 +456,15 @@ class EngineState:
         at = self._dispatched_at
         return sum(1 for t in self._prefill if at.get(t, math.inf) <= snap.taken_at)
 
-    def view(self, now: float, breaker_allows: bool) -> EngineView:
-        """What routing and admission see of this engine at ``now``."""
+    def view(self, now: float, breaker_allows: bool,
+             pressure: Pressure = NO_PRESSURE) -> EngineView:
+        """What routing and admission see of this engine at ``now`` (``pressure``: the KV
+        overcommit guard's level in force)."""
         self.tick(now, self.stale_after_s)
         snap, remote = self.snapshot, self.remote_backlog
         return EngineView(
             name=self.name,
+            pressure=pressure,
             routable=self.health in (Health.HEALTHY, Health.STALE) and breaker_allows,
             fresh=self.health is Health.HEALTHY,
             load=self.load(),

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from proxy.core.breaker import Breaker, BreakerState, Outcome
@@ -59,9 +59,7 @@ class Engine:
 
     def view(self, now: float) -> EngineView:
         # peek: a view must not take a half-open or probation probe slot; dispatch does that.
-        view = self.state.view(now, self._lets_through(now))
-        pressure = self.judge_pressure(now)
-        return view if pressure is NO_PRESSURE else replace(view, pressure=pressure)
+        return self.state.view(now, self._lets_through(now), self.judge_pressure(now))
 
     def judge_pressure(self, now: float) -> Pressure:
         """Feed the guard the latest snapshot (once each) and return the level in force."""

@@ -5,7 +5,8 @@ Rules:
   ``interval_s`` and records how much later than asked it woke, in
   ``kvproxy_event_loop_lag_seconds``. That lateness is time the loop could not attend to anything:
   callbacks queued behind other work, a GC pause, a blocking call.
-- The probe costs one timer per interval, whatever the load; it never allocates per request.
+- The probe costs one timer per interval, whatever the load (a plain callback, not a task that
+  sleeps); it never allocates per request.
 - ``worst_since`` answers "was this process too busy to read its sockets in time?" for timeouts
   measured on the same loop (the scraper's), from the last ``_KEPT`` wake-ups.
 """
@@ -27,15 +28,25 @@ class LoopLag:
         self._histogram = histogram
         self.interval_s = interval_s
         self._recent: deque[tuple[float, float]] = deque(maxlen=_KEPT)  # (woke at, lag)
+        self._timer: asyncio.TimerHandle | None = None
 
     async def run(self) -> NoReturn:
-        """Probe until cancelled."""
+        """Probe until cancelled: a bare timer callback re-armed each time it fires (no task
+        wake-up, future or coroutine step per probe)."""
         loop = asyncio.get_running_loop()
-        while True:
-            due = loop.time() + self.interval_s
-            await asyncio.sleep(self.interval_s)
-            woke = loop.time()
-            self.observe(woke, max(0.0, woke - due))
+        due = loop.time() + self.interval_s
+        self._timer = loop.call_at(due, self._fire, loop, due)
+        try:
+            await loop.create_future()  # never set: the probe lives in its timer
+        finally:
+            self._timer.cancel()
+        raise AssertionError("unreachable")
+
+    def _fire(self, loop: asyncio.AbstractEventLoop, due: float) -> None:
+        woke = loop.time()
+        self.observe(woke, max(0.0, woke - due))
+        due = woke + self.interval_s
+        self._timer = loop.call_at(due, self._fire, loop, due)
 
     def observe(self, woke: float, lag: float) -> None:
         self._recent.append((woke, lag))

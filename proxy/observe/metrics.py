@@ -5,13 +5,15 @@ in this process's own ``CollectorRegistry``, so several proxies in one test proc
 Per-engine gauges are refreshed from the engine states right before each exposition, so snapshot
 ages are true at the moment Prometheus reads them. Every label set is bounded: tenant labels are the
 configured tenants plus at most ``MAX_DYNAMIC_TENANTS`` more (from Redis); anything else is
-``other``.
+``other``. Series touched by every request are reached through ``Children`` (a label set's child
+looked up once: prometheus-client's ``labels`` validates and locks on every call).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -19,7 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from proxy.observe.kvmetrics import KvEventMetrics
 from proxy.observe.signals import PoolGauges
 
-__all__ = ["CONTENT_TYPE", "EngineGaugeRow", "ProxyMetrics", "TenantLabels"]
+__all__ = ["CONTENT_TYPE", "Children", "EngineGaugeRow", "ProxyMetrics", "TenantLabels"]
 
 MAX_DYNAMIC_TENANTS = 200
 OTHER_TENANT = "other"
@@ -70,6 +72,27 @@ class TenantLabels:
             return OTHER_TENANT
         self._dynamic.add(tenant)
         return tenant
+
+
+M = TypeVar("M", Counter, Histogram)
+
+
+class Children(Generic[M]):
+    """A labelled metric's children by label values, each looked up in the metric once. Label
+    sets are bounded by the module's rules; past ``limit`` of them, lookups are simply not kept."""
+
+    def __init__(self, metric: M, limit: int = 4096) -> None:
+        self._metric: M = metric
+        self._limit = limit
+        self._children: dict[tuple[str, ...], Any] = {}
+
+    def __call__(self, *values: str) -> M:
+        child = self._children.get(values)
+        if child is None:
+            child = self._metric.labels(*values)
+            if len(self._children) < self._limit:
+                self._children[values] = child
+        return child
 
 
 class ProxyMetrics:
@@ -141,6 +164,12 @@ class ProxyMetrics:
         self._loop_metrics(r)
         self._engine_gauges(r)
         self._tenant_counters(r)
+        # Every request observes these; see ``Children``.
+        self.requests_by = Children(self.requests)
+        self.duration_by = Children(self.duration)
+        self.ttft_by = Children(self.ttft)
+        self.tenant_requests_by = Children(self.tenant_requests)
+        self.tenant_tokens_by = Children(self.tenant_tokens)
         self.pools = PoolGauges(r)
         self.kv_events = KvEventMetrics(r)
 

@@ -39,6 +39,7 @@ from proxy.core.holding import (
 from proxy.core.inbound import Inbound
 from proxy.core.pools import PoolPlan
 from proxy.core.pressure import REASON_COMMITTED
+from proxy.core.routing import EngineView
 from proxy.server.context import ShellContext
 from proxy.tenancy.frontdoor import CHARS_PER_TOKEN
 
@@ -49,21 +50,28 @@ def need_tokens(ctx: ShellContext, pool: str, inbound: Inbound, max_tokens: int 
     return prompt + ctx.fleet.estimate(pool).expected(max_tokens)
 
 
+Admitted = tuple[str, list[EngineView]]
+"""The pool that serves a request and its engines' views as admission judged them: built once
+per request (a per-engine walk of the requests in flight), the ranking reads the same ones."""
+
+
 def decide(
     ctx: ShellContext, plan: PoolPlan, priority: Priority, inbound: Inbound, max_tokens: int | None
-) -> str:
+) -> Admitted:
     """The pool that serves the request now, or ``NoCapacity`` (shed) with the reason."""
     now = ctx.clock()
     need = need_tokens(ctx, plan.pool, inbound, max_tokens)
-    decision = ctx.admission.decide(plan.pool, priority, ctx.fleet.views(plan.pool, now), need)
+    views = ctx.fleet.views(plan.pool, now)
+    decision = ctx.admission.decide(plan.pool, priority, views, need)
     if isinstance(decision, Admit):
-        return _admitted(ctx, plan.pool, decision)
+        return _admitted(ctx, plan.pool, decision), views
     for fallback in _fallbacks(plan, priority):
         need = need_tokens(ctx, fallback, inbound, max_tokens)
-        second = ctx.admission.decide(fallback, priority, ctx.fleet.views(fallback, now), need)
+        views = ctx.fleet.views(fallback, now)
+        second = ctx.admission.decide(fallback, priority, views, need)
         if isinstance(second, Admit):
             ctx.metrics.degraded.labels(plan.pool, fallback).inc()
-            return _admitted(ctx, fallback, second)
+            return _admitted(ctx, fallback, second), views
     if decision.reason == REASON_NO_ENGINE:
         raise NoEngine(plan.pool, reason=decision.reason, retry_after_s=decision.retry_after_s)
     raise NoCapacity(
@@ -94,7 +102,7 @@ class _Ask:
     inbound: Inbound
     max_tokens: int | None
 
-    def decide(self, ctx: ShellContext) -> str:
+    def decide(self, ctx: ShellContext) -> Admitted:
         return decide(ctx, self.plan, self.priority, self.inbound, self.max_tokens)
 
     def need(self, ctx: ShellContext, pool: str) -> float:
@@ -141,8 +149,9 @@ class Holding:
                 event.set()
 
     async def admit(self, plan: PoolPlan, priority: Priority, inbound: Inbound,
-                    max_tokens: int | None, deadline: float | None) -> str:
-        """The pool that serves the request, after holding it for room where the core says so."""
+                    max_tokens: int | None, deadline: float | None) -> Admitted:
+        """The pool that serves the request (and its engines' views), after holding it for room
+        where the core says so."""
         ask = _Ask(plan, priority, inbound, max_tokens)
         if not (self._enabled and self._queue(plan.pool).must_queue(priority)):
             try:
@@ -155,7 +164,7 @@ class Holding:
             refused = self._refusal(ask, REASON_COMMITTED)  # in line behind held work
         return await self._hold(ask, deadline, refused)
 
-    async def _hold(self, ask: _Ask, deadline: float | None, refused: NoCapacity) -> str:
+    async def _hold(self, ask: _Ask, deadline: float | None, refused: NoCapacity) -> Admitted:
         pool = ask.plan.pool
         ticket = next(self._tickets)
         queue = self._queue(pool)
@@ -182,7 +191,8 @@ class Holding:
             self._count(ask, outcome)
             self._wake(pool)  # the next one in line tries at once
 
-    async def _wait(self, ask: _Ask, ticket: int, until: float, event: asyncio.Event) -> str:
+    async def _wait(self, ask: _Ask, ticket: int, until: float,
+                    event: asyncio.Event) -> Admitted:
         """Try admission each time this request is head of its class's queue and woken, until
         it gets in (the pool) or ``until`` passes (``NoCapacity``)."""
         loop = asyncio.get_running_loop()

@@ -135,12 +135,13 @@ async def _serve(
             visit.discard()  # assembled here, not relayed: the cache keeps engines' own answers
             return drafted
         holding = request.app[HOLDING]
-        job.pool = await holding.admit(plan, priority, inbound, job.max_tokens, job.deadline)
+        job.pool, views = await holding.admit(plan, priority, inbound, job.max_tokens, job.deadline)
         if job.pool != plan.pool:
             visit.discard()  # another pool's answer is not the answer for the model asked for
         model = upstream_model(ctx.cfg, job.pool, inbound.model)
         salting = _isolate(ctx, job.pool, tenant, salt)
-        ranked = _rank(ctx, job, model, inbound, priority, salting=salting, tenant=tenant)
+        ranked = _rank(ctx, job, model, inbound, priority, pool_views=views, salting=salting,
+                       tenant=tenant)
         job.body = rewrite(
             _upstream_body(job, inbound.body),
             model=model,
@@ -254,6 +255,7 @@ def _rank(
     inbound: Inbound,
     priority: Priority,
     *,
+    pool_views: list[EngineView],
     salting: Salting,
     tenant: str,
 ) -> tuple[str, ...]:
@@ -269,7 +271,7 @@ def _rank(
     )
     policy = ctx.policies[pool]
     need = need_tokens(ctx, pool, inbound, job.max_tokens)
-    views = ctx.admission.eligible(priority, _with_room(ctx, pool), need)
+    views = ctx.admission.eligible(priority, _with_room(ctx, pool, pool_views), need)
     holdings = (None if ctx.precise is None else
                 ctx.precise.holdings(pool, inbound, salting.salt, views))
     held = None if holdings is None else holdings.known([v.name for v in views])
@@ -292,13 +294,12 @@ def _rank(
     return ranked
 
 
-def _with_room(ctx: ShellContext, pool: str) -> list[EngineView]:
+def _with_room(ctx: ShellContext, pool: str, views: list[EngineView]) -> list[EngineView]:
     """The pool's engines that may take one more request from this proxy. When the pool has
     routable engines but all hold ``upstream.max_connections_per_engine`` requests, the request
     is shed at once: waiting in the proxy's connection pool would only end in a timeout, and the
     engines' own waiting queues are where work should queue."""
     limit = ctx.cfg.upstream.max_connections_per_engine
-    views = ctx.fleet.views(pool, ctx.clock())
     room = [v for v in views if not ctx.fleet.get(v.name).full(limit)]
     if any(v.routable for v in views) and not any(v.routable for v in room):
         raise NoCapacity(
@@ -319,15 +320,15 @@ def _engine_priority(ctx: ShellContext, pool: str, priority: Priority) -> int | 
 def _observe(ctx: ShellContext, job: Job) -> None:
     m = ctx.metrics
     status = str(job.status or 500)
-    m.requests.labels(job.pool, job.engine, job.cls, status).inc()
+    m.requests_by(job.pool, job.engine, job.cls, status).inc()
     if job.status == CLIENT_CLOSED:
         m.client_disconnects.labels(job.pool).inc()
     if job.shed_reason is not None:
         m.sheds.labels(job.pool, job.cls, job.shed_reason).inc()
     now = ctx.clock()
-    m.duration.labels(job.pool, status).observe(now - job.started_at)
+    m.duration_by(job.pool, status).observe(now - job.started_at)
     if job.first_byte_at is not None:
-        m.ttft.labels(job.pool).observe(job.first_byte_at - job.started_at)
+        m.ttft_by(job.pool).observe(job.first_byte_at - job.started_at)
     _account(ctx, job, status)
     if ctx.cfg.log.access:
         accesslog.emit(accesslog.access_fields(job, now))
@@ -336,13 +337,13 @@ def _observe(ctx: ShellContext, job: Job) -> None:
 def _account(ctx: ShellContext, job: Job, status: str) -> None:
     m = ctx.metrics
     tenant = m.tenant_labels(job.tenant or "")  # refused before it was identified: "other"
-    m.tenant_requests.labels(tenant, job.pool, status).inc()
+    m.tenant_requests_by(tenant, job.pool, status).inc()
     usage = job.usage
     # A cache hit cost the engines nothing: its answer's usage was counted when it was generated.
     if usage is not None and job.engine != "cache":
-        m.tenant_tokens.labels(tenant, job.pool, "prompt").inc(usage.prompt)
-        m.tenant_tokens.labels(tenant, job.pool, "completion").inc(usage.completion)
-        m.tenant_tokens.labels(tenant, job.pool, "cached").inc(usage.cached)
+        m.tenant_tokens_by(tenant, job.pool, "prompt").inc(usage.prompt)
+        m.tenant_tokens_by(tenant, job.pool, "completion").inc(usage.completion)
+        m.tenant_tokens_by(tenant, job.pool, "cached").inc(usage.cached)
 
 
 # --- the proxy's own endpoints -------------------------------------------------------------------

@@ -151,3 +151,23 @@ def test_entry_encoding_binds_tenant_and_model() -> None:
     for garbage in (b"", b"\x00\xff", b"[]", b'{"v": 99}', b'{"v":1,"t":"acme","m":"m","r":{}}'):
         with pytest.raises(EntryError):
             decode_entry(garbage, tenant="acme", model="m")
+
+
+def test_a_long_stream_fed_at_once_assembles_every_choice() -> None:
+    # The relay hands the whole stream over in one piece at its end: thousands of events.
+    def chunk(index: int, text: str, finish: str | None = None) -> dict[str, Any]:
+        choice = {"index": index, "delta": {"content": text}, "logprobs": None,
+                  "finish_reason": finish, "stop_reason": None if finish else 7}
+        return {**HEAD, "object": "chat.completion.chunk", "choices": [choice]}
+
+    parts = [chunk(i % 2, f"{i} ") for i in range(4000)]
+    parts += [chunk(0, "", "stop"), chunk(1, "", "length")]
+    asm = StreamAssembler(chat=True, max_bytes=1 << 22)
+    asm.feed(sse(*parts))
+    result = asm.result()
+    assert result is not None
+    even, odd = result["choices"]
+    assert even["message"]["content"] == "".join(f"{i} " for i in range(0, 4000, 2))
+    assert odd["message"]["content"] == "".join(f"{i} " for i in range(1, 4000, 2))
+    assert (even["finish_reason"], odd["finish_reason"]) == ("stop", "length")
+    assert even["stop_reason"] is None and even["message"]["role"] == "assistant"

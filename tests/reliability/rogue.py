@@ -53,6 +53,9 @@ class Behaviour:
     # them with a Content-Length instead of chunked.
     stream_pieces: list[bytes] = field(default_factory=list)
     stream_sized: bool = False
+    # When > 0: only the first this many pieces wait ``chunk_delay_s`` before them; the rest
+    # follow at once, in one burst (the proxy reads several chunks at a time).
+    burst_after: int = 0
     # When > 0: the send buffer of a streamed answer's socket (a small one makes the engine feel
     # the proxy's backpressure at once instead of after the kernel's buffers fill).
     send_buffer_bytes: int = 0
@@ -186,8 +189,8 @@ class RogueEngine:
         finished = False
         self.stream_bytes_sent.append(0)
         try:
-            for piece in pieces:
-                if b.chunk_delay_s:
+            for i, piece in enumerate(pieces):
+                if b.chunk_delay_s and not 0 < b.burst_after <= i:
                     await asyncio.sleep(b.chunk_delay_s)
                 await out.write(piece)
                 self.stream_bytes_sent[-1] += len(piece)

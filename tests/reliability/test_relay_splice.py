@@ -153,3 +153,45 @@ async def _metric(url: str, name: str) -> float:
         if line.startswith(name + " ") or line.startswith(name + "{"):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
+
+
+@pytest.mark.parametrize("sized", [False, True], ids=["chunked", "content_length"])
+@pytest.mark.parametrize("version", ["http11", "http10"])
+def test_events_read_together_are_written_together_byte_exact(
+    sized: bool, version: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under uvloop (the production loop; its clock ticks in milliseconds), an engine read holding
+    several events is written to the client in one go: same bytes, same framing, nothing lost at
+    the end of the stream."""
+    import uvloop  # noqa: PLC0415 - only this test runs its own loop
+
+    from proxy.server import splice  # noqa: PLC0415
+
+    flushes: list[int] = []
+    real_flush = splice.Splice._flush
+
+    def counting_flush(self: splice.Splice) -> None:
+        flushes.append(len(self._held or ()))
+        real_flush(self)
+
+    monkeypatch.setattr(splice.Splice, "_flush", counting_flush)
+
+    async def scenario() -> bytes:
+        engine = RogueEngine()
+        await engine.start()
+        try:
+            engine.behaviour.stream_pieces = PIECES
+            engine.behaviour.stream_sized = sized
+            # The first piece alone (the proxy's first read), the rest in one burst after it.
+            engine.behaviour.chunk_delay_s = 0.05
+            engine.behaviour.burst_after = 2
+            async with proxy_for(engine) as proxy:
+                got, _ = await _stream_body(proxy.url, version)
+        finally:
+            await engine.stop()
+        return got
+
+    assert uvloop.run(scenario()) == BODY
+    # A chunked engine body gives one piece per HTTP chunk: the burst's were joined into one
+    # write. A sized body gives one piece per read: nothing to join.
+    assert any(held > 1 for held in flushes) is not sized
