@@ -30,10 +30,18 @@ Rules:
   first send (waits before retries included), and TPOT at most 100 ms; all wall-clock at the
   client, as every latency of this benchmark. ``--slo-ttft-s`` and ``--slo-tpot-ms`` change them.
 - Figures: preemptions from the engines' own ``vllm:num_preemptions_total``; TTFT per class of
-  completed requests; raw throughput = output tokens of completed requests per second of the arm's
-  span (first send to last answer); goodput = output tokens of the requests that met their
-  objectives per second of the same span; per class: completed, within objectives, retried, lost
-  to shedding (503 after the retries) and failed.
+  completed requests; goodput = output tokens of the requests that met their objectives per
+  second of the schedule's arrival window (first to last scheduled arrival), the same denominator
+  for every arm; raw throughput over own span = output tokens of completed requests per second of
+  the arm's own span (first send to last answer); per class: completed, within objectives,
+  retried, lost to shedding (503 after the retries) and failed.
+- Why goodput shares one denominator: every arm gets the same open-loop arrival schedule, so the
+  work offered is the same and only what each arm makes of it differs. Runs before 2026-11-24
+  divided each arm's good tokens by that arm's own span, so an arm that served one more request,
+  late, after everything else scored lower although it did strictly more good work within
+  objectives. Over the arrival window, the ratio of two arms' goodputs is the ratio of their
+  tokens served within objectives. The old figure (good tokens over the arm's own span) is kept
+  in the results as ``goodput_own_span_tokens_per_s`` and shown in the report beside the others.
 """
 
 from __future__ import annotations
@@ -210,24 +218,34 @@ def run_arm(arm: str, spec: FleetSpec, arrivals: list[Arrival], args: argparse.N
             proxy.stop()
         fleet.stop()
     preemptions = sum(c.get("vllm:num_preemptions_total", 0.0) for c in counters.values())
-    return summarize_arm(done, span, preemptions, objectives(args))
+    return summarize_arm(done, span, preemptions, objectives(args), arrival_window(arrivals))
+
+
+def arrival_window(arrivals: list[Arrival]) -> float:
+    """Seconds from the first to the last scheduled arrival: goodput's common denominator."""
+    return arrivals[-1].at - arrivals[0].at if len(arrivals) > 1 else 0.0
 
 
 def summarize_arm(done: list[tuple[str, RequestRecord]], span: float, preemptions: float,
-                  slo: Objectives) -> dict[str, object]:
+                  slo: Objectives, window: float) -> dict[str, object]:
+    """One arm's figures; goodput over the schedule's arrival ``window`` (the same for every
+    arm), raw throughput and the old goodput over the arm's own ``span``."""
     per_class = {cls: summarize_class([r for c, r in done if c == cls], cls, slo)
                  for cls in CLASSES}
 
     def total(key: str) -> float:
         return sum(v[key] for v in per_class.values())
 
-    def rate(tokens: float) -> float:
-        return tokens / span if span > 0 else 0.0
+    def per_s(tokens: float, seconds: float) -> float:
+        return tokens / seconds if seconds > 0 else 0.0
 
-    return {"preemptions": preemptions, "span_s": span, "completed": total("completed"),
-            "within_slo": total("within_slo"),
-            "throughput_tokens_per_s": rate(total("output_tokens")),
-            "goodput_tokens_per_s": rate(total("good_tokens")), "classes": per_class}
+    return {"preemptions": preemptions, "span_s": span, "arrival_window_s": window,
+            "completed": total("completed"), "within_slo": total("within_slo"),
+            "good_tokens": total("good_tokens"),
+            "throughput_tokens_per_s": per_s(total("output_tokens"), span),
+            "goodput_tokens_per_s": per_s(total("good_tokens"), window),
+            "goodput_own_span_tokens_per_s": per_s(total("good_tokens"), span),
+            "classes": per_class}
 
 
 def summarize_class(recs: list[RequestRecord], cls: str, slo: Objectives) -> dict[str, float]:
@@ -261,7 +279,9 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {"fleet": spec.settings(), **{k: v for k, v in vars(args).items()
                                                   if k not in ("out", "no_report")},
                      "requests": len(arrivals), "scheduling_policy": "fcfs",
-                     "objectives": objectives(args).as_dict(), "guard": guard_marks()},
+                     "objectives": objectives(args).as_dict(), "guard": guard_marks(),
+                     "arrival_window_s": arrival_window(arrivals),
+                     "goodput_denominator": "arrival_window"},
         "rounds": [],
     }
     work = args.out / "raw" / "overcommit"

@@ -4,9 +4,13 @@ Rules: every number comes from the results file; the verdicts against the target
 (guard vs ``threshold``, per round: at least 5x fewer preemptions, critical p99 TTFT at most 0.7x,
 goodput at least equal), never typed in. A goal is met only when it is met in every round; the
 median and each round's ratio are shown. Goodput is the SLO-bound figure (``bench.slo``); raw
-throughput is shown beside it with its own ratio, so that nothing is hidden. Notes written by a
-person about a run live in ``overcommit-notes.md`` next to the results and are included verbatim,
-under a heading that says so.
+throughput is shown beside it with its own ratio, so that nothing is hidden.
+- Goodput's denominator is the one the results file names (``goodput_denominator``): the
+  schedule's arrival window, the same for every arm (runs since 2026-11-24), or each arm's own
+  span (older runs). With the common window, the old per-span figure is shown beside it as
+  "goodput over own span (old measure)", and raw throughput is over the arm's own span.
+- Notes written by a person about a run live in ``overcommit-notes.md`` next to the results and
+  are included verbatim, under a heading that says so.
 """
 
 from __future__ import annotations
@@ -63,6 +67,12 @@ def _goodput(arm: Mapping[str, object]) -> float:
     return num(arm.get("goodput_tokens_per_s")) if "throughput_tokens_per_s" in arm else math.nan
 
 
+def _goodput_own_span(arm: Mapping[str, object]) -> str:
+    """The old goodput (good tokens over the arm's own span), where the results have it."""
+    value = arm.get("goodput_own_span_tokens_per_s")
+    return "-" if value is None else f"{num(value):.0f}"
+
+
 def _classes_of(arm: Mapping[str, object], key: str) -> str:
     return " / ".join(fmt(_cls(arm, c).get(key)) for c in CLASSES)
 
@@ -74,7 +84,8 @@ def _rows(arms: Arms) -> list[list[object]]:
         failed = sum(int(num(_cls(arm, c)["failed"])) for c in CLASSES)
         rows.append([ARM_TEXT.get(name, name), f"{num(arm['preemptions']):.0f}",
                      f"{ms(crit['ttft_p50_s']):.0f}", f"{ms(crit['ttft_p99_s']):.0f}",
-                     f"{_goodput(arm):.0f}", f"{_throughput(arm):.0f}", fmt(arm["completed"]),
+                     f"{_goodput(arm):.0f}", _goodput_own_span(arm), f"{_throughput(arm):.0f}",
+                     fmt(arm["completed"]),
                      fmt(arm.get("within_slo")), _classes_of(arm, "shed"), str(failed)])
     return rows
 
@@ -127,7 +138,8 @@ GOALS: list[Goal] = [
     ("critical p99 TTFT, guard / threshold-only", "<= 0.7", lambda v: v <= 0.7, 2, ""),
     ("goodput (tokens/s within objectives), guard / threshold-only", ">= 1.0",
      lambda v: v >= 1.0, 2, ""),
-    ("raw throughput (completed tokens/s), guard / threshold-only", "shown beside goodput",
+    ("raw throughput over own span (completed tokens/s), guard / threshold-only",
+     "shown beside goodput",
      lambda v: v >= 1.0, 2, ""),
 ]
 
@@ -179,8 +191,24 @@ def _method(settings: Mapping[str, object]) -> str:
         "counted from the client's first send (waits before retries included), and TPOT (mean "
         f"time per output token after the first) at most {ms(slo.get('tpot_s')):.0f} ms. "
         "Goodput = output tokens/s of the requests that completed within their objectives "
-        "(DistServe's definition); raw throughput = output tokens/s of every completed request; "
-        "both over the arm's span, first send to last answer."
+        f"(DistServe's definition), {_denominator(settings)}"
+    )
+
+
+def _denominator(settings: Mapping[str, object]) -> str:
+    """How this run's goodput and raw throughput were divided (see the module's rules)."""
+    if settings.get("goodput_denominator") != "arrival_window":
+        return ("and raw throughput = output tokens/s of every completed request; both over the "
+                "arm's own span, first send to last answer.")
+    window = fmt(num(settings.get("arrival_window_s")), 1)
+    return (
+        f"over the schedule's arrival window ({window} s, first to last scheduled arrival), the "
+        "same for every arm, so that the ratio of two arms' goodputs is the ratio of their "
+        "tokens served within objectives; raw throughput over own span = output tokens/s of "
+        "every completed request over the arm's own span, first send to last answer. Runs "
+        "before 2026-11-24 divided goodput by each arm's own span, which scores an arm that "
+        "serves one more request, late, after everything else lower although it did strictly "
+        "more good work; that old figure is shown as goodput over own span."
     )
 
 
@@ -190,7 +218,8 @@ def overcommit_markdown(data: Mapping[str, object], notes: str | None = None) ->
     assert isinstance(settings, dict)
     header = ["round", "arm", "engine preemptions", "critical TTFT p50 (ms)",
               "critical TTFT p99 (ms)", "goodput (tokens/s within objectives)",
-              "raw throughput (completed tokens/s)", "completed requests",
+              "goodput over own span (old measure)",
+              "raw throughput over own span (completed tokens/s)", "completed requests",
               "within objectives", "lost to shedding critical / standard / sheddable", "failed"]
     rows = [[str(n + 1), *row] for n, arms in enumerate(rounds) for row in _rows(arms)]
     class_header = ["arm", "class", "sent", "completed", "within objectives",

@@ -12,7 +12,7 @@ from aiohttp import web
 
 from bench.clients import retry_delay, send_retrying
 from bench.loadgen import Endpoint, make_session, parse_retry_after
-from bench.overcommit import summarize_arm
+from bench.overcommit import Arrival, arrival_window, summarize_arm
 from bench.report_overcommit import overcommit_markdown
 from bench.slo import Objectives, meets, tpot
 from bench.stats import RequestRecord
@@ -116,9 +116,11 @@ def test_objectives_bound_ttft_per_class_and_tpot():
 def test_goodput_counts_only_tokens_within_objectives():
     done = [("critical", _rec(0.5)), ("critical", _rec(3.0, retries=1)),
             ("standard", _rec(0.5, status=503, retries=2)), ("sheddable", _rec(30.0))]
-    arm = summarize_arm(done, 10.0, 4.0, SLO)
+    arm = summarize_arm(done, 10.0, 4.0, SLO, 5.0)
     assert arm["throughput_tokens_per_s"] == pytest.approx(3.3)  # 33 completed tokens over 10 s
-    assert arm["goodput_tokens_per_s"] == pytest.approx(1.1)  # one request within bounds
+    # One request within bounds (11 tokens): over the arrival window, and over the own span.
+    assert arm["goodput_tokens_per_s"] == pytest.approx(2.2)
+    assert arm["goodput_own_span_tokens_per_s"] == pytest.approx(1.1)
     crit = arm["classes"]["critical"]  # type: ignore[index]
     assert crit["retried"] == 1 and crit["within_slo"] == 1 and crit["completed"] == 2
     std = arm["classes"]["standard"]  # type: ignore[index]
@@ -126,7 +128,7 @@ def test_goodput_counts_only_tokens_within_objectives():
 
 
 def _arm(preemptions: float, p99: float, goodput: float, throughput: float) -> dict:
-    arm = summarize_arm([("critical", _rec(p99))], 1.0, preemptions, SLO)
+    arm = summarize_arm([("critical", _rec(p99))], 1.0, preemptions, SLO, 1.0)
     arm["goodput_tokens_per_s"] = goodput
     arm["throughput_tokens_per_s"] = throughput
     return arm
@@ -152,3 +154,30 @@ def test_report_of_results_without_objectives_says_so():
     text = overcommit_markdown({"settings": {}, "rounds": [{"guard": old, "threshold": old}]})
     assert "did not retry" in text
     assert "not measured" in text
+
+
+def test_goodput_shares_the_arrival_window_so_one_more_late_answer_never_lowers_it():
+    """Two arms with the same answers within objectives, one serving one more request late, after
+    everything else: over the common window the later one scores no lower (it did more)."""
+    base = [("critical", _rec(0.5)), ("standard", _rec(1.0))]
+    late = [*base, ("sheddable", _rec(30.0))]  # beyond its 20 s objective, ends last
+    first = summarize_arm(base, 12.0, 0.0, SLO, 10.0)
+    second = summarize_arm(late, 42.0, 0.0, SLO, 10.0)
+    assert second["goodput_tokens_per_s"] == first["goodput_tokens_per_s"]
+    assert second["goodput_own_span_tokens_per_s"] < first["goodput_own_span_tokens_per_s"]
+
+
+def test_arrival_window_runs_from_first_to_last_scheduled_arrival():
+    arrivals = [Arrival(0.4, "critical", "p", 1, None), Arrival(3.4, "standard", "p", 1, None)]
+    assert arrival_window(arrivals) == pytest.approx(3.0)
+    assert arrival_window(arrivals[:1]) == 0.0
+
+
+def test_report_states_the_common_denominator_and_shows_the_old_figure():
+    data = {"settings": {"objectives": SLO.as_dict(), "client_retries": 2,
+                         "goodput_denominator": "arrival_window", "arrival_window_s": 39.5},
+            "rounds": [{"guard": _arm(0, 0.1, 100.0, 90.0),
+                        "threshold": _arm(30, 1.0, 95.0, 100.0)}]}
+    text = overcommit_markdown(data)
+    assert "arrival window (39.5 s" in text and "goodput over own span (old measure)" in text
+    assert "raw throughput over own span" in text
