@@ -42,6 +42,7 @@ from bench.traces import Caps, TraceRequest, apply_caps
 from bench.workloads import by_name
 from proxy.core.config import RoutingConfig
 from proxy.core.costmodel import ExpectedTTFT
+from proxy.core.holdings import held_depth
 from proxy.core.prefix import canonical_chat, prefix_chain
 from proxy.core.routeview import RouteKey
 from proxy.core.routing import Policy, make_policy
@@ -130,7 +131,7 @@ class CacheAware:
         if hi - lo > self.abs_t and hi > lo * self.rel_t:
             e = self.load.index(lo)
         else:
-            depth = [_depth(t, chain) for t in self.trees]
+            depth = [held_depth(t, chain) for t in self.trees]
             best = max(depth)
             if best * self.BLOCK / max(1, len(text)) > self.threshold:
                 e = max((i for i in range(self.n) if depth[i] == best),
@@ -149,17 +150,6 @@ class CacheAware:
 
     def done(self, rid: int, now: float) -> None:
         self.load[self.where.pop(rid)] -= 1
-
-
-def _depth(tree: dict[int, float], chain: Sequence[int]) -> int:
-    lo, hi = 0, len(chain)
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if chain[mid - 1] in tree:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 @dataclass

@@ -16,7 +16,7 @@ Rules:
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from typing import Protocol
 
 from proxy.core.routeview import RouteKey
@@ -70,14 +70,7 @@ class BlockIndex:
             blocks = self._blocks.get(engine)
             if not blocks or chain[0] not in blocks:
                 continue
-            lo, hi = 1, len(chain)  # chain[lo - 1] is held; find the largest such lo
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                if chain[mid - 1] in blocks:
-                    lo = mid
-                else:
-                    hi = mid - 1
-            depths[engine] = lo
+            depths[engine] = held_depth(blocks, chain)
         return depths
 
     def size(self, engine: str) -> int:
@@ -104,3 +97,16 @@ class ApproxHoldings:
 
     def forget(self, engine: str) -> None:
         self.index.forget(engine)
+
+
+def held_depth(held: Container[int], chain: Sequence[int]) -> int:
+    """How many leading blocks of ``chain`` are in ``held``, when what is held of a chain is
+    always a prefix of it (a chain hash covers every block before it): a binary search."""
+    lo, hi = 0, len(chain)  # chain[lo - 1] is held (or lo is 0); find the largest such lo
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if chain[mid - 1] in held:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
