@@ -132,11 +132,22 @@ def _section(text: str, heading: str) -> str:
     return body.strip()
 
 
-def suite_summary(suite: str, prefix: str) -> str:
+SUITE_NOTES = (
+    "suite-routing.md",
+    "The judgement against issue 11's targets, and why kvproxy loses where it loses (the "
+    "decisions replayed offline with `python -m bench.replay`, the engines' own TTFT next to the "
+    "client's, and a profile of the proxy)",
+)
+
+
+def suite_summary(suite: str, prefix: str, notes: bool = False) -> str:
     """The suite report's provenance, settings and summary; the per-workload tables stay in
-    ``suite.md``, linked."""
+    ``suite.md``, linked, and so do the hand-written notes beside it when there are any."""
     head, _, _ = suite.partition("\n## Workload ")
     link = f"Per-workload tables: [suite.md]({prefix}suite.md)."
+    if notes:
+        name, what = SUITE_NOTES
+        link += f"\n\n{what}: [{name}]({prefix}{name})."
     return _shift(head, prefix).rstrip() + "\n\n" + link
 
 
@@ -151,7 +162,7 @@ def benchmarks_doc(routing: str | None, overhead: str | None, results: Path, doc
         parts.append(f"No PNGs: {plots_missing}.")
     parts.append(_shift(routing, prefix) if routing else
                  "### Routing benchmark\n\nNo results yet: run `python -m bench.routing`.")
-    parts.append(suite_summary(suite, prefix) if suite else
+    parts.append(suite_summary(suite, prefix, (results / SUITE_NOTES[0]).exists()) if suite else
                  "### Routing workload suite\n\nNo results yet: run "
                  "`python -m bench.routing --suite`.")
     parts.append(_shift(overhead, prefix) if overhead else
