@@ -461,7 +461,7 @@ class EngineState:
         """What routing and admission see of this engine at ``now`` (``pressure``: the KV
         overcommit guard's level in force)."""
         self.tick(now, self.stale_after_s)
-        snap, remote = self.snapshot, self.remote_backlog
+        snap, local, remote = self.snapshot, self.backlog, self.remote_backlog
         return EngineView(
             name=self.name,
             pressure=pressure,
@@ -469,12 +469,12 @@ class EngineState:
             fresh=self.health is Health.HEALTHY,
             load=self.load(),
             kv_usage=snap.kv_usage if snap is not None else 1.0,
-            prefill=sum(self._prefill.values()) + remote.tokens,
+            prefill=local.tokens + remote.tokens,
             block_size=snap.block_size if snap is not None else None,
             running=snap.running if snap is not None else 0.0,
             waiting=snap.waiting if snap is not None else 0.0,
-            pending=len(self._prefill) + int(remote.requests),
-            pending_seen=self._pending_seen() + int(remote.seen),
+            pending=int(local.requests + remote.requests),
+            pending_seen=int(local.seen + remote.seen),
             prefill_tps=self.rates.prefill_tps,
             step_s=self.rates.step_s,
         )

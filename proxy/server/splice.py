@@ -213,16 +213,16 @@ class Splice:
             return
         framed = b"%x\r\n%b\r\n" % (len(sent), sent) if self._chunked else sent
         self._last_sent = sent
-        if now != self._last:
-            self._last = now
-            self._write(framed)
-        elif self._held is not None:
-            # Another piece at the same tick (one read held several events): it joins the write
-            # already queued.
+        if self._held is not None:
+            # A write is queued (another piece at this tick: one read held several events): this
+            # piece joins it, so the bytes keep their order.
             self._held.append(framed)
+        elif now != self._last:
+            self._write(framed)
         else:
             self._held = [framed]
             self._loop.call_soon(self._flush)
+        self._last = now
 
     def _write(self, framed: bytes) -> None:
         client = self._client
