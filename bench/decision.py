@@ -24,7 +24,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from bench import machine
+from bench import machine, tokencost
 from bench.report import RESULTS
 from proxy.core.config import RoutingConfig
 from proxy.core.prefix import prefix_chain
@@ -111,9 +111,10 @@ def run(quick: bool) -> dict[str, object]:
                 print(f"{name:16} engines={engines:3} prompt~{prompt_chars // 4 + 512:6} tokens: "
                       f"policy {figures['policy_us']:8.1f} us, chain {figures['chain_us']:7.1f} us",
                       file=sys.stderr)
+    tokenized = tokencost.run(decisions, reps)
     return {"benchmark": "decision", "when": machine.now_utc(), "command": machine.command_line(),
             "environment": env, "load_avg_at_end": list(os.getloadavg()),
-            "decisions": decisions, "repetitions": reps, "rows": rows}
+            "decisions": decisions, "repetitions": reps, "rows": rows, "tokenized": tokenized}
 
 
 def _loads(values: object) -> str:
@@ -131,7 +132,8 @@ def markdown(result: dict[str, object]) -> str:
         f"{result['repetitions']} repetitions of {result['decisions']} decisions).", "",
         "µs per decision: `rank` + `uncached_tokens` for the pick and the retry target + "
         "`observe` (policy), and the prompt's prefix chain hashing (chain), which every "
-        "prefix-aware policy needs. No tokenizer: tokens are estimated from characters.", "",
+        "prefix-aware policy needs. No tokenizer: tokens are estimated from characters "
+        "(approximate routing, the default); precise routing's tokenization is below.", "",
         "| policy | engines | prompt tokens | policy µs | chain µs | total µs |",
         "|---|---|---|---|---|---|",
     ]
@@ -141,6 +143,9 @@ def markdown(result: dict[str, object]) -> str:
         lines.append(f"| `{r['policy']}` | {r['engines']} | {r['prompt_tokens']:,} | "
                      f"{r['policy_us']:.1f} | {r['chain_us']:.1f} | "
                      f"{r['policy_us'] + r['chain_us']:.1f} |")
+    tokenized = result.get("tokenized")
+    if isinstance(tokenized, list):
+        lines += ["", *tokencost.markdown(tokenized)]
     return "\n".join(lines) + "\n"
 
 

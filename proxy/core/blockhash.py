@@ -77,9 +77,24 @@ NONE_HASH = sha256_cbor(DEFAULT_NONE_HASH_SEED)
 ExtraKeys = tuple[tuple[str, str], ...] | None
 
 
+# Token ids below this are encoded from a table built on first use (a few MB, tens of ms once):
+# encoding each id with ``_head`` is most of the cost of hashing a prompt, and vocabularies in use
+# stay below 2^18. Ids past it (a client's token-id prompt may hold any) are encoded one by one.
+_TABLE_SIZE = 1 << 18
+_TABLE: list[bytes] = []
+
+
+def _table() -> list[bytes]:
+    if not _TABLE:
+        _TABLE.extend(_head(0, t) for t in range(_TABLE_SIZE))
+    return _TABLE
+
+
 def _tokens(ids: Sequence[int]) -> bytes:
     # The hot loop of hashing: token ids are never negative, so the array head and the
     # shortest unsigned forms suffice.
+    if ids and max(ids) < _TABLE_SIZE:
+        return _head(4, len(ids)) + b"".join(map(_table().__getitem__, ids))
     return _head(4, len(ids)) + b"".join([_head(0, t) for t in ids])
 
 

@@ -5,10 +5,16 @@ Rules:
   ``ConfigError`` naming ``pools[i].tokenizer``) and every engine with ``kv_events`` of such a pool
   gets an ``EngineListener``. ``start`` opens one ZMQ context and starts one named task per
   listener; ``close`` cancels them and closes the context. Nothing outlives the application.
-- ``holdings`` answers, for one request, what each in-sync engine holds of its prompt
-  (``core.holdings.PreciseHoldings``); engines out of sync, without a publisher, or of a pool
-  without a tokenizer are left to the approximate index. A request that cannot be tokenized is
-  counted and routed approximately.
+- ``prepare`` tokenizes a request's prompt and hashes its blocks, once, before routing; only
+  for a pool with a tokenizer and at least one engine in sync. Encoding costs about a
+  millisecond per thousand tokens, so a prompt longer than ``INLINE_CHARS`` is prepared on a
+  small thread pool (the ``tokenizers`` library releases the GIL while it encodes) and the event
+  loop keeps relaying other streams meanwhile; a short one is prepared inline, where the thread
+  hop would cost more than it saves.
+- ``holdings`` answers, for one prepared request, what each in-sync engine holds of its prompt
+  (``core.exact_holdings.PreciseHoldings``); engines out of sync, without a publisher, or of a
+  pool without a tokenizer are left to the approximate index. A request that cannot be
+  tokenized is counted and routed approximately.
 - ``dispatched`` records the pick: the prompt's blocks the engine did not hold count as held for
   ``kv_events.provisional_s``, and the engine must publish within ``silent_after_s``.
 """
@@ -18,11 +24,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import zmq.asyncio
 
-from proxy.core.blockhash import root_for
+from proxy.core.blockhash import ChainRoot, root_for
 from proxy.core.config import Config
 from proxy.core.exact_holdings import PreciseHoldings
 from proxy.core.inbound import Endpoint, Inbound
@@ -30,6 +37,11 @@ from proxy.core.routing import EngineView
 from proxy.fleet.kvevents import EngineListener
 from proxy.fleet.tokenizer import PromptTokenizer, loaded_tokenizers
 from proxy.observe.kvmetrics import KvEventMetrics
+
+# Prompts up to this many characters (about 500 tokens, a few hundred microseconds to encode) are
+# prepared on the event loop; longer ones on the thread pool.
+INLINE_CHARS = 2048
+TOKENIZE_THREADS = 2
 
 
 class PreciseRouting:
@@ -43,9 +55,14 @@ class PreciseRouting:
             engine.name: EngineListener(engine.name, engine.kv_events, self.cfg, metrics, clock)
             for pool in cfg.pools if pool.name in self.tokenizers
             for engine in pool.engines if engine.kv_events is not None}
+        self._by_pool: dict[str, list[EngineListener]] = {
+            pool.name: [self.listeners[e.name] for e in pool.engines if e.name in self.listeners]
+            for pool in cfg.pools}
         self._tasks: list[asyncio.Task[None]] = []
+        self._pool: ThreadPoolExecutor | None = None
 
     def start(self) -> None:
+        self._pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="kvproxy-tokenize")
         self._ctx = ctx = zmq.asyncio.Context()
         for listener in self.listeners.values():
             listener.ctx = ctx
@@ -62,28 +79,55 @@ class PreciseRouting:
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
 
-    def holdings(self, pool: str, inbound: Inbound, salt: str | None,
-                 views: Sequence[EngineView]) -> PreciseHoldings | None:
-        """What each in-sync engine of ``views`` holds of the request's prompt (its block size
-        from its events, else from its scraped ``block_size``)."""
+    async def prepare(self, pool: str, inbound: Inbound,
+                      salt: str | None) -> PreciseHoldings | None:
+        """The request's prompt tokenized and hashed in the block sizes of the pool's in-sync
+        engines; None when the pool is not routed precisely now or the prompt cannot be
+        tokenized (counted)."""
         tokenizer = self.tokenizers.get(pool)
-        sizes = {v.name: v.block_size for v in views}
-        live = [(e, self.listeners[e]) for e in sizes
-                if e in self.listeners and self.listeners[e].precise]
-        if tokenizer is None or not live:
+        sizes = {x.index.block_size or 0 for x in self._by_pool.get(pool, ()) if x.precise}
+        if tokenizer is None or not sizes:
             return None
+        work = (tokenizer, inbound, root_for(salt), sizes)
+        if len(inbound.prompt_text) <= INLINE_CHARS or self._pool is None:
+            found = self._prepared(*work)
+        else:
+            found = await asyncio.get_running_loop().run_in_executor(
+                self._pool, self._prepared, *work)
+        if found is None:
+            self._metrics.tokenize_failures.labels(pool).inc()
+        return found
+
+    def _prepared(self, tokenizer: PromptTokenizer, inbound: Inbound, root: ChainRoot,
+                  sizes: set[int]) -> PreciseHoldings | None:
         ids = tokenizer.request_ids(inbound.endpoint is Endpoint.CHAT, inbound.body)
         if ids is None:
-            self._metrics.tokenize_failures.labels(pool).inc()
             return None
-        found = PreciseHoldings(ids, root_for(salt), self.cfg.max_prompt_blocks)
+        found = PreciseHoldings(ids, root, self.cfg.max_prompt_blocks)
+        for size in sizes:
+            if size:  # 0: the engine has not said yet; its scraped block size is used later
+                found.keys(size)
+        return found
+
+    def holdings(self, prepared: PreciseHoldings | None,
+                 views: Sequence[EngineView]) -> PreciseHoldings | None:
+        """What each in-sync engine of ``views`` holds of the prepared prompt (its block size
+        from its events, else from its scraped ``block_size``)."""
+        if prepared is None:
+            return None
         now = self._clock()
-        for engine, listener in live:
-            size = listener.index.block_size or sizes[engine]
+        for view in views:
+            listener = self.listeners.get(view.name)
+            if listener is None or not listener.precise:
+                continue
+            size = listener.index.block_size or view.block_size
             if size:
-                found.add(engine, listener.index, size, now)
-        return found if found.held else None
+                prepared.add(view.name, listener.index, size, now)
+        return prepared if prepared.held else None
 
     def dispatched(self, engine: str, holdings: PreciseHoldings) -> None:
         listener = self.listeners.get(engine)

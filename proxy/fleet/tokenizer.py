@@ -90,7 +90,9 @@ class PromptTokenizer:
 
     def encode(self, text: str, *, special: bool) -> list[int]:
         cut = len(text) > self.max_chars
-        ids: list[int] = self._tok.encode(text[: self.max_chars], add_special_tokens=special).ids
+        # The batch form skips the character offsets ``encode`` computes and nothing here reads.
+        ids: list[int] = self._tok.encode_batch_fast(
+            [text[: self.max_chars]], add_special_tokens=special)[0].ids
         return ids[:-CUT_MARGIN] if cut else ids
 
     def request_ids(self, chat: bool, body: Mapping[str, Any]) -> list[int] | None:

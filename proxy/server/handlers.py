@@ -36,6 +36,7 @@ from proxy.core.errors import (
     PayloadTooLarge,
     RequestTimeout,
 )
+from proxy.core.exact_holdings import PreciseHoldings
 from proxy.core.inbound import Endpoint, Inbound, accept, rewrite
 from proxy.core.isolation import Salting, client_salt
 from proxy.core.pools import (
@@ -140,8 +141,10 @@ async def _serve(
             visit.discard()  # another pool's answer is not the answer for the model asked for
         model = upstream_model(ctx.cfg, job.pool, inbound.model)
         salting = _isolate(ctx, job.pool, tenant, salt)
+        prepared = (None if ctx.precise is None else
+                    await ctx.precise.prepare(job.pool, inbound, salting.salt))
         ranked = _rank(ctx, job, model, inbound, priority, pool_views=views, salting=salting,
-                       tenant=tenant)
+                       tenant=tenant, prepared=prepared)
         job.body = rewrite(
             _upstream_body(job, inbound.body),
             model=model,
@@ -258,6 +261,7 @@ def _rank(
     pool_views: list[EngineView],
     salting: Salting,
     tenant: str,
+    prepared: PreciseHoldings | None = None,
 ) -> tuple[str, ...]:
     pool = job.pool
     routing = ctx.cfg.routing
@@ -272,8 +276,7 @@ def _rank(
     policy = ctx.policies[pool]
     need = need_tokens(ctx, pool, inbound, job.max_tokens)
     views = ctx.admission.eligible(priority, _with_room(ctx, pool, pool_views), need)
-    holdings = (None if ctx.precise is None else
-                ctx.precise.holdings(pool, inbound, salting.salt, views))
+    holdings = None if ctx.precise is None else ctx.precise.holdings(prepared, views)
     held = None if holdings is None else holdings.known([v.name for v in views])
     key = RouteKey(chain=chain, tenant=tenant, model=model, held=held,
                    prompt_tokens=len(inbound.prompt_text) / routing.chars_per_token,

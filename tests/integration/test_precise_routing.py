@@ -9,6 +9,7 @@ publisher dies, its engine falls back to the approximate index, visibly, and is 
 from __future__ import annotations
 
 import asyncio
+import threading
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
@@ -24,6 +25,7 @@ from engine_sidecar.sim.cluster import SimCluster, start_cluster
 from engine_sidecar.sim.kvevents import KvEventsSettings
 from proxy.core.config import EngineConfig, PoolConfig
 from proxy.core.kv_config import EngineEvents
+from proxy.fleet.precise import INLINE_CHARS, PreciseRouting
 from proxy.server.keys import SHELL
 from proxy.server.lifecycle import ProxyServer
 
@@ -107,14 +109,26 @@ def _chat(prefix: str, question: str) -> dict[str, Any]:
                          {"role": "user", "content": question}]}
 
 
+@pytest.mark.parametrize("repeats", [12, 60], ids=["inline", "on-the-thread-pool"])
 async def test_the_index_is_what_engines_reported_and_shared_prefixes_follow_it(
-        precise: Precise) -> None:
+        precise: Precise, repeats: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    threads: list[str] = []
+    prepared = PreciseRouting._prepared
+
+    def spy(self: PreciseRouting, *args: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return prepared(self, *args)
+
+    monkeypatch.setattr(PreciseRouting, "_prepared", spy)
+
     async def all_precise() -> bool:
         return all(r["kv_events"]["mode"] == "precise" for r in (await precise.admin()).values())
 
     await precise.until(all_precise, "both engines precise")
-    prefixes = [f"{uuid.uuid4().hex} " + "the proxy keeps an exact index of what engines hold. "
-                * 12 for _ in range(6)]
+    sentence = "the proxy keeps an exact index of what engines hold. "
+    prefixes = [f"{uuid.uuid4().hex} " + sentence * repeats for _ in range(6)]
+    # Prompts past INLINE_CHARS are tokenized off the event loop; shorter ones on it.
+    assert (len(prefixes[0]) > INLINE_CHARS) == (repeats == 60)
     homes = [NAMES[k % 2] for k in range(len(prefixes))]
     for prefix, home in zip(prefixes, homes, strict=True):
         # Straight to the engine: only its KV events can tell the proxy.
@@ -134,6 +148,9 @@ async def test_the_index_is_what_engines_reported_and_shared_prefixes_follow_it(
             assert resp.status == 200, await resp.text()
             served.append(resp.headers["X-Engine"])
     assert served == homes
+    on_pool = [t.startswith("kvproxy-tokenize") for t in threads]
+    assert len(threads) == len(prefixes) and all(on_pool) == (repeats == 60) and any(
+        on_pool) == (repeats == 60)
     for name in NAMES:  # and after requests through the proxy, exactly again
         async def again(name: str = name) -> bool:
             return precise.proxy_blocks(name) == await precise.reported(name)

@@ -42,6 +42,15 @@ def _wire(events: list[Any], int_hashes: bool = True) -> object:
     return msgpack.unpackb(encode_batch(1.0, events, int_hashes=int_hashes), raw=False)
 
 
+@given(st.lists(st.one_of(st.integers(0, 300), st.integers(0, 1 << 20), st.integers(0, 1 << 40)),
+                max_size=64), st.sampled_from([1, 4, 16]))
+@settings(max_examples=200, deadline=None)
+def test_block_keys_agree_with_the_independent_hasher_for_ids_of_every_size(
+        ids: list[int], block_size: int) -> None:
+    # Ids below the encoding table, past it (a client's token-id prompt) and mixed in one block.
+    assert chain_keys(ids, block_size) == prompt_keys(ids, block_size)
+
+
 @pytest.mark.parametrize("int_hashes", [True, False])
 def test_a_batch_as_vllm_sends_it_parses_to_the_same_keys(int_hashes: bool) -> None:
     h1 = hash_block_tokens(None, IDS[:8])
