@@ -26,6 +26,9 @@ PEERS_DIR = REPO / ".venv-peers"
 LITELLM_KEY = "sk-kvproxy-bench"
 
 KVPROXY_POLICIES = ("round_robin", "least_load", "prefix_affinity", "expected_ttft")
+# kvproxy's prefix-aware policies also run in precise mode when named ``kvproxy/<policy>+precise``.
+PRECISE = "+precise"
+PRECISE_POLICIES = ("prefix_affinity", "expected_ttft")
 PEER_POLICIES = {
     "vllm-router": ("round_robin", "cache_aware", "consistent_hash"),
     "sglang-router": ("round_robin", "cache_aware"),
@@ -42,6 +45,12 @@ class Router:
     @property
     def name(self) -> str:
         return f"{self.router}/{self.policy}"
+
+    @property
+    def precise(self) -> bool:
+        """kvproxy in precise mode (``<policy>+precise``): the engines publish KV events and
+        tokenize with ``bench.wordtok``; the proxy subscribes and tokenizes the same way."""
+        return self.router == "kvproxy" and self.policy.endswith(PRECISE)
 
     @property
     def venv(self) -> Path:
@@ -71,12 +80,17 @@ class Router:
         return out.stdout.strip()
 
     def launch(self, engine_urls: Sequence[str], model: str, work_dir: Path,
-               cores: str | None) -> tuple[Managed, Endpoint, str]:
-        """Start the router; returns the process, the endpoint to send to and its readiness URL."""
+               cores: str | None, events: Sequence[str] = ()) -> tuple[Managed, Endpoint, str]:
+        """Start the router; returns the process, the endpoint to send to and its readiness URL.
+        ``events``: in precise mode, per engine, the endpoint the proxy binds for its KV events."""
         port = free_port()
         work_dir.mkdir(parents=True, exist_ok=True)
-        builder = _BUILDERS[self.router]
-        argv, env, ready, headers = builder(self, engine_urls, model, port, work_dir)
+        if self.precise:
+            argv, env, ready, headers = _kvproxy_precise(self, engine_urls, model, port,
+                                                         work_dir, events)
+        else:
+            argv, env, ready, headers = _BUILDERS[self.router](self, engine_urls, model, port,
+                                                                work_dir)
         proc = Managed(self.name.replace("/", "-"), argv, work_dir / f"{self.router}.log",
                        env=env, cores=cores).start()
         endpoint = Endpoint(name=self.name, base_url=f"http://127.0.0.1:{port}", model=model,
@@ -85,11 +99,11 @@ class Router:
 
 
 def launch_ready(router: Router, engine_urls: Sequence[str], model: str, work_dir: Path,
-                 cores: str | None, *, timeout_s: float = 90.0,
-                 attempts: int = 2) -> tuple[Managed, Endpoint]:
+                 cores: str | None, *, timeout_s: float = 90.0, attempts: int = 2,
+                 events: Sequence[str] = ()) -> tuple[Managed, Endpoint]:
     """Start ``router`` and wait until it answers; one retry on a fresh port if it dies."""
     for attempt in range(attempts):
-        proc, endpoint, ready = router.launch(engine_urls, model, work_dir, cores)
+        proc, endpoint, ready = router.launch(engine_urls, model, work_dir, cores, events)
         try:
             proc.wait_http(ready, timeout_s=timeout_s, headers=dict(endpoint.headers))
         except RuntimeError:
@@ -112,11 +126,22 @@ Built = tuple[list[str], dict[str, str], str, dict[str, str]]
 
 
 def _kvproxy(r: Router, urls: Sequence[str], model: str, port: int, work: Path) -> Built:
+    return _kvproxy_precise(r, urls, model, port, work, ())
+
+
+def _kvproxy_precise(r: Router, urls: Sequence[str], model: str, port: int, work: Path,
+                     events: Sequence[str]) -> Built:
+    """kvproxy's command; with ``events`` (precise mode) the pool's tokenizer is
+    ``work/tokenizer`` and the proxy binds each engine's KV-event endpoint (loopback only)."""
     lines = ["[server]", 'host = "127.0.0.1"', f"port = {port}", "",
-             "[routing]", f'policy = "{r.policy}"', "",
+             "[routing]", f'policy = "{r.policy.removesuffix(PRECISE)}"', "",
              "[[pools]]", 'name = "target"', f'model = "{model}"']
+    if events:
+        lines.append(f'tokenizer = "{work / "tokenizer"}"')
     for i, url in enumerate(urls):
         lines += ["", "[[pools.engines]]", f'name = "e{i}"', f'url = "{url}"']
+        if events:
+            lines.append(f'kv_events = {{ endpoint = "{events[i]}", bind = true }}')
     cfg = work / "kvproxy.toml"
     cfg.write_text("\n".join(lines) + "\n")
     argv = [sys.executable, "-m", "proxy", "serve", "--config", str(cfg)]
@@ -182,6 +207,8 @@ def all_routers(peers: bool = True) -> list[Router]:
 def parse_router_list(text: str) -> list[Router]:
     """``kvproxy/prefix_affinity,vllm-router/*`` -> routers; ``*`` means every policy."""
     known = {r.name: r for r in all_routers()}
+    known.update({f"kvproxy/{p}{PRECISE}": Router("kvproxy", p + PRECISE)
+                  for p in PRECISE_POLICIES})
     out: list[Router] = []
     for item in filter(None, (s.strip() for s in text.split(","))):
         router, _, policy = item.partition("/")

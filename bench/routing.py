@@ -23,7 +23,7 @@ import sys
 import time
 import traceback
 from collections.abc import Coroutine, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -41,11 +41,12 @@ from bench.loadgen import (
     send_one,
 )
 from bench.peers import Router, all_routers, launch_ready, parse_router_list
-from bench.procs import Managed
+from bench.procs import Managed, free_port_range
 from bench.prompts import PromptMapper, workload
 from bench.report import RESULTS, report_args
 from bench.stats import RequestRecord, bootstrap_ci, engine_counts, share_max_over_mean, summarize
 from bench.traces import Caps, TraceRequest, apply_caps, describe, hit_rate
+from bench.wordtok import make_word_tokenizer
 
 T = TypeVar("T")
 
@@ -113,6 +114,12 @@ class Plan:
     def time_scale(self) -> float:
         return float(self.args.time_scale)
 
+    @property
+    def tokenizing_fleet(self) -> bool:
+        """With a precise-mode arm in the list, every arm's engines tokenize and publish KV
+        events (only precise arms listen), so that all arms run on the same engines."""
+        return any(r.precise for r in self.routers)
+
 
 def make_plan(args: argparse.Namespace) -> Plan:
     duration = args.duration_s or (QUICK_SLICE_S if args.quick else FULL_SLICE_S)
@@ -142,6 +149,7 @@ def result_skeleton(plan: Plan) -> dict[str, object]:
             "slice_duration_s": plan.duration_s, "rate_scale": args.rate_scale,
             "time_scale": plan.time_scale, "compression": plan.compression,
             "caps": asdict(plan.caps), "fleet": plan.spec.settings(),
+            "tokenizing_fleet": plan.tokenizing_fleet,
             "engine_cores": args.engine_cores, "router_cores": args.router_cores,
             "loadgen_cores": "unpinned", "request_timeout_s": args.request_timeout_s,
             "api": "chat", "session_header": "X-Session-ID = first two block ids",
@@ -227,12 +235,14 @@ def run_one(router: Router, plan: Plan, mapper: PromptMapper,
 def measure(router: Router, plan: Plan, mapper: PromptMapper) -> Measured:
     """Fresh engines, the router in front, the replay; both stopped whatever happens."""
     work = plan.args.out / "raw" / router.name.replace("/", "-")
-    fleet = Fleet(plan.spec, work, cores=_cores(plan.args.engine_cores))
+    spec, events = precise_fleet(plan.spec, work) if plan.tokenizing_fleet else (plan.spec, [])
+    fleet = Fleet(spec, work, cores=_cores(plan.args.engine_cores))
     proc: Managed | None = None
     try:
         fleet.start()
         proc, endpoint = launch_ready(router, fleet.urls, plan.spec.model, work,
-                                      _cores(plan.args.router_cores))
+                                      _cores(plan.args.router_cores),
+                                      events=events if router.precise else ())
         run_async(_warm_up(endpoint))
         before, cpu0, kv_config = fleet.scrape(), proc.cpu_seconds(), fleet.kv_config()
         sampler = GaugeSampler(fleet.urls)
@@ -248,6 +258,17 @@ def measure(router: Router, plan: Plan, mapper: PromptMapper) -> Measured:
         if proc is not None:
             proc.stop()
         fleet.stop()
+
+
+def precise_fleet(spec: FleetSpec, work: Path) -> tuple[FleetSpec, list[str]]:
+    """The fleet for a precise-mode run: engines tokenizing with ``bench.wordtok`` (the same
+    token counts as without) and connecting their KV-event publishers to the endpoints the proxy
+    binds on loopback, one port per engine; returns the spec and those endpoints."""
+    tokenizer = make_word_tokenizer(work / "tokenizer")
+    base = free_port_range(spec.engines)
+    extra = ("--tokenizer", str(tokenizer), "--kv-events-endpoint", f"tcp://127.0.0.1:{base}")
+    events = [f"tcp://127.0.0.1:{base + k}" for k in range(spec.engines)]
+    return replace(spec, extra_args=spec.extra_args + extra), events
 
 
 def summarise(m: Measured, time_scale: float) -> dict[str, object]:

@@ -164,6 +164,7 @@ def skeleton(args: argparse.Namespace, routers: list[Router]) -> dict[str, objec
             "router_cores": args.router_cores, "loadgen_cores": "unpinned",
             "request_timeout_s": args.request_timeout_s, "api": "chat",
             "routers": [r.name for r in routers], "knee_factor": KNEE_FACTOR,
+            "tokenizing_fleet": any(r.precise for r in routers),
         },
         "workloads": [],
         "runs": [],
