@@ -90,6 +90,11 @@ def _table() -> list[bytes]:
     return _TABLE
 
 
+def warm_up() -> None:
+    """Build the encoding table now (at start-up) rather than on the first request."""
+    _table()
+
+
 def _tokens(ids: Sequence[int]) -> bytes:
     # The hot loop of hashing: token ids are never negative, so the array head and the
     # shortest unsigned forms suffice.

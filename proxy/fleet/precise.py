@@ -29,7 +29,7 @@ from typing import Any
 
 import zmq.asyncio
 
-from proxy.core.blockhash import ChainRoot, root_for
+from proxy.core.blockhash import ChainRoot, root_for, warm_up
 from proxy.core.config import Config
 from proxy.core.exact_holdings import PreciseHoldings
 from proxy.core.inbound import Endpoint, Inbound
@@ -62,6 +62,7 @@ class PreciseRouting:
         self._pool: ThreadPoolExecutor | None = None
 
     def start(self) -> None:
+        warm_up()
         self._pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="kvproxy-tokenize")
         self._ctx = ctx = zmq.asyncio.Context()
         for listener in self.listeners.values():
