@@ -29,6 +29,8 @@ KVPROXY_POLICIES = ("round_robin", "least_load", "prefix_affinity", "expected_tt
 # kvproxy's prefix-aware policies also run in precise mode when named ``kvproxy/<policy>+precise``.
 PRECISE = "+precise"
 PRECISE_POLICIES = ("prefix_affinity", "expected_ttft")
+# ... and as ``kvproxy serve --workers N`` when named ``kvproxy/<policy>+wN``.
+WORKER_COUNTS = (2, 3, 4)
 PEER_POLICIES = {
     "vllm-router": ("round_robin", "cache_aware", "consistent_hash"),
     "sglang-router": ("round_robin", "cache_aware"),
@@ -41,10 +43,12 @@ PACKAGES = {"vllm-router": "vllm-router", "sglang-router": "sglang-router", "lit
 class Router:
     router: str  # "kvproxy", "vllm-router", "sglang-router", "litellm"
     policy: str
+    workers: int = 1  # kvproxy only: ``kvproxy serve --workers N`` (named ``<policy>+wN``)
 
     @property
     def name(self) -> str:
-        return f"{self.router}/{self.policy}"
+        suffix = f"+w{self.workers}" if self.workers > 1 else ""
+        return f"{self.router}/{self.policy}{suffix}"
 
     @property
     def precise(self) -> bool:
@@ -145,6 +149,8 @@ def _kvproxy_precise(r: Router, urls: Sequence[str], model: str, port: int, work
     cfg = work / "kvproxy.toml"
     cfg.write_text("\n".join(lines) + "\n")
     argv = [sys.executable, "-m", "proxy", "serve", "--config", str(cfg)]
+    if r.workers > 1:
+        argv += ["--workers", str(r.workers)]
     return argv, {}, f"http://127.0.0.1:{port}/ready", {}
 
 
@@ -209,6 +215,8 @@ def parse_router_list(text: str) -> list[Router]:
     known = {r.name: r for r in all_routers()}
     known.update({f"kvproxy/{p}{PRECISE}": Router("kvproxy", p + PRECISE)
                   for p in PRECISE_POLICIES})
+    known.update({(r := Router("kvproxy", p, n)).name: r
+                  for p in KVPROXY_POLICIES for n in WORKER_COUNTS})
     out: list[Router] = []
     for item in filter(None, (s.strip() for s in text.split(","))):
         router, _, policy = item.partition("/")

@@ -41,7 +41,7 @@ from bench.loadgen import (
     send_one,
 )
 from bench.peers import Router, all_routers, launch_ready, parse_router_list
-from bench.procs import Managed, free_port_range
+from bench.procs import Managed, free_port_range, tree_cpu_seconds
 from bench.prompts import PromptMapper, workload
 from bench.report import RESULTS, report_args
 from bench.stats import RequestRecord, bootstrap_ci, engine_counts, share_max_over_mean, summarize
@@ -244,12 +244,12 @@ def measure(router: Router, plan: Plan, mapper: PromptMapper) -> Measured:
                                       _cores(plan.args.router_cores),
                                       events=events if router.precise else ())
         run_async(_warm_up(endpoint))
-        before, cpu0, kv_config = fleet.scrape(), proc.cpu_seconds(), fleet.kv_config()
+        before, cpu0, kv_config = fleet.scrape(), tree_cpu_seconds(proc.pid), fleet.kv_config()
         sampler = GaugeSampler(fleet.urls)
         res = run_async(_sampled(sampler, replay(
             endpoint, plan.reqs, mapper, compression=plan.compression,
             timeout_s=plan.args.request_timeout_s)))
-        cpu_used = proc.cpu_seconds() - cpu0
+        cpu_used = tree_cpu_seconds(proc.pid) - cpu0
         after = fleet.scrape()
         if not proc.alive():
             raise RuntimeError(f"router exited during the run: {proc.log_tail()}")
