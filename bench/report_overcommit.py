@@ -41,6 +41,7 @@ READING = (
 
 ARM_TEXT = {
     "guard": "overcommit guard (default config)",
+    "paced": "guard, standard paced past the forecast (`pressure.pace_standard = true`)",
     "threshold": "KV thresholds only (`pressure.enabled = false`)",
     "none": "no admission control (guard off, thresholds above 1)",
 }
