@@ -27,9 +27,9 @@ Rules:
   hard evidence leaves open to it (``paced``): fresh and routable, no preemptions or unexplained
   growth closing it even to sheddable work (``Pressure.evidence`` OPEN), KV usage and its
   projection under the class's threshold, the class not shedding by threshold. Committed KV
-  assumes every request in flight runs to its expected length before any ends: an upper bound of
-  the peak, so for standard work it paces (the hold) but does not refuse. Sheddable work is
-  refused as before; critical is never held.
+  assumes every request in flight runs to its expected length before any ends, which argues that
+  it overstates the peak; measured, it is close to it, so pacing is off by default. Sheddable
+  work is refused as before; critical is never held.
 - A held request that is still refused when its time is up gets 503 with ``Retry-After``: the
   time the pool's flights are expected to need to free the room it lacked (``drain_s``), at least
   1 s and at most ``MAX_RETRY_AFTER_S``.

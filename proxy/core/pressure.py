@@ -37,9 +37,9 @@ Rules:
   None (capacity unknown): no such signal.
 - Evidence: besides the level in force, a ``Pressure`` carries ``evidence``, the level that the
   engine's own figures close (preemptions, or a growth projection closing as above), leaving the
-  commitment forecast out: the forecast is an upper bound of the peak, and holding
-  (``proxy.core.holding``) paces standard work that only it still refuses. A remote level counts
-  as evidence unless its reason is ``kv_committed``.
+  commitment forecast out, for holding (``proxy.core.holding``) to pace standard work that only
+  the forecast still refuses (``pressure.pace_standard``). A remote level counts as evidence
+  unless its reason is ``kv_committed``.
 - Stale: when the last snapshot is older than ``stale_after_s`` the engine's own level is OPEN;
   stale figures never count as pressure.
 - Remote levels (another proxy replica's, through Redis) merge by maximum until they expire.
@@ -80,7 +80,7 @@ class Pressure:
     committed_kv: float | None = None
     capacity_tokens: int | None = None
     # The level closed by the engine's figures alone (preemptions, unexplained growth), without
-    # the commitment forecast: an upper bound of the peak, which may pace but not refuse.
+    # the commitment forecast (what pacing reads, ``proxy.core.holding.paced``).
     evidence: Level = Level.OPEN
 
 
