@@ -19,7 +19,9 @@ Rules:
 - Rounds: ``--repeat`` rounds, each running every arm once, one after the other (arms interleaved
   across rounds, so slow drift of the machine hits every arm alike). Each arm run has a fresh
   engine process and a fresh proxy: ``guard``
-  (default config), ``threshold`` (``pressure.enabled = false``: today's KV thresholds only) and
+  (default config), ``paced`` (the guard with ``pressure.pace_standard = true``: standard work
+  that only the commitment forecast refuses goes through after its hold), ``threshold``
+  (``pressure.enabled = false``: today's KV thresholds only) and
   ``none`` (guard off, thresholds above any usage: no shedding at all).
 - Clients: every arm's clients retry a refused request (503, 429) as the OpenAI SDKs do
   (``bench.clients``): at most ``--client-retries`` times (default 2, the SDKs' default), after
@@ -70,6 +72,7 @@ from proxy.core.config import PressureConfig
 CLASSES = ("critical", "standard", "sheddable")
 ARMS: dict[str, list[str]] = {
     "guard": [],
+    "paced": ["[pressure]", "pace_standard = true"],
     "threshold": ["[pressure]", "enabled = false"],
     "none": ["[pressure]", "enabled = false", "[admission.sheddable]", "shed_above = 2.0",
              "admit_below = 2.0", "[admission.standard]", "shed_above = 2.0", "admit_below = 2.0"],

@@ -36,11 +36,16 @@ READING = (
     "committed KV, standard work at the standard mark; critical work is never closed. Work it "
     "defers is held in the proxy for a short, bounded time (1 s standard, 4 s sheddable) and "
     "admitted as soon as answers in flight end and make room; what is still refused then gets "
-    "503 with `Retry-After`, and the clients come back for it, bounded as real clients are."
+    "503 with `Retry-After`, and the clients come back for it, bounded as real clients are. "
+    "The paced arm, where it was run, is the guard with `pressure.pace_standard = true`: a "
+    "standard request that only the forecast still refuses when its hold is up goes to an "
+    "engine whose own figures (no preemption, KV usage and its projection under the standard "
+    "threshold) leave room."
 )
 
 ARM_TEXT = {
     "guard": "overcommit guard (default config)",
+    "paced": "guard, standard paced past the forecast (`pressure.pace_standard = true`)",
     "threshold": "KV thresholds only (`pressure.enabled = false`)",
     "none": "no admission control (guard off, thresholds above 1)",
 }

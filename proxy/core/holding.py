@@ -22,6 +22,14 @@ Rules:
 - Order: a new request of a class queues behind the held requests of its class and of every class
   before it (standard before sheddable), so a late arrival does not overtake work waiting longer.
   Only the head of each class's queue tries admission again; when it gets in, the next one tries.
+- Pacing (``pressure.pace_standard``): a standard request still refused when its time is up,
+  and refused only by the commitment forecast (``kv_committed``), is admitted to the engines the
+  hard evidence leaves open to it (``paced``): fresh and routable, no preemptions or unexplained
+  growth closing it even to sheddable work (``Pressure.evidence`` OPEN), KV usage and its
+  projection under the class's threshold, the class not shedding by threshold. Committed KV
+  assumes every request in flight runs to its expected length before any ends, which argues that
+  it overstates the peak; measured, it is close to it, so pacing is off by default. Sheddable
+  work is refused as before; critical is never held.
 - A held request that is still refused when its time is up gets 503 with ``Retry-After``: the
   time the pool's flights are expected to need to free the room it lacked (``drain_s``), at least
   1 s and at most ``MAX_RETRY_AFTER_S``.
@@ -36,9 +44,14 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from proxy.core.admission import REASON_KV, Priority
+from proxy.core.admission import REASON_KV, Admission, Priority
 from proxy.core.config import PressureConfig
-from proxy.core.pressure import REASON_COMMITTED, REASON_OVERCOMMIT, REASON_PREEMPTING
+from proxy.core.pressure import (
+    REASON_COMMITTED,
+    REASON_OVERCOMMIT,
+    REASON_PREEMPTING,
+    Level,
+)
 from proxy.core.routing import EngineView
 
 # The reasons a refusal may be held for (see the rules above).
@@ -85,6 +98,18 @@ def committed_mark(cfg: PressureConfig, cls: Priority) -> float | None:
     if cls is Priority.STANDARD:
         return cfg.committed_standard.shed_above
     return cfg.committed_sheddable.shed_above if cls is Priority.SHEDDABLE else None
+
+
+def paced(admission: Admission, pool: str, cls: Priority, reason: str,
+          views: Sequence[EngineView]) -> list[EngineView]:
+    """The engines a request of ``cls`` refused for ``reason`` at the end of its hold goes to
+    anyway (empty: it is refused): for standard work refused only by the commitment forecast,
+    those that no hard evidence closes and whose KV, now and projected, is under the threshold."""
+    if cls is not Priority.STANDARD or reason != REASON_COMMITTED or admission.shedding(pool, cls):
+        return []
+    limit = admission.threshold(cls).shed_above
+    return [v for v in views if v.routable and v.fresh and v.pressure.evidence is Level.OPEN
+            and max(v.kv_usage, v.pressure.projected_kv or 0.0) < limit]
 
 
 def room_short(views: Sequence[EngineView], mark: float, need_tokens: float) -> float | None:

@@ -35,6 +35,11 @@ Rules:
   at the usage thresholds. A class closes when committed usage reaches its committed mark's
   ``shed_above``, reason ``kv_committed``, and opens again below that mark's ``admit_below``.
   None (capacity unknown): no such signal.
+- Evidence: besides the level in force, a ``Pressure`` carries ``evidence``, the level that the
+  engine's own figures close (preemptions, or a growth projection closing as above), leaving the
+  commitment forecast out, for holding (``proxy.core.holding``) to pace standard work that only
+  the forecast still refuses (``pressure.pace_standard``). A remote level counts as evidence
+  unless its reason is ``kv_committed``.
 - Stale: when the last snapshot is older than ``stale_after_s`` the engine's own level is OPEN;
   stale figures never count as pressure.
 - Remote levels (another proxy replica's, through Redis) merge by maximum until they expire.
@@ -74,6 +79,9 @@ class Pressure:
     # engine's KV capacity in tokens, so that admission can tell whether one more would cross.
     committed_kv: float | None = None
     capacity_tokens: int | None = None
+    # The level closed by the engine's figures alone (preemptions, unexplained growth), without
+    # the commitment forecast (what pacing reads, ``proxy.core.holding.paced``).
+    evidence: Level = Level.OPEN
 
 
 NO_PRESSURE = Pressure()
@@ -192,6 +200,13 @@ class PressureTracker:
                 return level, REASON_COMMITTED
         return Level.OPEN, None
 
+    def _evidence(self, now: float) -> Level:
+        """The highest level closed by preemptions or unexplained growth, not by commitments."""
+        for level in (Level.STANDARD, Level.SHEDDABLE):
+            if self._preempt_until[level] > now or (self._kv_closed[level] and self._unexplained()):
+                return level
+        return Level.OPEN
+
     def _unexplained(self) -> bool:
         """Whether the projected growth goes beyond what this proxy's requests in flight still
         owe the engine: always, when commitments are unknown."""
@@ -210,13 +225,17 @@ class PressureTracker:
         committed, capacity = self._committed or (None, None)
         return replace(self._state, level=level, reason=reason,
                        committed_kv=None if committed is None else round(committed, 4),
-                       capacity_tokens=capacity)
+                       capacity_tokens=capacity, evidence=self._evidence(now))
 
     def pressure(self, now: float) -> Pressure:
         """The level in force: this replica's, or another replica's when that one is higher."""
         own = self.local(now)
         remote = self._remote
-        if remote is None or remote[2] <= now or remote[0] <= own.level:
+        if remote is None or remote[2] <= now:
+            return own
+        if remote[1] != REASON_COMMITTED and remote[0] > own.evidence:
+            own = replace(own, evidence=remote[0])  # another replica saw it: evidence too
+        if remote[0] <= own.level:
             return own
         return replace(own, level=remote[0], reason=remote[1], remote=True)
 

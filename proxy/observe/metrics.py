@@ -118,7 +118,8 @@ class ProxyMetrics:
         )  # fmt: skip
         self.held = Counter(
             "kvproxy_held", "Requests held for room before admission, by how the hold ended "
-            "(admitted, refused, gone: the client left)", ["pool", "class", "outcome"], registry=r,
+            "(admitted, paced: let through on evidence, refused, gone: the client left)",
+            ["pool", "class", "outcome"], registry=r,
         )  # fmt: skip
         self.held_now = Gauge(
             "kvproxy_held_requests", "Requests held for room now", ["pool"], registry=r,

@@ -8,7 +8,11 @@ Rules:
   held request. The head of each class's queue tries admission again whenever an answer of the
   pool ends (``ended``) and at least every half scrape interval (a scrape may show blocks freed);
   the others sleep until they become head. A head that gets in wakes the next one at once.
-- A held request leaves the queue however it ends: admitted, refused when its time is up (503
+- When a held request's time is up it tries admission once more; a standard one that only the
+  commitment forecast still refuses is then paced through (``holding.paced``, with
+  ``pressure.pace_standard``): admitted with the views of the engines it may go to, so that the
+  ranking picks among those alone.
+- A held request leaves the queue however it ends: admitted, paced, refused when its time is up (503
   with the last refusal's reason and a ``Retry-After`` from the pool's drain rate), or its client
   gone (``CancelledError`` is re-raised).
 - Times are the event loop's (``loop.time()``), as the client deadlines of ``Job`` are.
@@ -33,6 +37,7 @@ from proxy.core.holding import (
     HoldQueue,
     committed_mark,
     holdable,
+    paced,
     retry_after,
     room_short,
 )
@@ -178,8 +183,7 @@ class Holding:
         self._ctx.metrics.held_now.labels(pool).set(len(queue))
         outcome = "gone"
         try:
-            served = await self._wait(ask, ticket, verdict.until, event)
-            outcome = "admitted"
+            served, outcome = await self._wait(ask, ticket, verdict.until, event)
             return served
         except NoCapacity:
             outcome = "refused"
@@ -192,12 +196,11 @@ class Holding:
             self._wake(pool)  # the next one in line tries at once
 
     async def _wait(self, ask: _Ask, ticket: int, until: float,
-                    event: asyncio.Event) -> Admitted:
+                    event: asyncio.Event) -> tuple[Admitted, str]:
         """Try admission each time this request is head of its class's queue and woken, until
-        it gets in (the pool) or ``until`` passes (``NoCapacity``)."""
+        it gets in (the pool, and how) or ``until`` passes (``_last_try``)."""
         loop = asyncio.get_running_loop()
         queue = self._queue(ask.plan.pool)
-        last = self._refusal(ask, REASON_COMMITTED)
         while (left := until - loop.time()) > 0:
             head = queue.head(ask.priority) == ticket
             with contextlib.suppress(TimeoutError):
@@ -207,13 +210,30 @@ class Holding:
             if queue.head(ask.priority) != ticket:
                 continue
             try:
-                return ask.decide(self._ctx)
+                return ask.decide(self._ctx), "admitted"
             except NoCapacity as shed:
                 if shed.reason not in HOLDABLE:
                     raise  # not load (no engine left, stale telemetry): as it is, at once
                 if not holdable(shed.reason, self._in_flight(ask.plan.pool)):
                     raise self._late(ask, shed.reason, shed) from None
-                last = shed
+        return self._last_try(ask)
+
+    def _last_try(self, ask: _Ask) -> tuple[Admitted, str]:
+        """Once the hold is over: admitted now, paced through (standard work that only the
+        commitment forecast still refuses), or refused (``NoCapacity``)."""
+        ctx, pool = self._ctx, ask.plan.pool
+        try:
+            return ask.decide(ctx), "admitted"
+        except NoCapacity as shed:
+            if shed.reason not in HOLDABLE:
+                raise
+            last = shed
+        # Standard work that only the commitment forecast refuses is paced, not refused (core).
+        if self._cfg.pace_standard:
+            views = ctx.fleet.views(pool, ctx.clock())
+            through = paced(ctx.admission, pool, ask.priority, last.reason, views)
+            if through:
+                return (pool, through), "paced"
         raise self._late(ask, last.reason, last)
 
     def _in_flight(self, pool: str) -> int:

@@ -2,7 +2,8 @@
 requests in flight have committed an engine's KV waits for room instead, and is served once the
 room is there; one whose wait would exceed its bound (the class's, or the client's deadline) is
 refused cleanly with 503 and Retry-After. Critical work is never held and standard work does not
-wait behind sheddable work.
+wait behind sheddable work. A standard request that only the commitment forecast still refuses
+when its hold is up is paced through, not refused, while the engine's own figures leave room.
 
 The engine is the one of ``test_overcommit``'s commitment tests: 200 blocks of 16 tokens, KV usage
 reported at 5 %, answers that stall after their first two tokens, so that six long answers in
@@ -19,13 +20,13 @@ from collections.abc import AsyncIterator
 import aiohttp
 from integration.stack import Stack, StackFactory, chat_body
 
-from proxy.core.config import PressureConfig
+from proxy.core.config import ClassThreshold, PressureConfig
 
 KV = "vllm:kv_cache_usage_perc"
 LONG = {"max_tokens": 400, "ignore_eos": True}  # 400 + a few prompt tokens: 1/8 of the cache
 
 
-async def committed_engine(make_stack: StackFactory, stall_s: float, **pressure: float) -> Stack:
+async def committed_engine(make_stack: StackFactory, stall_s: float, **pressure: object) -> Stack:
     stack = await make_stack(targets=1, pressure=PressureConfig(hold_scrapes=50, **pressure),
                              engine_kw={"num_gpu_blocks": 200})
     await stack.faults("t0", metric_overrides={KV: 0.05}, stall_after_tokens=2, stall_s=stall_s)
@@ -141,3 +142,33 @@ async def test_a_client_that_leaves_while_held_leaves_the_queue(make_stack: Stac
             return await stack.metric("kvproxy_held_total", outcome="gone") == 1
 
         await stack.wait_for(gone)
+
+
+# Standard work closed at committed 0.85: six answers in flight (0.81) and a seventh (0.13)
+# cross it.
+LOW_MARKS = {"committed_sheddable": ClassThreshold(0.85, 0.80),
+             "committed_standard": ClassThreshold(0.85, 0.80)}
+
+
+async def test_a_standard_request_only_the_forecast_refuses_is_paced_through(
+    make_stack: StackFactory,
+) -> None:
+    # The six stall 2 s; the hold (0.3 s) is up long before they end and free any room.
+    stack = await committed_engine(make_stack, stall_s=2.0, hold_standard_s=0.3,
+                                   pace_standard=True, **LOW_MARKS)
+    async with six_in_flight(stack):
+        resp = await asyncio.wait_for(send(stack, "standard", "seventh"), 10.0)
+        assert resp.status == 200
+        assert resp.headers["X-Engine"] == "t0"
+        assert await stack.metric("kvproxy_held_total", outcome="paced",
+                                  **{"class": "standard"}) == 1
+        assert await stack.metric("kvproxy_shed_total") == 0
+
+
+async def test_without_pacing_the_same_request_is_refused(make_stack: StackFactory) -> None:
+    stack = await committed_engine(make_stack, stall_s=2.0, hold_standard_s=0.3, **LOW_MARKS)
+    async with six_in_flight(stack):
+        resp = await asyncio.wait_for(send(stack, "standard", "seventh"), 5.0)
+        assert resp.status == 503
+        assert resp.headers["X-Kvproxy-Shed-Reason"] == "kv_committed"
+        assert await stack.metric("kvproxy_held_total", outcome="refused") == 1
