@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from bench.markdown import Run, fmt, ms, num, stamp, table
 from bench.stats import ratio
-from bench.targets import KVPROXY
+from bench.targets import DEFAULT_KVPROXY as KVPROXY
 
 FIGURES = (("TTFT p50", "ttft_p50"), ("TTFT p90", "ttft_p90"), ("TTFT p99", "ttft_p99"),
            ("ITL p99", "itl_p99"))

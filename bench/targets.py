@@ -9,7 +9,11 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
-KVPROXY = "kvproxy/prefix_affinity"
+from proxy.core.config import RoutingConfig
+
+KVPROXY = "kvproxy/prefix_affinity"  # the routing benchmark's targets (issue 3) name this policy
+# The suite judges kvproxy as users run it: with the default policy.
+DEFAULT_KVPROXY = f"kvproxy/{RoutingConfig().policy}"
 ROUND_ROBIN = "kvproxy/round_robin"
 OVERHEAD_ROUTERS = ("kvproxy/prefix_affinity", "kvproxy/round_robin")
 OVERHEAD_STREAMS = 64

@@ -69,13 +69,13 @@ SUITE = {
                  "router_cores": "0", "loadgen_cores": "unpinned"},
     "workloads": [_workload("rag", 0.8), _workload("unique", 0.0)],
     "runs": [
-        _run("rag", "kvproxy/prefix_affinity", 2.0, 0.6),
+        _run("rag", "kvproxy/expected_ttft", 2.0, 0.6),
         _run("rag", "vllm-router/cache_aware", 4.0, 0.7),
         _run("rag", "sglang-router/cache_aware", 3.0, 0.72),
         _run("rag", "litellm/least-busy", 0, 0, status="unavailable"),
-        _run("rag", "kvproxy/prefix_affinity", 5.0, 0.6, rnd=1),
+        _run("rag", "kvproxy/expected_ttft", 5.0, 0.6, rnd=1),
         _run("rag", "sglang-router/cache_aware", 4.0, 0.7, rnd=1),
-        _run("unique", "kvproxy/prefix_affinity", 1.0, 0.0),
+        _run("unique", "kvproxy/expected_ttft", 1.0, 0.0),
         _run("unique", "sglang-router/cache_aware", 1.0, 0.0),
     ],
 }
@@ -93,15 +93,15 @@ def test_report_gives_ratios_to_the_best_peer_round_by_round():
     row = next(line for line in summary.splitlines() if line.startswith("| `kvproxy/"))
     # rag: 2.0 / 3.0 in round 1, 5.0 / 4.0 in round 2; unique: 1.0 / 1.0
     assert "0.67 / 1.25" in row and "| 1.00 |" in row
-    assert "`rag`: `kvproxy/prefix_affinity` TTFT p90 below the best peer's in 1 of 2" in text
-    assert "`unique`: `kvproxy/prefix_affinity` TTFT p90 below the best peer's in 0 of 1" in text
+    assert "`rag`: `kvproxy/expected_ttft` TTFT p90 below the best peer's in 1 of 2" in text
+    assert "`unique`: `kvproxy/expected_ttft` TTFT p90 below the best peer's in 0 of 1" in text
     hit_matrix = summary.split("Prefix-cache hit rate")[1].split("TTFT p50")[0]
     assert "0.75 / 0.75" in hit_matrix and "n/a" in hit_matrix  # 0.6/0.8; unique has no oracle
     assert "## Workload `rag`: the rag shape" in text
     assert "| `litellm/least-busy` | 1 |" in text and "unavailable" in text
     assert "6 / 4 (1.50)" in text  # busiest engine / mean
     share = summary.split("Requests per engine")[1].split("Absolute")[0]
-    assert "| `kvproxy/prefix_affinity` | 1.50 / 1.50 | 1.50 |" in share
+    assert "| `kvproxy/expected_ttft` | 1.50 / 1.50 | 1.50 |" in share
 
 
 def test_docs_page_carries_the_suite_summary_and_links_the_tables(tmp_path):
