@@ -8,6 +8,11 @@ sidecars, acting on the engines through the simulator's restart). Every arm sees
 sending the same requests (seeded per user), on a virtual clock (``bench.vclock``): simulated
 seconds cost only the CPU their Python work takes, and the result does not depend on the host.
 
+Two *oracle* arms (names starting ``oracle``) are bounds, not choices: they switch every
+engine's schedule at the phase boundaries of the domain shift, instantly and for free, knowing the
+trace. They answer whether any loop could meet the tail goal without losing tokens; the goals
+compare the adaptive loop with the static arms only.
+
 Measured per phase: ITL p50/p99 (per output token: the gap between two stream chunks divided by
 the tokens in the later chunk, so a step that yields three tokens counts three tokens of a third
 of the gap each), TTFT p90 (by arrival phase), output tokens/s; and requests lost (a stream that
@@ -27,10 +32,12 @@ from pathlib import Path
 
 from bench import machine, vclock
 from bench.report_speculation import write_report
+from engine_sidecar.sim import speculation as simspec
 from engine_sidecar.sim.adaptive import attach_controller
 from engine_sidecar.sim.config import SimEngineConfig
 from engine_sidecar.sim.engine import RequestStream, Sampling, SimEngine
 from engine_sidecar.sim.speculation import SimSpecConfig
+from engine_sidecar.speculation import schedule as sch
 from engine_sidecar.speculation.controller import Controller, ControllerSettings
 from engine_sidecar.speculation.lease import LocalLease
 from engine_sidecar.speculation.policy import PolicySettings
@@ -42,6 +49,12 @@ PROMPT_TOKENS = 256
 OUTPUT_TOKENS = (64, 256)
 CLASSES = {"in-domain": (0.8,), "shifted": (0.3,)}
 VLLM_STYLE = ((1, 8, 6), (9, 32, 4), (33, MAX_NUM_SEQS, 3))
+# The oracles' schedules: in-domain, what the loop lands on at low load (K 2 at batch 33-64, the
+# best static choice at high load), or the same with K 1 from batch 57, where the high-load
+# phases run; shifted, K 1 up to batch 32 and speculation off above.
+IN_DOMAIN = ((1, 8, 6), (9, 16, 5), (17, 32, 4), (33, 64, 2), (65, MAX_NUM_SEQS, 1))
+IN_DOMAIN_K1_HIGH = ((1, 8, 6), (9, 16, 5), (17, 32, 4), (33, 56, 2), (57, MAX_NUM_SEQS, 1))
+SHIFTED_OFF_HIGH = ((1, 32, 1), (33, MAX_NUM_SEQS, 0))
 
 
 @dataclass(frozen=True)
@@ -77,11 +90,19 @@ class Arm:
     max_k: int
     schedule: tuple[tuple[int, int, int], ...] | None = None
     adaptive: bool = False
+    # An oracle: at the start of phase i, every engine runs schedule s at once (no restart).
+    switches: tuple[tuple[int, tuple[tuple[int, int, int], ...]], ...] = ()
+
+
+def _oracle(name: str, in_domain: tuple[tuple[int, int, int], ...]) -> Arm:
+    return Arm(name, 8, in_domain, switches=((3, SHIFTED_OFF_HIGH), (6, in_domain)))
 
 
 ARMS = (Arm("off", 0), Arm("K=2", 2), Arm("K=4", 4), Arm("K=8", 8),
         Arm("vLLM-style schedule", 8, VLLM_STYLE),
-        Arm("adaptive", 8, ((1, MAX_NUM_SEQS, 4),), adaptive=True))
+        Arm("adaptive", 8, ((1, MAX_NUM_SEQS, 4),), adaptive=True),
+        _oracle("oracle: K 2 at batch 33-64; off above 32 when shifted", IN_DOMAIN),
+        _oracle("oracle: K 1 from batch 57; off above 32 when shifted", IN_DOMAIN_K1_HIGH))
 
 
 @dataclass
@@ -187,10 +208,21 @@ class Run:
         return [asyncio.create_task(c.run(), name=f"controller:{c.name}")
                 for c in self.controllers]
 
+    async def switch(self) -> None:
+        loop = asyncio.get_running_loop()
+        for phase, raw in self.arm.switches:
+            await asyncio.sleep(max(0.0, self.plan[phase].start - loop.time()))
+            schedule = sch.validate([list(r) for r in raw], max_k=self.arm.max_k)
+            for e in self.engines:  # what no real engine can do: the oracle's free switch
+                e.schedule = schedule
+                e.scheduler.k_lookup = simspec.lookup(schedule, MAX_NUM_SEQS, self.arm.max_k)
+
     async def run(self) -> ArmResult:
         for e in self.engines:
             e.start()
         tasks = self.start_controllers() if self.arm.adaptive else []
+        if self.arm.switches:
+            tasks.append(asyncio.create_task(self.switch(), name="oracle-switches"))
         await self.conductor()
         for t in tasks:
             t.cancel()

@@ -3,7 +3,10 @@
 Rules:
 - Every ``poll_s`` the engine's metrics feed the window and the shift test (``shift``) reads it;
   every ``eval_s`` the policy decides, and at once when the test finds that acceptance moved (the
-  window is then cut at the change point). Every decision is logged (logger
+  window is then cut at the change point). After a change held only because another engine of
+  the pool holds the lease, it decides again at every poll until it gets the lease: the other
+  engine is back within one rollout, and a wait of up to ``eval_s`` after that would keep this
+  one on the schedule it meant to leave. Every decision is logged (logger
   ``kvproxy.speculation``) with its inputs, and counted.
 - How long a rollout kept the engine out (drain, restart, warm-up) is measured and is what the
   policy charges the next change for.
@@ -98,6 +101,7 @@ class Controller:
         self.last_hold = ""
         self._latest: WindowFigures | None = None
         self._shift_pending = False
+        self._lease_retry = False  # the last change waited only for the pool's lease
 
     @property
     def max_k(self) -> int:
@@ -123,7 +127,8 @@ class Controller:
             self.window.add(snapshot_from_text(text, now))
             if (shift := change_point(self.window.polls(), self.settings.shift)) is not None:
                 self._on_shift(shift)
-        if now - self._last_eval < self.settings.eval_s and not self._shift_pending:
+        due = self._shift_pending or self._lease_retry
+        if now - self._last_eval < self.settings.eval_s and not due:
             return None
         self._last_eval = now
         return await self.evaluate(now)
@@ -137,6 +142,7 @@ class Controller:
         self._shift_pending = True
 
     async def evaluate(self, now: float) -> Decision | None:
+        self._lease_retry = False
         current = self.engine.current_schedule()
         found = self.window.figures(current, self.max_k, self.settings.policy.max_batch)
         if found is None:
@@ -199,6 +205,7 @@ class Controller:
         ok, why = may_start(shed_increase=shed, pool_waiting=waiting,
                             max_waiting=self.settings.max_waiting)
         if not ok or not await self.lease.acquire(self.name):
+            self._lease_retry = ok
             why = why if not ok else "another engine of the pool is being reconfigured"
             log.info("speculation rollout held engine=%s: %s", self.name, why)
             self.stats.decisions["held"] += 1

@@ -14,8 +14,10 @@ Rules:
 - The engine-wide predicted gain is the ratio of the two schedules' throughput over the batch
   sizes seen. A change is proposed only when that gain exceeds the margin, the same proposal came
   out of ``confirmations`` evaluations in a row (or the shift test has already established that
-  acceptance moved), the last change is ``min_interval_s`` old, and the window holds at least
-  ``min_drafts`` drafts (or acceptance is otherwise known).
+  acceptance moved: that stands until a change is made or a decision keeps the schedule, so a
+  change held for the pool's lease goes as soon as the lease is free), the last change is
+  ``min_interval_s`` old, and the window holds at least ``min_drafts`` drafts (or acceptance is
+  otherwise known).
 - A change must also pay for its restart (:func:`required_gain`): while the engine is out (a
   measured or assumed ``out_s``) the rest of the pool carries its share, which is free while the
   pool has room and costs about the engine's whole output once it runs full. The gain over
@@ -119,6 +121,9 @@ class PolicyState:
     last_change_at: float = -math.inf
     streak: int = 0
     last_proposal: Schedule = ()
+    # A shift found stands in for the confirmations until a change is made or the new regime
+    # says keep: a change held for the pool's lease must not start counting them again.
+    confirmed: bool = False
 
 
 def extend_positions(per_position: tuple[float, ...], max_k: int) -> tuple[float, ...]:
@@ -236,11 +241,12 @@ def decide(settings: PolicySettings, state: PolicyState, cost: StepCost, figures
     if _same_ks(proposed, current, settings.max_k, settings.max_batch) or gain <= settings.margin:
         decision = Decision("keep", f"predicted gain {gain:+.1%} within margin", current,
                             proposed, gain, choices, need)
-        return decision, replace(state, streak=0, last_proposal=())
+        return decision, replace(state, streak=0, last_proposal=(), confirmed=False)
     same = bool(state.last_proposal) and _same_ks(proposed, state.last_proposal,
                                                   settings.max_k, settings.max_batch)
-    streak = settings.confirmations if shifted else state.streak + 1 if same else 1
-    state = replace(state, streak=streak, last_proposal=proposed)
+    confirmed = shifted or state.confirmed
+    streak = settings.confirmations if confirmed else state.streak + 1 if same else 1
+    state = replace(state, streak=streak, last_proposal=proposed, confirmed=confirmed)
 
     def wait(why: str) -> tuple[Decision, PolicyState]:
         return Decision("wait", f"gain {gain:+.1%}: {why}", current, proposed, gain, choices,

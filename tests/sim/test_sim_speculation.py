@@ -5,12 +5,15 @@ the derived ``kvproxy_sidecar_spec_*`` series, and restarts with a new schedule 
 from __future__ import annotations
 
 import asyncio
+import itertools
+from array import array
 
 import aiohttp
 import pytest
 
 from engine_sidecar.sim.adaptive import attach_controller
 from engine_sidecar.sim.config import SimEngineConfig
+from engine_sidecar.sim.engine import Sampling, SimEngine
 from engine_sidecar.sim.speculation import SimSpecConfig, acceptance_for
 from engine_sidecar.speculation.controller import ControllerSettings
 from engine_sidecar.speculation.lease import LocalLease
@@ -197,3 +200,44 @@ async def test_admin_restart_refuses_a_bad_schedule(start: Start, http: aiohttp.
         assert resp.status == 400
         assert words in (await resp.json())["error"]["message"]
     assert cluster.engines[0].restarts == 0 and not cluster.engines[0].draining
+
+
+async def test_a_change_held_for_the_pools_lease_goes_at_the_next_poll_once_it_is_free() -> None:
+    engine = SimEngine(SimEngineConfig(name="e0", num_speculative_tokens=4, acceptance=(0.05,),
+                                       spec=SimSpecConfig.build(restart_s=0.0),
+                                       time_scale=FAST, seed=3))
+    engine.start()
+    lease = LocalLease(max_out=1)
+    assert await lease.acquire("another engine")
+    # An evaluation interval far longer than the test: only the retry can make it decide again.
+    settings = ControllerSettings(
+        policy=PolicySettings(max_k=4, max_batch=256, confirmations=1, min_interval_s=0,
+                              min_drafts=5),
+        poll_s=0.01, eval_s=3600.0, window_s=60.0)
+    controller = attach_controller(engine, settings, lease)
+
+    async def load() -> None:
+        for n in itertools.count():
+            stream = engine.submit(f"r{n}", array("I", range(1000, 1064)),
+                                   Sampling(max_tokens=20, ignore_eos=True, seed=n))
+            while await stream.next_words():
+                pass
+
+    loader = asyncio.create_task(load())
+    try:
+        async with asyncio.timeout(30):
+            for polls in itertools.count(1):
+                await asyncio.sleep(0.01)
+                await controller.step()  # a poll (the first one also evaluates, on nothing)
+                if controller.stats.decisions["held"]:
+                    break
+                if polls % 5 == 0:
+                    await controller.evaluate(asyncio.get_running_loop().time())
+            loader.cancel()
+            await lease.release("another engine")
+            await controller.step()
+        assert controller.stats.reconfigurations["ok"] == 1
+        assert engine.schedule is not None and k_for_batch(engine.schedule, 1, 4) <= 1
+    finally:
+        loader.cancel()
+        await engine.close()

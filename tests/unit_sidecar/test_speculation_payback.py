@@ -1,6 +1,7 @@
 """When a restart pays, how a shift is detected, and the step cost of prefill sharing steps."""
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -9,6 +10,7 @@ from engine_sidecar.speculation.policy import (
     Figures,
     PolicySettings,
     PolicyState,
+    committed,
     decide,
     extend_positions,
     required_gain,
@@ -151,3 +153,26 @@ def test_the_profile_sets_the_new_settings_and_refuses_bad_ones_naming_them():
         with pytest.raises(ProfileError) as exc:
             settings_from(parse_profile(base + bad, name="p", env={}))
         assert exc.value.field == "speculation"
+
+
+
+def test_a_shift_stands_in_for_the_confirmations_until_a_change_is_made():
+    # After a shift the change is held (the pool's lease); the next decision proposes a schedule
+    # that differs in a range never seen (its prefill share moved). It still goes at once.
+    a = replace(COST, prefill_per_token=0.0, prefill_chunk=256.0)
+    b = replace(COST, prefill_per_token=2.0, prefill_chunk=256.0)
+    seen = Figures(HIGH, {1: 1.0}, 1000.0)
+    d, state = decide(SETTINGS, PolicyState(), a, seen, current=uniform(1, 256), now=0,
+                      shifted=True)
+    assert d.action == "change"
+    first = d.proposed
+    d, held = decide(SETTINGS, state, b, seen, current=uniform(1, 256), now=2)
+    assert k_for_batch(d.proposed, 64, 8) != k_for_batch(first, 64, 8)
+    assert d.action == "change", d.reason
+    # Without a shift the same two proposals are two different proposals: count again.
+    d, state = decide(SETTINGS, PolicyState(), a, seen, current=uniform(1, 256), now=0)
+    d, state = decide(SETTINGS, state, b, seen, current=uniform(1, 256), now=2)
+    assert d.action == "wait" and "confirmation 1/2" in d.reason
+    # A keep ends the shift's confirmation; so does a change made (``committed``).
+    _, after_keep = decide(SETTINGS, held, a, seen, current=first, now=4)
+    assert not after_keep.confirmed and not committed(held, 6).confirmed
