@@ -31,6 +31,7 @@ from proxy.core.errors import KvproxyError
 from proxy.core.isolation import TenantSalts
 from proxy.core.routing import make_policy
 from proxy.core.sharing import Outbox
+from proxy.core.spread import Blindness
 from proxy.fleet.discovery import REFRESH_S, ModelDiscovery
 from proxy.fleet.engines import Engine, Fleet
 from proxy.fleet.precise import PreciseRouting
@@ -206,10 +207,19 @@ async def _sharing(app: web.Application) -> AsyncIterator[None]:
         yield
         return
     ctx.outbox = Outbox(sharing.max_batch)
+    if sharing.spread:
+        ctx.blindness = {pool: Blindness(sharing.interval_s) for pool in ctx.policies}
+    blind = list(ctx.blindness.values())
+
+    def merged(now: float, peers: int) -> None:
+        for b in blind:
+            b.merged(now, peers)
+
     shared = app[SHARING] = SharedRouting(
         bus, ctx.outbox, ctx.policies, lambda: ctx.fleet, ttl_s=sharing.ttl_s,
         interval_s=sharing.interval_s, max_chain=ctx.cfg.routing.max_blocks, clock=ctx.clock,
         registry=ctx.metrics.registry, transport=transport,
+        on_merged=merged,
     )  # fmt: skip
     task = asyncio.create_task(shared.run(), name="kvproxy-shared-routing")
     try:

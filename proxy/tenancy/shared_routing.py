@@ -16,6 +16,9 @@ Rules:
   from the last id seen) and the workers' hub (``proxy.tenancy.hub``). Transport trouble skips the
   round: the process routes alone, ``kvproxy_sharing_live`` says 0, one log line says so, and
   another says when sharing is back.
+- After every round ``on_merged`` is told the time and the live peers (0 when the round failed:
+  a process routing alone expects nothing unseen), so that ``proxy.core.spread`` knows how long
+  the others' dispatches may have been unseen.
 """
 
 from __future__ import annotations
@@ -171,6 +174,7 @@ class SharedRouting:
         clock: Callable[[], float],
         registry: CollectorRegistry,
         transport: str,
+        on_merged: Callable[[float, int], None] | None = None,
     ) -> None:
         self._bus = bus
         self._outbox = outbox
@@ -192,6 +196,8 @@ class SharedRouting:
         self._live: bool | None = None
         self._dropped_seen = 0
         self._stopped = False
+        # Told (now, live peers) after every round; (now, 0) when the round failed.
+        self._on_merged = on_merged
 
     async def sync(self) -> None:
         """One round: publish, merge, and say whether sharing is live."""
@@ -203,9 +209,15 @@ class SharedRouting:
         except BusDown as exc:
             self._set_live(False, str(exc))
             self._peers.expire(now - self._peers.ttl_s)  # keep figures until they expire
+            live = False
         else:
             self._set_live(True, "")
-        self._apply_counts(engines, self._clock())
+            live = True
+        now = self._clock()
+        peers = self._apply_counts(engines, now)
+        if self._on_merged is not None:
+            # Routing alone, nothing is merged: no peer's dispatch is expected to show up.
+            self._on_merged(now, peers if live else 0)
 
     def _set_live(self, live: bool, why: str) -> None:
         if live != self._live:
@@ -270,14 +282,17 @@ class SharedRouting:
             merged += 1
         self.metrics.merged.labels("dispatches").inc(merged)
 
-    def _apply_counts(self, engines: list[HasState], now: float) -> None:
+    def _apply_counts(self, engines: list[HasState], now: float) -> int:
+        """Set every engine's remote figures; returns the live peers."""
         pending, opened = self._peers.totals(now)
         prefill = self._peers.prefill_totals(now)
         for engine in engines:
             engine.state.remote_backlog = prefill.get(engine.name, NO_BACKLOG)
             engine.state.remote_pending = pending.get(engine.name, 0.0)
             engine.state.remote_open = opened.get(engine.name, 0.0)
-        self.metrics.peers.set(self._peers.live(now))
+        live = self._peers.live(now)
+        self.metrics.peers.set(live)
+        return live
 
     async def run(self) -> None:
         """Rounds until ``stop``. Not ``periodic.every``: redis-py can swallow a cancellation that
