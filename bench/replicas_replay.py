@@ -58,12 +58,12 @@ class Replica(KvproxyRouter):
         self.seq = 0
         self.rng = rng
         self.seed = seed
-        self.blind = Blindness(interval_s)
+        self.blind = Blindness()
         self.spread = spread
 
     def route_key(self, chain: tuple[int, ...], tokens: float, now: float) -> RouteKey:
         key = super().route_key(chain, tokens, now)
-        unseen = self.blind.unseen(now) if self.spread else 0.0
+        unseen = self.blind.unseen() if self.spread else 0.0
         return replace(key, unseen=unseen, draw=self.rng.random())
 
     def dispatched(self, chain: tuple[int, ...], engine: str) -> None:
@@ -81,7 +81,7 @@ class Replica(KvproxyRouter):
             for d in msg.dispatches:
                 self.policy.observe(RouteKey(chain=d.chain), d.engine)
             self.peers.heard(msg, now)
-        self.blind.merged(now, self.peers.live(now))
+        self.blind.merged(self.peers.live(now), sum(len(m.dispatches) for m in msgs))
         pending, opened = self.peers.totals(now)
         prefill = self.peers.prefill_totals(now)
         for st in self.states:

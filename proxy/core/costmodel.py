@@ -195,8 +195,11 @@ class ExpectedTTFT:
         they and this request would take, at random (``proxy.core.spread``)."""
         typical = self.mean_prompt or key.tokens
         steps = {e.name: queue_step(e, typical, self.cfg) for e in cands}
+        # A cached part under the tolerance's share of the prompt (a common first block) is no
+        # hit worth keeping the request for; a longer one keeps it where it is held.
+        slack = max(key.block_tokens, self.cfg.cost_tolerance * key.tokens)
         return spread_pick(ranked, estimates, steps, unseen=key.unseen, draw=key.draw,
-                           held_slack=key.block_tokens)
+                           held_slack=slack)
 
     def observe(self, key: RouteKey, engine: str) -> None:
         self.holdings.record(key, engine)

@@ -9,20 +9,22 @@ deterministic ranking sends all of them to the same engine: herding on old infor
 the unseen requests could take is what stays robust.
 
 Rules:
-- ``unseen``: how many requests the other processes are expected to have sent to the pool that
-  this process has not merged yet. ``Blindness`` estimates it from this process's own arrivals:
-  a balancer spreads requests evenly over the processes, so in the window where a peer's
-  dispatch is still unseen (since this process's last merge plus one publication interval) each
-  live peer sent about as many as this process did, this request included. That follows a burst
-  as it happens, which a mean rate would not.
+- ``unseen``: how many requests the other processes are expected to send to the pool
+  concurrently with this decision, unseen by it or not seeing it: those made since this
+  process's last merge (less one publication interval) or before its dispatch reaches them.
+  ``Blindness`` learns it from the merges themselves: the peer dispatches the two merges after
+  each decision held, averaged over decisions. Averaged over decisions, not over time, a burst
+  weighs as much as the decisions it brings: where requests come in bursts that the balancer
+  spreads over the replicas, the first request of a burst at each replica expects the others.
 - ``spread_pick``: the cost model's pick is the first of ``1 + unseen`` places; the others go
   greedily, one by one, to the engine whose cost with the places it already has is lowest, each
   place adding ``step_s[engine]`` (a request of the pool's mean prompt, nothing cached). The
   request takes one place uniformly at random (``draw`` in [0, 1); a fractional last place
   weighs its fraction), so simultaneous requests at different replicas land as one router would
   have placed them one after the other.
-- Only engines that hold as much of the prompt as the pick (within ``held_slack`` tokens) take
-  places: spreading never trades a cache hit for balance.
+- Only engines that hold as much of the prompt as the pick (within ``held_slack`` tokens: the
+  cost model allows its tolerance's share of the prompt) take places: spreading never trades a
+  cache hit for balance.
 - With ``unseen`` 0 (one process, sharing off, no live peer) the ranking is returned unchanged.
 """
 
@@ -81,46 +83,37 @@ def spread_pick(ranked: Sequence[str], estimates: Sequence[Costed], step_s: Mapp
 
 
 class Blindness:
-    """This process's own recent arrivals, to estimate how many of its peers' decisions are
-    concurrent with one of its own (module rules). Times are the caller's clock, in seconds."""
+    """What the merges reveal after this process's decisions: how many peer dispatches each
+    turned out to be concurrent with (module rules). Times are the caller's clock, in seconds."""
 
-    def __init__(self, interval_s: float, max_kept: int = 4096) -> None:
-        self.interval_s = interval_s
-        self._sent: deque[float] = deque(maxlen=max_kept)
-        self._merged_at = -math.inf
+    def __init__(self, max_open: int = 4096) -> None:
+        self.expected = 0.0  # peer dispatches concurrent with one decision, moving average
         self._peers = 0
-        self._ahead = 0.0  # moving average of the past part: the expected future part
+        # Per decision not yet judged: merges seen since it (0 or 1) and dispatches they held.
+        self._open: deque[list[int]] = deque(maxlen=max_open)
 
-    def merged(self, now: float, peers: int) -> None:
-        """A sharing round merged what ``peers`` live processes published."""
-        self._merged_at = now
+    def merged(self, peers: int, dispatches: int) -> None:
+        """A sharing round merged ``dispatches`` peer dispatches to the pool from ``peers`` live
+        processes (0 peers: routing alone, nothing is expected)."""
         self._peers = max(0, peers)
+        for entry in self._open:
+            entry[0] += 1
+            entry[1] += dispatches
+        while self._open and self._open[0][0] >= _MERGES:
+            self.expected += _WEIGHT * (self._open.popleft()[1] - self.expected)
 
-    def unseen(self, now: float) -> float:
-        """Peer decisions expected to be concurrent with one taken at ``now``: those made since
-        the last merge plus one publication interval (each of this process's arrival gaps in that
-        window held ``peers`` peer arrivals, a gap cut by the window's start its share), plus as
-        many expected in the next such window (a moving average of the past part: a burst shows
-        in it). Records ``now`` as an arrival: call it once per decision."""
+    def unseen(self) -> float:
+        """Peer dispatches expected to be concurrent with a decision taken now; records the
+        decision, so call it once per decision."""
         if self._peers == 0:
-            self._sent.append(now)
             return 0.0
-        start = min(now, self._merged_at - self.interval_s)
-        sent = self._sent
-        while len(sent) > 1 and sent[1] < start:
-            sent.popleft()
-        past, before = 0.0, None
-        for at in (*sent, now):
-            if before is not None:
-                gap = at - before
-                past += 1.0 if before >= start else (at - start) / gap if at > start else 0.0
-            before = at
-        past *= self._peers
-        sent.append(now)
-        ahead = self._ahead
-        self._ahead += _AHEAD_WEIGHT * (past - ahead)
-        return past + ahead
+        self._open.append([0, 0])
+        return self.expected
 
 
-# Weight of one decision in the moving average of the concurrent peer decisions.
-_AHEAD_WEIGHT = 1.0 / 16
+# A peer's dispatch made shortly before a decision shows in the first merge after it, one made
+# shortly after in the first or second (the peer publishes, then this process merges, each once
+# per interval): the two merges after a decision hold the dispatches concurrent with it.
+_MERGES = 2
+# Weight of one decision in the moving average.
+_WEIGHT = 1.0 / 16

@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 
 import aiohttp
 import orjson
@@ -208,12 +208,12 @@ async def _sharing(app: web.Application) -> AsyncIterator[None]:
         return
     ctx.outbox = Outbox(sharing.max_batch)
     if sharing.spread:
-        ctx.blindness = {pool: Blindness(sharing.interval_s) for pool in ctx.policies}
-    blind = list(ctx.blindness.values())
+        ctx.blindness = {pool: Blindness() for pool in ctx.policies}
+    blind = dict(ctx.blindness)
 
-    def merged(now: float, peers: int) -> None:
-        for b in blind:
-            b.merged(now, peers)
+    def merged(peers: int, dispatches: Mapping[str, int]) -> None:
+        for pool, b in blind.items():
+            b.merged(peers, dispatches.get(pool, 0))
 
     shared = app[SHARING] = SharedRouting(
         bus, ctx.outbox, ctx.policies, lambda: ctx.fleet, ttl_s=sharing.ttl_s,

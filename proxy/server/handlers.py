@@ -276,7 +276,7 @@ def _rank(
                 ctx.precise.holdings(pool, inbound, salting.salt, views))
     held = None if holdings is None else holdings.known([v.name for v in views])
     blind = ctx.blindness.get(pool)
-    unseen = 0.0 if blind is None else blind.unseen(ctx.clock())
+    unseen = 0.0 if blind is None else blind.unseen()
     key = RouteKey(chain=chain, tenant=tenant, model=model, held=held,
                    prompt_tokens=len(inbound.prompt_text) / routing.chars_per_token,
                    block_tokens=routing.block_chars / routing.chars_per_token,

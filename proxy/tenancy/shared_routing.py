@@ -16,9 +16,9 @@ Rules:
   from the last id seen) and the workers' hub (``proxy.tenancy.hub``). Transport trouble skips the
   round: the process routes alone, ``kvproxy_sharing_live`` says 0, one log line says so, and
   another says when sharing is back.
-- After every round ``on_merged`` is told the time and the live peers (0 when the round failed:
-  a process routing alone expects nothing unseen), so that ``proxy.core.spread`` knows how long
-  the others' dispatches may have been unseen.
+- After every round ``on_merged`` is told the live peers (0 when the round failed: a process
+  routing alone expects nothing unseen) and the peer dispatches merged per pool, from which
+  ``proxy.core.spread`` learns how many peer dispatches a decision is concurrent with.
 """
 
 from __future__ import annotations
@@ -174,7 +174,7 @@ class SharedRouting:
         clock: Callable[[], float],
         registry: CollectorRegistry,
         transport: str,
-        on_merged: Callable[[float, int], None] | None = None,
+        on_merged: Callable[[int, Mapping[str, int]], None] | None = None,
     ) -> None:
         self._bus = bus
         self._outbox = outbox
@@ -196,13 +196,16 @@ class SharedRouting:
         self._live: bool | None = None
         self._dropped_seen = 0
         self._stopped = False
-        # Told (now, live peers) after every round; (now, 0) when the round failed.
+        # Told (live peers, dispatches merged per pool) after every round; 0 peers when the
+        # round failed.
         self._on_merged = on_merged
+        self._round: dict[str, int] = {}
 
     async def sync(self) -> None:
         """One round: publish, merge, and say whether sharing is live."""
         engines = list(self._engines())
         now = self._clock()
+        self._round = {}
         try:
             await self._publish(engines, now)
             await self._merge(engines, now)
@@ -217,7 +220,7 @@ class SharedRouting:
         peers = self._apply_counts(engines, now)
         if self._on_merged is not None:
             # Routing alone, nothing is merged: no peer's dispatch is expected to show up.
-            self._on_merged(now, peers if live else 0)
+            self._on_merged(peers if live else 0, self._round)
 
     def _set_live(self, live: bool, why: str) -> None:
         if live != self._live:
@@ -279,6 +282,7 @@ class SharedRouting:
                 continue
             # The chain is already seeded by model, tenant and salt; the index needs no more.
             policy.observe(RouteKey(chain=d.chain), d.engine)
+            self._round[d.pool] = self._round.get(d.pool, 0) + 1
             merged += 1
         self.metrics.merged.labels("dispatches").inc(merged)
 
