@@ -32,6 +32,10 @@ Rules:
   within the model's accuracy; among them the engine holding the most of the prompt wins (it saves
   the fleet that prefill), then the least expected wait (ties and new prefixes), then a
   rendezvous order on the prompt (a deterministic spread by content).
+- Other proxy processes rank on the same shared view: when the request's key says some of their
+  dispatches are unseen (``RouteKey.unseen``), the pick becomes one of the places those and this
+  request would take, drawn with ``RouteKey.draw`` (``proxy.core.spread``); with none unseen the
+  ranking above is returned unchanged.
 - The queued work counts what this proxy sent since the last scrape, so a burst sharing a new
   prefix follows its first request (the holdings record it at dispatch) only as long as the
   growing queue there keeps the estimate within the tolerance; then it opens a second home.
