@@ -69,6 +69,7 @@ class KvproxyRouter:
         self.policy: Policy = make_policy(RoutingConfig(**{**cfg.__dict__, "policy": policy}))
         self.states = [EngineState(f"e{i}", "target", "", stale_after_s=1e9) for i in range(n)]
         self.tickets: dict[int, tuple[int, int]] = {}
+        self.last_chain: tuple[int, ...] = ()  # the last pick's prefix chain
 
     def scrape(self, engines: Sequence[Any], now: float) -> None:
         for st, sched in zip(self.states, engines, strict=True):
@@ -77,12 +78,16 @@ class KvproxyRouter:
                                   waiting=float(sched.num_waiting), block_size=16)
             st.on_scrape_ok(snap, now)
 
+    def route_key(self, chain: tuple[int, ...], tokens: float, now: float) -> RouteKey:
+        return RouteKey(chain=chain, prompt_tokens=tokens,
+                        block_tokens=self.cfg.block_chars / self.cfg.chars_per_token)
+
     def pick(self, rid: int, text: str, now: float) -> tuple[int, dict[str, Any]]:
         cfg = self.cfg
         chain = prefix_chain(text, model="m", tenant="t", block_chars=cfg.block_chars,
                              max_blocks=cfg.max_blocks)
-        key = RouteKey(chain=chain, prompt_tokens=len(text) / cfg.chars_per_token,
-                       block_tokens=cfg.block_chars / cfg.chars_per_token)
+        self.last_chain = chain
+        key = self.route_key(chain, len(text) / cfg.chars_per_token, now)
         views = [st.view(now, True) for st in self.states]
         info: dict[str, Any] = {}
         if isinstance(self.policy, ExpectedTTFT):

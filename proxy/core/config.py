@@ -514,6 +514,9 @@ class SharingConfig:
     max_batch: int = 1024
     # Messages kept in the Redis stream (approximately; older ones are trimmed).
     stream_len: int = 10000
+    # Spread the picks that other processes' unseen dispatches could have taken too, at random
+    # (``proxy.core.spread``); off: every process ranks deterministically on the shared view.
+    spread: bool = True
 
     def __post_init__(self) -> None:
         _positive(self, "interval_s", "ttl_s", "max_batch", "stream_len")

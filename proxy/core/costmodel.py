@@ -32,6 +32,10 @@ Rules:
   within the model's accuracy; among them the engine holding the most of the prompt wins (it saves
   the fleet that prefill), then the least expected wait (ties and new prefixes), then a
   rendezvous order on the prompt (a deterministic spread by content).
+- Other proxy processes rank on the same shared view: when the request's key says some of their
+  dispatches are unseen (``RouteKey.unseen``), the pick becomes one of the places those and this
+  request would take, drawn with ``RouteKey.draw`` (``proxy.core.spread``); with none unseen the
+  ranking above is returned unchanged.
 - The queued work counts what this proxy sent since the last scrape, so a burst sharing a new
   prefix follows its first request (the holdings record it at dispatch) only as long as the
   growing queue there keeps the estimate within the tolerance; then it opens a second home.
@@ -48,6 +52,7 @@ from proxy.core.config import RoutingConfig
 from proxy.core.holdings import ApproxHoldings, PrefixHoldings
 from proxy.core.rendezvous import Rendezvous
 from proxy.core.routeview import EngineView, RouteKey, candidates, least_loaded, with_exact
+from proxy.core.spread import spread_pick
 
 # Weight of one decision in the pool's moving averages (mean prompt size, mean queue length).
 _MEAN_WEIGHT = 1.0 / 32
@@ -98,6 +103,16 @@ def estimate(e: EngineView, held: float, key: RouteKey, mean_prompt: float,
     wait = queued / tps + (1.0 + queued / chunk) * step
     ttft = total / tps + (1.0 + total / chunk) * step
     return Estimate(e.name, wait, ttft, held, wait + (ttft - wait) * delayed)
+
+
+def queue_step(e: EngineView, tokens: float, cfg: RoutingConfig) -> float:
+    """Seconds ``tokens`` more prompt work queued at ``e`` add to a later request's wait."""
+    if e.prefill_tps and e.step_s:
+        tps, step = e.prefill_tps, e.step_s
+    else:
+        tps = cfg.prefill_tokens_per_s
+        step = cfg.decode_step_s + decoding(e) * cfg.decode_seq_step_s
+    return tokens / tps + tokens / cfg.chunk_tokens * step
 
 
 def choose(estimates: Sequence[Estimate], tolerance: float,
@@ -169,11 +184,26 @@ class ExpectedTTFT:
             return tuple(e.name for e in least_loaded(cands))
         at = key.chain[-1] if key.chain else 0
         order = {e.name: -self._rendezvous.weight(at, e.name) for e in cands}
-        ranked = choose(self.estimates(key, cands), self.cfg.cost_tolerance, order)
+        estimates = self.estimates(key, cands)
+        ranked = choose(estimates, self.cfg.cost_tolerance, order)
+        if key.unseen > 0.0:
+            ranked = self._spread(key, cands, estimates, ranked)
         # After the decision: what this ranking saw weighs only on later ones.
         queue = sum(e.waiting for e in cands) / len(cands)
         self.mean_queue += _MEAN_WEIGHT * (queue - self.mean_queue)
         return ranked
+
+    def _spread(self, key: RouteKey, cands: Sequence[EngineView], estimates: list[Estimate],
+                ranked: tuple[str, ...]) -> tuple[str, ...]:
+        """Other processes' unseen requests could have taken the pick too: one of the places
+        they and this request would take, at random (``proxy.core.spread``)."""
+        typical = self.mean_prompt or key.tokens
+        steps = {e.name: queue_step(e, typical, self.cfg) for e in cands}
+        # A cached part under the tolerance's share of the prompt (a common first block) is no
+        # hit worth keeping the request for; a longer one keeps it where it is held.
+        slack = max(key.block_tokens, self.cfg.cost_tolerance * key.tokens)
+        return spread_pick(ranked, estimates, steps, unseen=key.unseen, draw=key.draw,
+                           held_slack=slack)
 
     def observe(self, key: RouteKey, engine: str) -> None:
         self.holdings.record(key, engine)

@@ -61,6 +61,11 @@ class RouteKey:
     # Exact holdings (``proxy.core.exact_holdings``), in prompt tokens, of the engines whose KV
     # events are in sync: for those engines they replace the approximate index's guess.
     held: Mapping[str, float] | None = field(default=None, compare=False)
+    # Requests other proxy processes are expected to have sent to the pool that this one has not
+    # merged yet (``proxy.core.spread``), and a uniform draw in [0, 1) to spread the pick among
+    # the places they could have taken; 0: this process routes alone, the pick is unchanged.
+    unseen: float = field(default=0.0, compare=False)
+    draw: float = field(default=0.0, compare=False)
 
     @property
     def tokens(self) -> float:

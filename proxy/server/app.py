@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 
 import aiohttp
 import orjson
@@ -31,6 +31,7 @@ from proxy.core.errors import KvproxyError
 from proxy.core.isolation import TenantSalts
 from proxy.core.routing import make_policy
 from proxy.core.sharing import Outbox
+from proxy.core.spread import Blindness
 from proxy.fleet.discovery import REFRESH_S, ModelDiscovery
 from proxy.fleet.engines import Engine, Fleet
 from proxy.fleet.precise import PreciseRouting
@@ -206,10 +207,19 @@ async def _sharing(app: web.Application) -> AsyncIterator[None]:
         yield
         return
     ctx.outbox = Outbox(sharing.max_batch)
+    if sharing.spread:
+        ctx.blindness = {pool: Blindness() for pool in ctx.policies}
+    blind = dict(ctx.blindness)
+
+    def merged(peers: int, dispatches: Mapping[str, int]) -> None:
+        for pool, b in blind.items():
+            b.merged(peers, dispatches.get(pool, 0))
+
     shared = app[SHARING] = SharedRouting(
         bus, ctx.outbox, ctx.policies, lambda: ctx.fleet, ttl_s=sharing.ttl_s,
         interval_s=sharing.interval_s, max_chain=ctx.cfg.routing.max_blocks, clock=ctx.clock,
         registry=ctx.metrics.registry, transport=transport,
+        on_merged=merged,
     )  # fmt: skip
     task = asyncio.create_task(shared.run(), name="kvproxy-shared-routing")
     try:

@@ -10,6 +10,7 @@ error event) rather than dropped.
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from proxy.core.errors import NoCapacity
 from proxy.core.isolation import TenantSalts
 from proxy.core.routing import Policy
 from proxy.core.sharing import Outbox
+from proxy.core.spread import Blindness
 from proxy.fleet.engines import Fleet
 from proxy.fleet.precise import PreciseRouting
 from proxy.observe.metrics import ProxyMetrics
@@ -104,6 +106,10 @@ class ShellContext:
     outbox: Outbox = field(default_factory=lambda: Outbox(1, enabled=False))
     # Precise routing from KV events, when a pool has a tokenizer; None: approximate only.
     precise: PreciseRouting | None = None
+    # Per pool, what this process's own arrivals say of the other processes' unseen dispatches
+    # (``proxy.core.spread``); empty while nothing is shared. ``rng`` draws the spread pick.
+    blindness: dict[str, Blindness] = field(default_factory=dict)
+    rng: random.Random = field(default_factory=random.Random)
 
     @property
     def session(self) -> aiohttp.ClientSession:

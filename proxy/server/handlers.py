@@ -278,9 +278,12 @@ def _rank(
     views = ctx.admission.eligible(priority, _with_room(ctx, pool, pool_views), need)
     holdings = None if ctx.precise is None else ctx.precise.holdings(prepared, views)
     held = None if holdings is None else holdings.known([v.name for v in views])
+    blind = ctx.blindness.get(pool)
+    unseen = 0.0 if blind is None else blind.unseen()
     key = RouteKey(chain=chain, tenant=tenant, model=model, held=held,
                    prompt_tokens=len(inbound.prompt_text) / routing.chars_per_token,
-                   block_tokens=routing.block_chars / routing.chars_per_token)
+                   block_tokens=routing.block_chars / routing.chars_per_token,
+                   unseen=unseen, draw=ctx.rng.random() if unseen else 0.0)
     ranked = policy.rank(key, views)
     if not ranked:
         raise NoEngine(pool, reason=REASON_NO_ENGINE, retry_after_s=ctx.cfg.admission.retry_after_s)

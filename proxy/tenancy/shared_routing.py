@@ -16,6 +16,9 @@ Rules:
   from the last id seen) and the workers' hub (``proxy.tenancy.hub``). Transport trouble skips the
   round: the process routes alone, ``kvproxy_sharing_live`` says 0, one log line says so, and
   another says when sharing is back.
+- After every round ``on_merged`` is told the live peers (0 when the round failed: a process
+  routing alone expects nothing unseen) and the peer dispatches merged per pool, from which
+  ``proxy.core.spread`` learns how many peer dispatches a decision is concurrent with.
 """
 
 from __future__ import annotations
@@ -171,6 +174,7 @@ class SharedRouting:
         clock: Callable[[], float],
         registry: CollectorRegistry,
         transport: str,
+        on_merged: Callable[[int, Mapping[str, int]], None] | None = None,
     ) -> None:
         self._bus = bus
         self._outbox = outbox
@@ -192,20 +196,31 @@ class SharedRouting:
         self._live: bool | None = None
         self._dropped_seen = 0
         self._stopped = False
+        # Told (live peers, dispatches merged per pool) after every round; 0 peers when the
+        # round failed.
+        self._on_merged = on_merged
+        self._round: dict[str, int] = {}
 
     async def sync(self) -> None:
         """One round: publish, merge, and say whether sharing is live."""
         engines = list(self._engines())
         now = self._clock()
+        self._round = {}
         try:
             await self._publish(engines, now)
             await self._merge(engines, now)
         except BusDown as exc:
             self._set_live(False, str(exc))
             self._peers.expire(now - self._peers.ttl_s)  # keep figures until they expire
+            live = False
         else:
             self._set_live(True, "")
-        self._apply_counts(engines, self._clock())
+            live = True
+        now = self._clock()
+        peers = self._apply_counts(engines, now)
+        if self._on_merged is not None:
+            # Routing alone, nothing is merged: no peer's dispatch is expected to show up.
+            self._on_merged(peers if live else 0, self._round)
 
     def _set_live(self, live: bool, why: str) -> None:
         if live != self._live:
@@ -267,17 +282,21 @@ class SharedRouting:
                 continue
             # The chain is already seeded by model, tenant and salt; the index needs no more.
             policy.observe(RouteKey(chain=d.chain), d.engine)
+            self._round[d.pool] = self._round.get(d.pool, 0) + 1
             merged += 1
         self.metrics.merged.labels("dispatches").inc(merged)
 
-    def _apply_counts(self, engines: list[HasState], now: float) -> None:
+    def _apply_counts(self, engines: list[HasState], now: float) -> int:
+        """Set every engine's remote figures; returns the live peers."""
         pending, opened = self._peers.totals(now)
         prefill = self._peers.prefill_totals(now)
         for engine in engines:
             engine.state.remote_backlog = prefill.get(engine.name, NO_BACKLOG)
             engine.state.remote_pending = pending.get(engine.name, 0.0)
             engine.state.remote_open = opened.get(engine.name, 0.0)
-        self.metrics.peers.set(self._peers.live(now))
+        live = self._peers.live(now)
+        self.metrics.peers.set(live)
+        return live
 
     async def run(self) -> None:
         """Rounds until ``stop``. Not ``periodic.every``: redis-py can swallow a cancellation that

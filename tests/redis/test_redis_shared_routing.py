@@ -15,6 +15,7 @@ from redisproc import RedisFactory, RedisServer
 from engine_sidecar.sim.cluster import SimCluster, start_cluster
 from proxy.core.config import RoutingConfig, SharingConfig
 from proxy.server.app import build_app
+from proxy.server.keys import SHELL
 from proxy.server.lifecycle import ProxyServer
 
 AUTH = {"Authorization": f"Bearer {KEYS['acme']}"}
@@ -206,3 +207,30 @@ async def _has_open(http: aiohttp.ClientSession, url: str) -> bool:
 
 async def _is_at_least(value: Awaitable[float], want: float) -> bool:
     return await value >= want
+
+
+async def test_a_replica_learns_how_many_peer_dispatches_come_with_its_own(
+    replicas: Replicas, redis_server: RedisServer
+) -> None:
+    a, b = await replicas(redis_server.url)
+    blind = b.app[SHELL].blindness["target"]
+    async with aiohttp.ClientSession(headers=AUTH) as http:
+        for server in (a, b):
+            await wait_for(lambda s=server: _ready(http, s.url))
+        assert blind.expected == 0.0  # nothing merged from A yet
+
+        async def burst(n: int) -> bool:
+            sent = [http.post(s.url + "/v1/chat/completions", json=body(f" burst {n} {i}"))
+                    for i, s in enumerate([a, b] * 3)]
+            for resp in await asyncio.gather(*sent):
+                assert resp.status == 200, await resp.text()
+                resp.release()
+            await asyncio.sleep(0.1)  # B's next rounds merge A's share of the burst
+            return blind.expected > 0.0
+
+        # Each of B's decisions came with some of A's dispatches: B expects them from now on.
+        for n in range(20):
+            if await burst(n):
+                break
+        assert blind.expected > 0.0
+        assert blind.unseen() == blind.expected
