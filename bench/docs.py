@@ -151,6 +151,9 @@ def suite_summary(suite: str, prefix: str, notes: bool = False) -> str:
     return _shift(head, prefix).rstrip() + "\n\n" + link
 
 
+OVERHEAD_NOTES = "overhead-notes.md"  # hand-written, beside the results; linked when present
+
+
 def benchmarks_doc(routing: str | None, overhead: str | None, results: Path, docs: Path,
                    generated_at: str, plots_missing: str | None, soak: str | None = None,
                    speculation: str | None = None, suite: str | None = None) -> str:
@@ -167,6 +170,9 @@ def benchmarks_doc(routing: str | None, overhead: str | None, results: Path, doc
                  "`python -m bench.routing --suite`.")
     parts.append(_shift(overhead, prefix) if overhead else
                  "### Overhead benchmark\n\nNo results yet: run `python -m bench.overhead`.")
+    if overhead and (results / OVERHEAD_NOTES).exists():
+        parts.append(f"Notes on these figures (profile, what was tried, what remains): "
+                     f"[{OVERHEAD_NOTES}]({prefix}{OVERHEAD_NOTES}).")
     parts.append(_shift(soak, prefix) if soak else
                  "### Soak benchmark\n\nNo results yet: run `python -m bench.soak all`.")
     parts.append(_shift(speculation, prefix) if speculation else
