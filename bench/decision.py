@@ -4,7 +4,7 @@ Usage: ``python -m bench.decision [--quick]``; writes ``bench/results/decision.{
 
 Rules:
 - Pure CPU, one process, no network: what the request path spends in ``proxy.core`` to pick an
-  engine. One decision is what ``server.handlers._rank`` does: the prompt's prefix chain (hashing,
+  engine. One decision is what ``server.pick.rank`` does: the prompt's prefix chain (hashing,
   reported apart), ``rank`` over the pool's views, ``uncached_tokens`` for the pick and its retry
   target, and ``observe``.
 - The index is warmed first with conversations like the benchmark traces' (a shared system

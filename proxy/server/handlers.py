@@ -21,7 +21,7 @@ import orjson
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
-from proxy.core.admission import REASON_NO_ENGINE, Priority, engine_priority, parse_priority
+from proxy.core.admission import Priority, engine_priority, parse_priority
 from proxy.core.cache_entry import CachedResponse
 from proxy.core.costmodel import typical_prompt
 from proxy.core.deadline import FIELD as TIMEOUT_FIELD
@@ -31,12 +31,10 @@ from proxy.core.errors import (
     BadRequest,
     KvproxyError,
     NoCapacity,
-    NoEngine,
     NotFound,
     PayloadTooLarge,
     RequestTimeout,
 )
-from proxy.core.exact_holdings import PreciseHoldings
 from proxy.core.inbound import Endpoint, Inbound, accept, rewrite
 from proxy.core.isolation import Salting, client_salt
 from proxy.core.pools import (
@@ -46,8 +44,6 @@ from proxy.core.pools import (
     resolve_model,
     upstream_model,
 )
-from proxy.core.prefix import prefix_chain
-from proxy.core.routing import EngineView, RouteKey
 from proxy.core.usage import usage_of_body, with_usage
 from proxy.fleet.engines import HEALTH_STATES
 from proxy.fleet.upstream import request_headers
@@ -58,7 +54,8 @@ from proxy.server.admit import HOLDING, need_tokens
 from proxy.server.context import ShellContext
 from proxy.server.job import Job
 from proxy.server.keys import MODELS, REQUEST_ID, SHELL, WORKER
-from proxy.server.relay import CLIENT_CLOSED, REASON_CONNECTIONS_FULL, Relay
+from proxy.server.pick import rank
+from proxy.server.relay import CLIENT_CLOSED, Relay
 from proxy.server.specfirst import SPECFIRST
 from proxy.tenancy.frontdoor import DOOR, replay, wants_usage
 
@@ -143,8 +140,8 @@ async def _serve(
         salting = _isolate(ctx, job.pool, tenant, salt)
         prepared = (None if ctx.precise is None else
                     await ctx.precise.prepare(job.pool, inbound, salting.salt))
-        ranked = _rank(ctx, job, model, inbound, priority, pool_views=views, salting=salting,
-                       tenant=tenant, prepared=prepared)
+        ranked = rank(ctx, job, model, inbound, priority, pool_views=views, salting=salting,
+                      tenant=tenant, prepared=prepared)
         job.body = rewrite(
             _upstream_body(job, inbound.body),
             model=model,
@@ -249,71 +246,6 @@ def _isolate(ctx: ShellContext, pool: str, tenant: str, client: str | None) -> S
     config = ctx.cfg.pool(pool)
     mode = "none" if config is None else config.isolation
     return ctx.salts.salting(mode, tenant, client)
-
-
-def _rank(
-    ctx: ShellContext,
-    job: Job,
-    model: str,
-    inbound: Inbound,
-    priority: Priority,
-    *,
-    pool_views: list[EngineView],
-    salting: Salting,
-    tenant: str,
-    prepared: PreciseHoldings | None = None,
-) -> tuple[str, ...]:
-    pool = job.pool
-    routing = ctx.cfg.routing
-    # Seeded by the isolation scope: requests that can share no engine blocks share no key.
-    chain = prefix_chain(
-        inbound.prompt_text,
-        model=model,
-        tenant=salting.scope,
-        block_chars=routing.block_chars,
-        max_blocks=routing.max_blocks,
-    )
-    policy = ctx.policies[pool]
-    need = need_tokens(ctx, pool, inbound, job.max_tokens)
-    views = ctx.admission.eligible(priority, _with_room(ctx, pool, pool_views), need)
-    holdings = None if ctx.precise is None else ctx.precise.holdings(prepared, views)
-    held = None if holdings is None else holdings.known([v.name for v in views])
-    blind = ctx.blindness.get(pool)
-    unseen = 0.0 if blind is None else blind.unseen()
-    key = RouteKey(chain=chain, tenant=tenant, model=model, held=held,
-                   prompt_tokens=len(inbound.prompt_text) / routing.chars_per_token,
-                   block_tokens=routing.block_chars / routing.chars_per_token,
-                   unseen=unseen, draw=ctx.rng.random() if unseen else 0.0)
-    ranked = policy.rank(key, views)
-    if not ranked:
-        raise NoEngine(pool, reason=REASON_NO_ENGINE, retry_after_s=ctx.cfg.admission.retry_after_s)
-    # The prompt tokens each engine that may get the request would compute, counted while it
-    # waits for its first byte (asked before ``observe`` records the pick as holding the prompt).
-    job.prefill = {
-        name: policy.uncached_tokens(key, name) for name in ranked[: 1 + ctx.cfg.upstream.retries]
-    }
-    job.prompt_tokens = dict(job.prefill)
-    policy.observe(key, ranked[0])
-    ctx.outbox.dispatched(pool, ranked[0], chain)
-    if holdings is not None and ctx.precise is not None:
-        ctx.precise.dispatched(ranked[0], holdings)
-    return ranked
-
-
-def _with_room(ctx: ShellContext, pool: str, views: list[EngineView]) -> list[EngineView]:
-    """The pool's engines that may take one more request from this proxy. When the pool has
-    routable engines but all hold ``upstream.max_connections_per_engine`` requests, the request
-    is shed at once: waiting in the proxy's connection pool would only end in a timeout, and the
-    engines' own waiting queues are where work should queue."""
-    limit = ctx.cfg.upstream.max_connections_per_engine
-    room = [v for v in views if not ctx.fleet.get(v.name).full(limit)]
-    if any(v.routable for v in views) and not any(v.routable for v in room):
-        raise NoCapacity(
-            f"every engine of the {pool} pool has {limit} requests open from this proxy",
-            reason=REASON_CONNECTIONS_FULL,
-            retry_after_s=ctx.cfg.admission.retry_after_s,
-        )
-    return room
 
 
 def _engine_priority(ctx: ShellContext, pool: str, priority: Priority) -> int | None:

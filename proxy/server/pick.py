@@ -1,0 +1,88 @@
+"""The routing decision, performed: which engines of the pool may take a request, in what order.
+
+Rules: the pure core decides (``proxy.core.admission`` for eligibility, the pool's policy for the
+order, ``proxy.core.prefix`` for the prompt's chain); this shell gathers the inputs (the pool's
+views, this proxy's open connections per engine, precise holdings, what peer replicas may have
+sent unseen) and records the outcome (the policy's index, the sharing outbox, the precise index,
+the prompt tokens each candidate would compute). A pool whose routable engines all hold
+``upstream.max_connections_per_engine`` requests from this proxy sheds at once.
+"""
+
+from __future__ import annotations
+
+from proxy.core.admission import REASON_NO_ENGINE, Priority
+from proxy.core.errors import NoCapacity, NoEngine
+from proxy.core.exact_holdings import PreciseHoldings
+from proxy.core.inbound import Inbound
+from proxy.core.isolation import Salting
+from proxy.core.prefix import prefix_chain
+from proxy.core.routing import EngineView, RouteKey
+from proxy.server.admit import need_tokens
+from proxy.server.context import ShellContext
+from proxy.server.job import Job
+from proxy.server.relay import REASON_CONNECTIONS_FULL
+
+
+def rank(
+    ctx: ShellContext,
+    job: Job,
+    model: str,
+    inbound: Inbound,
+    priority: Priority,
+    *,
+    pool_views: list[EngineView],
+    salting: Salting,
+    tenant: str,
+    prepared: PreciseHoldings | None = None,
+) -> tuple[str, ...]:
+    pool = job.pool
+    routing = ctx.cfg.routing
+    # Seeded by the isolation scope: requests that can share no engine blocks share no key.
+    chain = prefix_chain(
+        inbound.prompt_text,
+        model=model,
+        tenant=salting.scope,
+        block_chars=routing.block_chars,
+        max_blocks=routing.max_blocks,
+    )
+    policy = ctx.policies[pool]
+    need = need_tokens(ctx, pool, inbound, job.max_tokens)
+    views = ctx.admission.eligible(priority, with_room(ctx, pool, pool_views), need)
+    holdings = None if ctx.precise is None else ctx.precise.holdings(prepared, views)
+    held = None if holdings is None else holdings.known([v.name for v in views])
+    blind = ctx.blindness.get(pool)
+    unseen = 0.0 if blind is None else blind.unseen()
+    key = RouteKey(chain=chain, tenant=tenant, model=model, held=held,
+                   prompt_tokens=len(inbound.prompt_text) / routing.chars_per_token,
+                   block_tokens=routing.block_chars / routing.chars_per_token,
+                   unseen=unseen, draw=ctx.rng.random() if unseen else 0.0)
+    ranked = policy.rank(key, views)
+    if not ranked:
+        raise NoEngine(pool, reason=REASON_NO_ENGINE, retry_after_s=ctx.cfg.admission.retry_after_s)
+    # The prompt tokens each engine that may get the request would compute, counted while it
+    # waits for its first byte (asked before ``observe`` records the pick as holding the prompt).
+    job.prefill = {
+        name: policy.uncached_tokens(key, name) for name in ranked[: 1 + ctx.cfg.upstream.retries]
+    }
+    job.prompt_tokens = dict(job.prefill)
+    policy.observe(key, ranked[0])
+    ctx.outbox.dispatched(pool, ranked[0], chain)
+    if holdings is not None and ctx.precise is not None:
+        ctx.precise.dispatched(ranked[0], holdings)
+    return ranked
+
+
+def with_room(ctx: ShellContext, pool: str, views: list[EngineView]) -> list[EngineView]:
+    """The pool's engines that may take one more request from this proxy. When the pool has
+    routable engines but all hold ``upstream.max_connections_per_engine`` requests, the request
+    is shed at once: waiting in the proxy's connection pool would only end in a timeout, and the
+    engines' own waiting queues are where work should queue."""
+    limit = ctx.cfg.upstream.max_connections_per_engine
+    room = [v for v in views if not ctx.fleet.get(v.name).full(limit)]
+    if any(v.routable for v in views) and not any(v.routable for v in room):
+        raise NoCapacity(
+            f"every engine of the {pool} pool has {limit} requests open from this proxy",
+            reason=REASON_CONNECTIONS_FULL,
+            retry_after_s=ctx.cfg.admission.retry_after_s,
+        )
+    return room
