@@ -37,6 +37,10 @@ log = logging.getLogger("kvproxy.cache")
 
 
 class CacheBackend(Protocol):
+    # Whether ``get``/``set`` may suspend (wait on I/O): only then is a store shielded from a
+    # cancelled request by a task of its own; an in-process store runs to its end regardless.
+    suspends: bool
+
     async def get(self, key: str) -> bytes | None: ...
 
     async def set(self, key: str, value: bytes, ttl_s: float) -> None: ...
@@ -44,6 +48,8 @@ class CacheBackend(Protocol):
 
 class MemoryBackend:
     """In-process LRU with a TTL per entry, bounded by entry count and total bytes."""
+
+    suspends = False  # never awaits: nothing to shield
 
     def __init__(
         self, *, max_entries: int, max_bytes: int, clock: Callable[[], float] = time.monotonic
@@ -84,6 +90,8 @@ class MemoryBackend:
 
 class RedisBackend:
     """Entries as plain Redis strings with a TTL (``SET ... PX``)."""
+
+    suspends = True
 
     def __init__(self, link: RedisLink) -> None:
         self._link = link
@@ -361,7 +369,10 @@ class Fill:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        await asyncio.shield(self.finish(completed=exc_type is None))
+        if self._cache.backend.suspends:
+            await asyncio.shield(self.finish(completed=exc_type is None))
+        else:  # no await inside suspends, so no cancellation can cut it short
+            await self.finish(completed=exc_type is None)
 
 
 def make_cache(

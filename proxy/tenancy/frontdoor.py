@@ -149,7 +149,10 @@ class FrontDoor:
                 visit.recorder = Recording(chat=req.chat, max_bytes=self.cfg.cache.max_entry_bytes)
             yield visit
         finally:
-            await asyncio.shield(lease.settle(visit.tokens()))
+            # Shielded, so a cancelled request still settles; a shield costs a task, and the
+            # lease of unlimited traffic (limits off, the default) has nothing to settle.
+            if lease.pending:
+                await asyncio.shield(lease.settle(visit.tokens()))
 
 
 DOOR = web.AppKey("front_door", FrontDoor)

@@ -176,6 +176,11 @@ class Lease:
         self.local = local
         self.settled = False
 
+    @property
+    def pending(self) -> bool:
+        """Whether ``settle`` has anything to do (a lease of unlimited traffic has not)."""
+        return not self.settled and self._gate is not None
+
     async def settle(self, tokens: int) -> None:
         if self.settled:
             return

@@ -72,6 +72,31 @@ async def test_miss_then_hit_then_bypass(cache: ResponseCache) -> None:
         assert registry.get_sample_value("kvproxy_cache_lookups_total", {"result": result}) == count
 
 
+async def test_a_request_cancelled_as_its_answer_ends_still_stores_it(
+        cache: ResponseCache) -> None:
+    # The client goes away just as the answer completes: the store that follows must not be cut
+    # short (a suspending backend's store is shielded; an in-process one never suspends).
+    async def leader() -> None:
+        lookup = await cache.lookup(request(content="cancelled"))
+        assert lookup.fill is not None
+        async with lookup.fill as fill:
+            fill.start(200, streamed=False)
+            fill.feed(answer("kept"))
+            task = asyncio.current_task()
+            assert task is not None
+            task.cancel()  # delivered at the next point where the task waits
+        await asyncio.sleep(0)
+
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.create_task(leader())
+    for _ in range(50):  # a shielded store finishes on its own task
+        hit = await cache.lookup(request(content="cancelled"))
+        if hit.status == "HIT":
+            break
+        await asyncio.sleep(0.01)
+    assert hit.status == "HIT" and hit.entry is not None
+
+
 async def test_no_cache_refreshes_the_entry(cache: ResponseCache) -> None:
     await fill_json(cache, request(), "old")
     refresh = CacheRequest("t", "m", CHAT, request().body, "no-cache")

@@ -56,7 +56,9 @@ async def test_concurrent_streams_across_replicas(redis_server: RedisServer) -> 
         with pytest.raises(RateLimited) as exc:
             await gates[1].admit("acme")
         assert exc.value.code == "concurrent_streams"
+        assert leases[0].pending
         await leases[0].settle(0)
+        assert not leases[0].pending
         await leases[0].settle(0)  # idempotent
         lease = await gates[1].admit("acme")
         assert gates[1].open_leases == 2 and gates[0].open_leases == 1
@@ -162,3 +164,11 @@ async def test_renewer_task_lifecycle() -> None:
     await asyncio.sleep(0)
     await gate.close()
     await lease.settle(0)
+
+
+async def test_unlimited_traffic_has_no_lease_to_settle() -> None:
+    # Limits off (the default): the front door skips settling, and its shield, entirely.
+    lease = await RequestGate(LimitsConfig(), None).admit("acme")
+    assert not lease.pending
+    unlimited = await RequestGate(gate_cfg(), None).admit("acme")  # on, but every limit 0
+    assert not unlimited.pending
