@@ -21,6 +21,14 @@ Rules:
   before it ends, so it owes its whole expected output until then.
 - Learning happens once per answer, at its end, from the last bytes relayed (a bounded tail);
   nothing on the relay's hot path besides adding a chunk's length to a counter.
+- The relay counts ``relayed`` straight into a flight (its hot path); nothing is produced before
+  the first byte, so a flight's prompt and output count at their full size until then whatever it
+  says. A flight's ``prompt_tokens`` and ``output_tokens`` are fixed once dispatched.
+- ``owed_blocks`` is asked per engine on every admission: the flights not answered yet owe a sum
+  that changes only on dispatch, first byte and settle, kept as a running total in exact integer
+  arithmetic (floats scaled by 2**1074, so adding and taking away never drift: the total equals
+  a fresh exact re-sum after any sequence of operations); only answered flights, whose relayed
+  bytes grow outside this module, are summed per call.
 - Pure bookkeeping: no clock, no I/O. Projection is a function of (reported usage, what is owed,
   capacity); with the capacity or block size unknown there is no commitment signal (None).
 """
@@ -102,39 +110,80 @@ class OutputEstimate:
         self.learn(min(tokens, bound), size if streamed and from_usage else None)
 
 
+# Every finite float is an integer multiple of 2**-1074: scaled by this, sums of them are exact.
+_SCALE = 1 << 1074
+
+
+def exact(value: float) -> int:
+    """``value`` scaled by ``_SCALE``, exactly (its denominator is a power of two)."""
+    numerator, denominator = value.as_integer_ratio()
+    return numerator * (_SCALE // denominator)
+
+
 class Commitments:
-    """The flights of one engine, by dispatch ticket."""
+    """The flights of one engine, by dispatch ticket: the unanswered ones' owed tokens as an
+    exact running total, the answered ones apart (their relayed bytes change by themselves)."""
 
     def __init__(self) -> None:
-        self._flights: dict[int, Flight] = {}
+        self._waiting: dict[int, Flight] = {}  # dispatched, no first byte yet
+        self._answered: dict[int, Flight] = {}
+        self._waiting_owed = 0  # exact(prompt) + exact(output) over ``_waiting``
 
     def __len__(self) -> int:
-        return len(self._flights)
+        return len(self._waiting) + len(self._answered)
 
     def dispatch(self, ticket: int, flight: Flight) -> Flight:
-        self._flights[ticket] = flight
+        self.settle(ticket)  # a ticket booked twice counts once, as the latest flight
+        if flight.answered:
+            self._answered[ticket] = flight
+        else:
+            self._waiting[ticket] = flight
+            self._waiting_owed += _unanswered(flight)
         return flight
 
     def first_byte(self, ticket: int) -> None:
-        flight = self._flights.get(ticket)
+        flight = self._waiting.pop(ticket, None)
         if flight is not None:
+            self._waiting_owed -= _unanswered(flight)
             flight.answered = True
+            self._answered[ticket] = flight
 
     def settle(self, ticket: int) -> Flight | None:
-        return self._flights.pop(ticket, None)
+        flight = self._waiting.pop(ticket, None)
+        if flight is not None:
+            self._waiting_owed -= _unanswered(flight)
+            return flight
+        return self._answered.pop(ticket, None)
+
+    @property
+    def waiting_owed(self) -> int:
+        """The running total, scaled by ``_SCALE`` (for checking it against a fresh sum)."""
+        return self._waiting_owed
 
     def owed_blocks(self, block_size: int, bytes_per_token: float | None) -> float:
         """KV blocks the flights will still take on the engine beyond what it holds now."""
-        return sum(owed(f, block_size, bytes_per_token) for f in self._flights.values())
+        tokens = self._waiting_owed / _SCALE  # int / int: rounded once, correctly
+        for flight in self._answered.values():
+            tokens += owed_tokens(flight, bytes_per_token)
+        return tokens / block_size
+
+
+def _unanswered(flight: Flight) -> int:
+    # Finite by construction: an estimated prompt size and min(max_tokens, a mean of counts).
+    return exact(flight.prompt_tokens) + exact(max(0.0, flight.output_tokens))
+
+
+def owed_tokens(flight: Flight, bytes_per_token: float | None) -> float:
+    """One flight's remaining tokens: prompt until answered, plus the output still to come."""
+    if not flight.answered:
+        return flight.prompt_tokens + max(0.0, flight.output_tokens)  # none produced before it
+    produced = flight.relayed / bytes_per_token if bytes_per_token else 0.0
+    return max(0.0, flight.output_tokens - produced)
 
 
 def owed(flight: Flight, block_size: int, bytes_per_token: float | None) -> float:
-    """One flight's remaining blocks: prompt until answered, plus the output still to come."""
-    produced = flight.relayed / bytes_per_token if bytes_per_token else 0.0
-    tokens = max(0.0, flight.output_tokens - produced)
-    if not flight.answered:
-        tokens += flight.prompt_tokens
-    return tokens / block_size
+    """One flight's remaining blocks."""
+    return owed_tokens(flight, bytes_per_token) / block_size
 
 
 def projected_usage(

@@ -43,6 +43,9 @@ Rules:
 - Stale: when the last snapshot is older than ``stale_after_s`` the engine's own level is OPEN;
   stale figures never count as pressure.
 - Remote levels (another proxy replica's, through Redis) merge by maximum until they expire.
+- ``local`` is read per engine on every admission: it hands back the same ``Pressure`` object
+  while what it is built from (the last snapshot's judgement, level, reason, committed figures,
+  evidence) compares equal, rather than building an equal one each time.
 """
 
 from __future__ import annotations
@@ -138,6 +141,9 @@ class PressureTracker:
         self._state = NO_PRESSURE
         self._committed: tuple[float, int | None] | None = None  # committed usage, capacity
         self._remote: tuple[Level, str, float] | None = None  # level, reason, expires at
+        # The last ``local`` answer and what it was built from.
+        self._built: tuple[object, ...] = ()
+        self._local = NO_PRESSURE
 
     # -- feeding
 
@@ -223,9 +229,16 @@ class PressureTracker:
         # Judged at every read: preemption holds run out and commitments change between snapshots.
         level, reason = self._level(now)
         committed, capacity = self._committed or (None, None)
-        return replace(self._state, level=level, reason=reason,
-                       committed_kv=None if committed is None else round(committed, 4),
-                       capacity_tokens=capacity, evidence=self._evidence(now))
+        evidence = self._evidence(now)
+        key = (self._state, level, reason, committed, capacity, evidence)
+        if key != self._built:
+            # An equal key builds an identical Pressure: its floats are sums with +0.0 (never
+            # -0.0, which equals 0.0), and a NaN never equals itself, so it only ever rebuilds.
+            self._built = key
+            self._local = replace(self._state, level=level, reason=reason,
+                                  committed_kv=None if committed is None else round(committed, 4),
+                                  capacity_tokens=capacity, evidence=evidence)
+        return self._local
 
     def pressure(self, now: float) -> Pressure:
         """The level in force: this replica's, or another replica's when that one is higher."""

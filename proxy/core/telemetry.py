@@ -294,6 +294,10 @@ class EngineState:
         self._since_snapshot: dict[int, float | None] = {}
         # Per open ticket: prompt tokens the engine is expected to prefill, until the first byte.
         self._prefill: dict[int, float] = {}
+        # ``backlog`` is read per engine on every admission: kept until the tickets or the
+        # snapshot change (``_tickets_changed`` counts the changes).
+        self._tickets_changed = 0
+        self._backlog: tuple[int, EngineSnapshot | None, Backlog] = (-1, None, NO_BACKLOG)
         self._next_ticket = 0
         # What proves a repeated metrics text frozen (``body_is_news``): open tickets' dispatch
         # times, recent completions as (dispatched, completed), and the last text as (digest,
@@ -379,6 +383,7 @@ class EngineState:
         ``prefill``: the prompt tokens it is expected to compute (not in the engine's cache);
         they count as pending until its first byte."""
         self._next_ticket += 1
+        self._tickets_changed += 1
         self._since_snapshot[self._next_ticket] = now
         if now is not None:
             self._dispatched_at[self._next_ticket] = now
@@ -397,6 +402,7 @@ class EngineState:
     def on_first_byte(self, ticket: int) -> None:
         """The engine answered: the request's prompt is computed, its prefill no longer pending."""
         self._prefill.pop(ticket, None)
+        self._tickets_changed += 1
 
     def on_settle(self, ticket: int | None = None) -> None:
         """The request finished (any outcome).
@@ -406,6 +412,7 @@ class EngineState:
         """
         self.open_requests = max(0, self.open_requests - 1)
         if ticket is not None:
+            self._tickets_changed += 1
             self._since_snapshot.pop(ticket, None)
             self._prefill.pop(ticket, None)
             self._dispatched_at.pop(ticket, None)
@@ -422,8 +429,13 @@ class EngineState:
     @property
     def backlog(self) -> Backlog:
         """This proxy's requests here without a first byte, as the other processes weigh them."""
-        prefill = self._prefill
-        return Backlog(sum(prefill.values()), float(len(prefill)), float(self._pending_seen()))
+        changed, snap, backlog = self._backlog
+        if changed != self._tickets_changed or snap is not self.snapshot:
+            prefill = self._prefill
+            backlog = Backlog(sum(prefill.values()), float(len(prefill)),
+                              float(self._pending_seen()))
+            self._backlog = (self._tickets_changed, self.snapshot, backlog)
+        return backlog
 
     # -- views
 

@@ -1,0 +1,114 @@
+"""Commitments' running total of what unanswered flights owe: exact after any sequence of
+dispatches, first bytes and settlements (pure: no sockets, no clock)."""
+
+import math
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from proxy.core.commitment import Commitments, Flight, exact, owed
+from proxy.core.config import AdmissionConfig, PressureConfig
+from proxy.core.pressure import PressureTracker
+
+TOKENS = st.floats(min_value=0.0, max_value=1e9, allow_nan=False) | st.sampled_from(
+    [0.1, 1e-300, 5e-324, 1e9 + 0.5, 3.0]
+)
+OPS = st.lists(
+    st.tuples(st.sampled_from(["dispatch", "first_byte", "settle"]), st.integers(0, 7),
+              TOKENS, TOKENS),
+    max_size=60,
+)
+
+
+def fresh(book: Commitments, flights: dict[int, Flight]) -> int:
+    """The unanswered flights' owed tokens re-summed from scratch, exactly."""
+    return sum(exact(f.prompt_tokens) + exact(max(0.0, f.output_tokens))
+               for f in flights.values() if not f.answered)
+
+
+@given(OPS)
+def test_the_running_total_equals_a_fresh_exact_sum_after_any_operations(
+    ops: list[tuple[str, int, float, float]],
+) -> None:
+    book, flights = Commitments(), {}
+    for op, ticket, prompt, output in ops:
+        if op == "dispatch":
+            flights[ticket] = book.dispatch(ticket, Flight(prompt, output))
+        elif op == "first_byte":
+            book.first_byte(ticket)
+        else:
+            assert book.settle(ticket) is flights.pop(ticket, None)
+        assert book.waiting_owed == fresh(book, flights)
+        assert len(book) == len(flights)
+        unanswered = [f for f in flights.values() if not f.answered]
+        terms = [t for f in unanswered for t in (f.prompt_tokens, f.output_tokens)]
+        if len(unanswered) == len(flights):  # all in the total: one correct rounding, as fsum
+            assert book.owed_blocks(16, 10.0) == math.fsum(terms) / 16
+
+
+@given(OPS, st.sampled_from([None, 4.0, 37.5]), st.integers(0, 5000))
+def test_owed_blocks_is_the_sum_of_every_flights_owed_blocks(
+    ops: list[tuple[str, int, float, float]], bytes_per_token: float | None, relayed: int,
+) -> None:
+    book, flights = Commitments(), {}
+    for op, ticket, prompt, output in ops:
+        if op == "dispatch":
+            flights[ticket] = book.dispatch(ticket, Flight(prompt, output))
+        elif op == "first_byte":
+            book.first_byte(ticket)
+            if ticket in flights:
+                flights[ticket].relayed = relayed
+        else:
+            flights.pop(ticket, None)
+            book.settle(ticket)
+    want = math.fsum(owed(f, 16, bytes_per_token) for f in flights.values())
+    assert math.isclose(book.owed_blocks(16, bytes_per_token), want, rel_tol=1e-12,
+                        abs_tol=1e-300)
+
+
+def test_a_large_flight_settled_leaves_exactly_what_the_small_one_owes() -> None:
+    # A float running total would keep 0.0 here: 1e20 + 0.1 - 1e20 loses the 0.1.
+    book = Commitments()
+    book.dispatch(1, Flight(prompt_tokens=1e20, output_tokens=0.0))
+    book.dispatch(2, Flight(prompt_tokens=0.1, output_tokens=0.0))
+    book.settle(1)
+    assert book.owed_blocks(1, None) == 0.1
+    book.first_byte(2)  # answered: its prompt is in the engine, nothing more owed
+    assert book.owed_blocks(1, None) == 0.0
+    assert book.waiting_owed == 0
+
+
+def test_a_ticket_booked_twice_counts_once_as_its_latest_flight() -> None:
+    book = Commitments()
+    book.dispatch(1, Flight(prompt_tokens=100, output_tokens=0))
+    book.dispatch(1, Flight(prompt_tokens=32, output_tokens=0))
+    assert len(book) == 1
+    assert book.owed_blocks(16, None) == 2.0
+    book.first_byte(1)
+    book.dispatch(1, Flight(prompt_tokens=0, output_tokens=64, answered=True))
+    assert len(book) == 1
+    assert book.owed_blocks(16, None) == 4.0
+
+
+def test_bytes_counted_before_the_first_byte_produce_nothing() -> None:
+    book = Commitments()
+    flight = book.dispatch(1, Flight(prompt_tokens=0, output_tokens=320))
+    flight.relayed = 1600
+    assert book.owed_blocks(16, 10.0) == 20.0  # the whole output: none produced before it
+    book.first_byte(1)
+    assert book.owed_blocks(16, 10.0) == 10.0  # 160 of 320 tokens produced
+
+
+def test_the_guard_hands_back_the_same_pressure_until_something_changes() -> None:
+    adm = AdmissionConfig()
+    t = PressureTracker(PressureConfig(), sheddable=adm.sheddable, standard=adm.standard,
+                        interval_s=0.2, stale_after_s=1.0)
+    t.observe(0.0, 0.2, 0.0)
+    t.commit(0.5, 16_000)
+    first = t.pressure(0.1)
+    assert t.pressure(0.15) is first
+    t.commit(0.6, 16_000)
+    second = t.pressure(0.15)
+    assert second.committed_kv == 0.6 and first.committed_kv == 0.5
+    t.observe(0.2, 0.3, 0.0)  # a new snapshot: a new judgement
+    assert t.pressure(0.25).projected_kv != second.projected_kv
