@@ -26,18 +26,24 @@ def fresh(book: Commitments, flights: dict[int, Flight]) -> int:
                for f in flights.values() if not f.answered)
 
 
+def apply(book: Commitments, flights: dict[int, Flight], op: str, ticket: int, prompt: float,
+          output: float) -> None:
+    """One operation on the book and on the model of it; a settle hands back the flight booked."""
+    if op == "dispatch":
+        flights[ticket] = book.dispatch(ticket, Flight(prompt, output))
+    elif op == "first_byte":
+        book.first_byte(ticket)
+    else:
+        assert book.settle(ticket) is flights.pop(ticket, None)
+
+
 @given(OPS)
 def test_the_running_total_equals_a_fresh_exact_sum_after_any_operations(
     ops: list[tuple[str, int, float, float]],
 ) -> None:
     book, flights = Commitments(), {}
     for op, ticket, prompt, output in ops:
-        if op == "dispatch":
-            flights[ticket] = book.dispatch(ticket, Flight(prompt, output))
-        elif op == "first_byte":
-            book.first_byte(ticket)
-        else:
-            assert book.settle(ticket) is flights.pop(ticket, None)
+        apply(book, flights, op, ticket, prompt, output)
         assert book.waiting_owed == fresh(book, flights)
         assert len(book) == len(flights)
         unanswered = [f for f in flights.values() if not f.answered]
@@ -52,15 +58,9 @@ def test_owed_blocks_is_the_sum_of_every_flights_owed_blocks(
 ) -> None:
     book, flights = Commitments(), {}
     for op, ticket, prompt, output in ops:
-        if op == "dispatch":
-            flights[ticket] = book.dispatch(ticket, Flight(prompt, output))
-        elif op == "first_byte":
-            book.first_byte(ticket)
-            if ticket in flights:
-                flights[ticket].relayed = relayed
-        else:
-            flights.pop(ticket, None)
-            book.settle(ticket)
+        apply(book, flights, op, ticket, prompt, output)
+        if op == "first_byte" and ticket in flights:
+            flights[ticket].relayed = relayed
     want = math.fsum(owed(f, 16, bytes_per_token) for f in flights.values())
     assert math.isclose(book.owed_blocks(16, bytes_per_token), want, rel_tol=1e-12,
                         abs_tol=1e-300)
