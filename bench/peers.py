@@ -90,8 +90,7 @@ class Router:
         port = free_port()
         work_dir.mkdir(parents=True, exist_ok=True)
         if self.precise:
-            argv, env, ready, headers = _kvproxy_precise(self, engine_urls, model, port,
-                                                         work_dir, events)
+            argv, env, ready, headers = _kvproxy(self, engine_urls, model, port, work_dir, events)
         else:
             argv, env, ready, headers = _BUILDERS[self.router](self, engine_urls, model, port,
                                                                 work_dir)
@@ -129,12 +128,8 @@ def _own_version() -> str:
 Built = tuple[list[str], dict[str, str], str, dict[str, str]]
 
 
-def _kvproxy(r: Router, urls: Sequence[str], model: str, port: int, work: Path) -> Built:
-    return _kvproxy_precise(r, urls, model, port, work, ())
-
-
-def _kvproxy_precise(r: Router, urls: Sequence[str], model: str, port: int, work: Path,
-                     events: Sequence[str]) -> Built:
+def _kvproxy(r: Router, urls: Sequence[str], model: str, port: int, work: Path,
+             events: Sequence[str] = ()) -> Built:
     """kvproxy's command; with ``events`` (precise mode) the pool's tokenizer is
     ``work/tokenizer`` and the proxy binds each engine's KV-event endpoint (loopback only)."""
     lines = ["[server]", 'host = "127.0.0.1"', f"port = {port}", "",

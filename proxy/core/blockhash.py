@@ -86,12 +86,15 @@ _TABLE: list[bytes] = []
 
 def _table() -> list[bytes]:
     if not _TABLE:
-        _TABLE.extend(_head(0, t) for t in range(_TABLE_SIZE))
+        # Built aside and put in place in one step: a thread hashing meanwhile (precise routing
+        # hashes long prompts on a thread pool) never sees a half-built table, at worst builds
+        # its own.
+        _TABLE[:] = [_head(0, t) for t in range(_TABLE_SIZE)]
     return _TABLE
 
 
 def warm_up() -> None:
-    """Build the encoding table now (at start-up) rather than on the first request."""
+    """Build the encoding table now rather than on the first request that hashes."""
     _table()
 
 

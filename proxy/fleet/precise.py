@@ -62,8 +62,8 @@ class PreciseRouting:
         self._pool: ThreadPoolExecutor | None = None
 
     def start(self) -> None:
-        warm_up()
         self._pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="kvproxy-tokenize")
+        self._pool.submit(warm_up)  # the hashing table, built off the event loop and start-up
         self._ctx = ctx = zmq.asyncio.Context()
         for listener in self.listeners.values():
             listener.ctx = ctx

@@ -7,7 +7,7 @@ import random
 from pathlib import Path
 
 from bench.fleet import FleetSpec
-from bench.peers import Router, _kvproxy_precise, parse_router_list
+from bench.peers import Router, _kvproxy, parse_router_list
 from bench.prompts import random_tokens, token_count
 from bench.routing import precise_fleet
 from bench.wordtok import make_word_tokenizer
@@ -33,7 +33,7 @@ def test_the_precise_arm_starts_engines_and_proxy_on_the_same_events(tmp_path: P
     assert argv[argv.index("--tokenizer") + 1] == str(tmp_path / "tokenizer")
     assert argv[argv.index("--kv-events-endpoint") + 1] == events[0]
     assert len(events) == 3 and all(e.startswith("tcp://127.0.0.1:") for e in events)
-    argv, _env, _ready, _headers = _kvproxy_precise(
+    argv, _env, _ready, _headers = _kvproxy(
         router, ["http://127.0.0.1:1", "http://127.0.0.1:2", "http://127.0.0.1:3"], "m", 9100,
         tmp_path, events)
     cfg = load_config(argv[argv.index("--config") + 1], {}, [])
