@@ -517,9 +517,16 @@ class SharingConfig:
     # Spread the picks that other processes' unseen dispatches could have taken too, at random
     # (``proxy.core.spread``); off: every process ranks deterministically on the shared view.
     spread: bool = True
+    # With Redis and a live peer, the part of each routing decision that depends on the other
+    # replicas' pending prompt work is made in Redis, one decision after another
+    # (``proxy.core.claims``); off: every replica decides on its own view alone.
+    decisions: bool = True
+    # How long a request waits for that decision before deciding locally (spread included).
+    decision_timeout_s: float = 0.005
 
     def __post_init__(self) -> None:
-        _positive(self, "interval_s", "ttl_s", "max_batch", "stream_len")
+        _positive(self, "interval_s", "ttl_s", "max_batch", "stream_len", "decision_timeout_s")
+        _require(self.decision_timeout_s <= 1.0, "decision_timeout_s", "must be <= 1.0")
         _require(self.interval_s <= 1.0, "interval_s", "must be <= 1.0")
         _require(self.ttl_s >= 4 * self.interval_s, "ttl_s", "must be >= 4 * sharing.interval_s")
 

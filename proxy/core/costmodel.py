@@ -39,6 +39,9 @@ Rules:
 - The queued work counts what this proxy sent since the last scrape, so a burst sharing a new
   prefix follows its first request (the holdings record it at dispatch) only as long as the
   growing queue there keeps the estimate within the tolerance; then it opens a second home.
+- With live peers and a store to serialise through, the part of the decision that depends on
+  their pending prompt work is made there (``proxy.core.claims``): ``decide(claims=True)`` gives
+  the candidates with their costs less that part; the cost is linear in it (``queue_step``).
 - Unroutable engines never appear; stale engines only when no engine is fresh, least loaded
   first (fail open). Work per decision: O(engines x chain length).
 """
@@ -48,6 +51,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
+from proxy.core.claims import Claimable, claimables
 from proxy.core.config import RoutingConfig
 from proxy.core.holdings import ApproxHoldings, PrefixHoldings
 from proxy.core.rendezvous import Rendezvous
@@ -129,6 +133,15 @@ def choose(estimates: Sequence[Estimate], tolerance: float,
     return (pick.name, *(e.name for e in rest))
 
 
+class Decision(NamedTuple):
+    """One ranking: best first (the spread applied), the cost model's own before the spread,
+    and the candidates of a decision serialised between processes (empty unless asked for)."""
+
+    ranked: tuple[str, ...]
+    plain: tuple[str, ...] = ()
+    claimable: tuple[Claimable, ...] = ()
+
+
 # A typical prompt in tokens before the pool's own mean is known (no request routed yet by the
 # cost model, or another policy in force): a short chat turn with a system prompt.
 TYPICAL_PROMPT_TOKENS = 1024.0
@@ -179,19 +192,38 @@ class ExpectedTTFT:
                 for e in engines]
 
     def rank(self, key: RouteKey, engines: Sequence[EngineView]) -> tuple[str, ...]:
+        return self.decide(key, engines).ranked
+
+    def decide(self, key: RouteKey, engines: Sequence[EngineView], *,
+               claims: bool = False) -> Decision:
+        """The ranking (``rank``), and with ``claims`` the candidates of a decision serialised
+        between processes (``proxy.core.claims``), taken from the ranking before the spread."""
         cands, stale_only = candidates(engines)
         if stale_only:
-            return tuple(e.name for e in least_loaded(cands))
+            return Decision(tuple(e.name for e in least_loaded(cands)))
         at = key.chain[-1] if key.chain else 0
         order = {e.name: -self._rendezvous.weight(at, e.name) for e in cands}
         estimates = self.estimates(key, cands)
-        ranked = choose(estimates, self.cfg.cost_tolerance, order)
+        plain = ranked = choose(estimates, self.cfg.cost_tolerance, order)
         if key.unseen > 0.0:
             ranked = self._spread(key, cands, estimates, ranked)
+        shared = self._claimables(key, cands, estimates, plain) if claims else ()
         # After the decision: what this ranking saw weighs only on later ones.
         queue = sum(e.waiting for e in cands) / len(cands)
         self.mean_queue += _MEAN_WEIGHT * (queue - self.mean_queue)
-        return ranked
+        return Decision(ranked, plain, shared)
+
+    def _slack(self, key: RouteKey) -> float:
+        # A cached part under the tolerance's share of the prompt (a common first block) is no
+        # hit worth keeping the request for; a longer one keeps it where it is held.
+        return max(key.block_tokens, self.cfg.cost_tolerance * key.tokens)
+
+    def _claimables(self, key: RouteKey, cands: Sequence[EngineView], estimates: list[Estimate],
+                    plain: tuple[str, ...]) -> tuple[Claimable, ...]:
+        slopes = {e.name: queue_step(e, 1.0, self.cfg) for e in cands}
+        remote = {e.name: e.remote_prefill for e in cands}
+        return claimables(estimates, plain, slopes=slopes, remote=remote,
+                          prompt_tokens=key.tokens, held_slack=self._slack(key))
 
     def _spread(self, key: RouteKey, cands: Sequence[EngineView], estimates: list[Estimate],
                 ranked: tuple[str, ...]) -> tuple[str, ...]:
@@ -199,11 +231,8 @@ class ExpectedTTFT:
         they and this request would take, at random (``proxy.core.spread``)."""
         typical = self.mean_prompt or key.tokens
         steps = {e.name: queue_step(e, typical, self.cfg) for e in cands}
-        # A cached part under the tolerance's share of the prompt (a common first block) is no
-        # hit worth keeping the request for; a longer one keeps it where it is held.
-        slack = max(key.block_tokens, self.cfg.cost_tolerance * key.tokens)
         return spread_pick(ranked, estimates, steps, unseen=key.unseen, draw=key.draw,
-                           held_slack=slack)
+                           held_slack=self._slack(key))
 
     def observe(self, key: RouteKey, engine: str) -> None:
         self.holdings.record(key, engine)

@@ -31,6 +31,9 @@ class EngineView:
     block_size: int | None = None
     # Prompt tokens this proxy sent the engine that it has not answered yet (its prefill backlog).
     prefill: float = 0.0
+    # Of ``prefill``, the prompt tokens other proxy processes reported (``proxy.core.sharing``):
+    # what a decision serialised through the store reads there instead (``proxy.core.claims``).
+    remote_prefill: float = 0.0
     # KV overcommit guard: the classes this engine is closed to, and why (``proxy.core.pressure``).
     pressure: Pressure = NO_PRESSURE
     # From the last snapshot: sequences running and waiting (0 when never scraped).

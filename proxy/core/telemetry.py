@@ -482,6 +482,7 @@ class EngineState:
             load=self.load(),
             kv_usage=snap.kv_usage if snap is not None else 1.0,
             prefill=local.tokens + remote.tokens,
+            remote_prefill=remote.tokens,
             block_size=snap.block_size if snap is not None else None,
             running=snap.running if snap is not None else 0.0,
             waiting=snap.waiting if snap is not None else 0.0,

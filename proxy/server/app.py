@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 
 import aiohttp
@@ -46,6 +47,7 @@ from proxy.server.context import Drain, ShellContext
 from proxy.server.keys import MODELS, REQUEST_ID, SCRAPER_TASK, SHARING, SHELL, WORKER
 from proxy.server.worker import WorkerLink, WorkerSeat
 from proxy.tenancy.frontdoor import DOOR, FrontDoor
+from proxy.tenancy.shared_decision import SharedDecider
 from proxy.tenancy.shared_routing import Bus, RedisStreamBus, SharedRouting
 from proxy.tenancy.shared_state import RegistrySync
 
@@ -215,16 +217,25 @@ async def _sharing(app: web.Application) -> AsyncIterator[None]:
         for pool, b in blind.items():
             b.merged(peers, dispatches.get(pool, 0))
 
+    decider = None
+    if sharing.decisions and link is not None and transport == "redis":
+        decider = SharedDecider(link, ttl_s=sharing.ttl_s, timeout_s=sharing.decision_timeout_s,
+                                tolerance=ctx.cfg.routing.cost_tolerance,
+                                registry=ctx.metrics.registry, replica=uuid.uuid4().hex[:16])
     shared = app[SHARING] = SharedRouting(
         bus, ctx.outbox, ctx.policies, lambda: ctx.fleet, ttl_s=sharing.ttl_s,
         interval_s=sharing.interval_s, max_chain=ctx.cfg.routing.max_blocks, clock=ctx.clock,
         registry=ctx.metrics.registry, transport=transport,
-        on_merged=merged,
+        on_merged=merged, claims=decider,
     )  # fmt: skip
+    if decider is not None:
+        decider.peers = lambda: shared.peers_heard
+        ctx.decider = decider
     task = asyncio.create_task(shared.run(), name="kvproxy-shared-routing")
     try:
         yield
     finally:
+        ctx.decider = None
         shared.stop()
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):

@@ -27,6 +27,7 @@ from proxy.core.spread import Blindness
 from proxy.fleet.engines import Fleet
 from proxy.fleet.precise import PreciseRouting
 from proxy.observe.metrics import ProxyMetrics
+from proxy.tenancy.shared_decision import SharedDecider
 
 
 class Drain:
@@ -110,6 +111,9 @@ class ShellContext:
     # (``proxy.core.spread``); empty while nothing is shared. ``rng`` draws the spread pick.
     blindness: dict[str, Blindness] = field(default_factory=dict)
     rng: random.Random = field(default_factory=random.Random)
+    # Routing decisions serialised with the other replicas' through Redis
+    # (``proxy.tenancy.shared_decision``); None: sharing is off or not over Redis.
+    decider: SharedDecider | None = None
 
     @property
     def session(self) -> aiohttp.ClientSession:

@@ -140,7 +140,7 @@ async def _serve(
         salting = _isolate(ctx, job.pool, tenant, salt)
         prepared = (None if ctx.precise is None else
                     await ctx.precise.prepare(job.pool, inbound, salting.salt))
-        ranked = rank(ctx, job, model, inbound, priority, pool_views=views, salting=salting,
+        ranked = await rank(ctx, job, model, inbound, priority, pool_views=views, salting=salting,
                       tenant=tenant, prepared=prepared)
         job.body = rewrite(
             _upstream_body(job, inbound.body),

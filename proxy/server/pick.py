@@ -4,26 +4,31 @@ Rules: the pure core decides (``proxy.core.admission`` for eligibility, the pool
 order, ``proxy.core.prefix`` for the prompt's chain); this shell gathers the inputs (the pool's
 views, this proxy's open connections per engine, precise holdings, what peer replicas may have
 sent unseen) and records the outcome (the policy's index, the sharing outbox, the precise index,
-the prompt tokens each candidate would compute). A pool whose routable engines all hold
-``upstream.max_connections_per_engine`` requests from this proxy sheds at once.
+the prompt tokens each candidate would compute). While a peer replica is live and Redis carries
+the sharing, the pick among the candidates the cost model leaves open is made in Redis, one
+decision after another across replicas (``proxy.tenancy.shared_decision``); otherwise, and
+whenever Redis does not answer in time, the local ranking stands. A pool whose routable engines
+all hold ``upstream.max_connections_per_engine`` requests from this proxy sheds at once.
 """
 
 from __future__ import annotations
 
 from proxy.core.admission import REASON_NO_ENGINE, Priority
+from proxy.core.claims import reorder
+from proxy.core.costmodel import ExpectedTTFT
 from proxy.core.errors import NoCapacity, NoEngine
 from proxy.core.exact_holdings import PreciseHoldings
 from proxy.core.inbound import Inbound
 from proxy.core.isolation import Salting
 from proxy.core.prefix import prefix_chain
-from proxy.core.routing import EngineView, RouteKey
+from proxy.core.routing import EngineView, Policy, RouteKey
 from proxy.server.admit import need_tokens
 from proxy.server.context import ShellContext
 from proxy.server.job import Job
 from proxy.server.relay import REASON_CONNECTIONS_FULL
 
 
-def rank(
+async def rank(
     ctx: ShellContext,
     job: Job,
     model: str,
@@ -56,7 +61,7 @@ def rank(
                    prompt_tokens=len(inbound.prompt_text) / routing.chars_per_token,
                    block_tokens=routing.block_chars / routing.chars_per_token,
                    unseen=unseen, draw=ctx.rng.random() if unseen else 0.0)
-    ranked = policy.rank(key, views)
+    ranked = await _ranked(ctx, policy, key, views)
     if not ranked:
         raise NoEngine(pool, reason=REASON_NO_ENGINE, retry_after_s=ctx.cfg.admission.retry_after_s)
     # The prompt tokens each engine that may get the request would compute, counted while it
@@ -70,6 +75,23 @@ def rank(
     if holdings is not None and ctx.precise is not None:
         ctx.precise.dispatched(ranked[0], holdings)
     return ranked
+
+
+async def _ranked(ctx: ShellContext, policy: Policy, key: RouteKey,
+                  views: list[EngineView]) -> tuple[str, ...]:
+    """The policy's ranking; while another replica is live, with its pick decided in Redis
+    among the candidates the cost model leaves open (``proxy.core.claims``), falling back to the
+    local ranking (spread included) when Redis does not answer in time."""
+    decider = ctx.decider
+    if decider is None or not isinstance(policy, ExpectedTTFT) or not decider.engaged():
+        return policy.rank(key, views)
+    decision = policy.decide(key, views, claims=True)
+    if not decision.claimable:
+        return decision.ranked
+    pick = await decider.decide(decision.claimable)
+    if pick is None:
+        return decision.ranked
+    return reorder(decision.plain, decision.claimable[pick].name)
 
 
 def with_room(ctx: ShellContext, pool: str, views: list[EngineView]) -> list[EngineView]:

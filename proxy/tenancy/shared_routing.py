@@ -16,6 +16,8 @@ Rules:
   from the last id seen) and the workers' hub (``proxy.tenancy.hub``). Transport trouble skips the
   round: the process routes alone, ``kvproxy_sharing_live`` says 0, one log line says so, and
   another says when sharing is back.
+- With decisions serialised through Redis (``proxy.tenancy.shared_decision``), each round also
+  renews this process's claims there (``Claims.refresh``) after publishing.
 - After every round ``on_merged`` is told the live peers (0 when the round failed: a process
   routing alone expects nothing unseen) and the peer dispatches merged per pool, from which
   ``proxy.core.spread`` learns how many peer dispatches a decision is concurrent with.
@@ -60,6 +62,13 @@ class Bus(Protocol):
     async def publish(self, payload: bytes) -> None: ...
 
     async def fetch(self) -> list[bytes]: ...
+
+
+class Claims(Protocol):
+    """Decisions serialised through Redis (``proxy.tenancy.shared_decision``), renewed each
+    round."""
+
+    async def refresh(self, engines: Iterable[EngineState]) -> None: ...
 
 
 class HasState(Protocol):
@@ -175,6 +184,7 @@ class SharedRouting:
         registry: CollectorRegistry,
         transport: str,
         on_merged: Callable[[int, Mapping[str, int]], None] | None = None,
+        claims: Claims | None = None,
     ) -> None:
         self._bus = bus
         self._outbox = outbox
@@ -200,6 +210,10 @@ class SharedRouting:
         # round failed.
         self._on_merged = on_merged
         self._round: dict[str, int] = {}
+        self._claims = claims
+        # Other processes heard from within ``ttl_s`` at the last round (kept while the
+        # transport is down, until their figures expire).
+        self.peers_heard = 0
 
     async def sync(self) -> None:
         """One round: publish, merge, and say whether sharing is live."""
@@ -208,6 +222,8 @@ class SharedRouting:
         self._round = {}
         try:
             await self._publish(engines, now)
+            if self._claims is not None:
+                await self._claims.refresh(e.state for e in engines)
             await self._merge(engines, now)
         except BusDown as exc:
             self._set_live(False, str(exc))
@@ -294,7 +310,7 @@ class SharedRouting:
             engine.state.remote_backlog = prefill.get(engine.name, NO_BACKLOG)
             engine.state.remote_pending = pending.get(engine.name, 0.0)
             engine.state.remote_open = opened.get(engine.name, 0.0)
-        live = self._peers.live(now)
+        live = self.peers_heard = self._peers.live(now)
         self.metrics.peers.set(live)
         return live
 
