@@ -138,6 +138,18 @@ class Front:
             out.append(counts.get("kvproxy_requests_total", 0.0))
         return out
 
+    def replica_samples(self, prefix: str) -> dict[str, float]:
+        """Samples of the families named ``prefix...`` summed over the replicas, keyed by the
+        sample's name and labels (e.g. the shared decisions' outcomes and round-trip buckets)."""
+        out: dict[str, float] = {}
+        for _, url in self.replicas:
+            status, text = http_get(url + "/metrics", timeout_s=5.0)
+            for line in text.splitlines() if status == 200 else []:
+                if line.startswith(prefix):
+                    key, _, value = line.rpartition(" ")
+                    out[key] = out.get(key, 0.0) + float(value)
+        return out
+
     def balancer_requests(self) -> dict[str, float]:
         if self.stats_url is None:
             return {}

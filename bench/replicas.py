@@ -69,6 +69,10 @@ async def warm_up(endpoint: Endpoint, replicas: int) -> None:
                 raise RuntimeError(f"warm-up request failed: status {rec.status} {rec.error}")
 
 
+# The replicas' decisions made in Redis or locally, and the script's round trip (histogram).
+_DECISIONS = "kvproxy_shared_decision"
+
+
 def _cores(text: str) -> str | None:
     return text or None
 
@@ -87,6 +91,7 @@ def measure(arm: Arm, plan: Plan, mapper: PromptMapper, redis: Redis, run_id: st
         run_async(warm_up(front.endpoint, arm.replicas))
         before, cpu0, kv_config = fleet.scrape(), front.cpu_seconds(), fleet.kv_config()
         reps0, hap0 = front.replica_requests(), front.balancer_requests()
+        dec0 = front.replica_samples(_DECISIONS)
         sampler = GaugeSampler(fleet.urls)
         res = run_async(_sampled(sampler, replay(
             front.endpoint, plan.reqs, mapper, compression=plan.compression,
@@ -98,7 +103,9 @@ def measure(arm: Arm, plan: Plan, mapper: PromptMapper, redis: Redis, run_id: st
             raise RuntimeError(f"exited during the run: {', '.join(dead)}")
         reps = [b - a for a, b in zip(reps0, front.replica_requests(), strict=True)]
         hap = {k: v - hap0.get(k, 0.0) for k, v in front.balancer_requests().items()}
-        extra: dict[str, object] = {"replica_requests": reps, "haproxy_requests": hap}
+        dec = {k: v - dec0.get(k, 0.0) for k, v in front.replica_samples(_DECISIONS).items()}
+        extra: dict[str, object] = {"replica_requests": reps, "haproxy_requests": hap,
+                                    "shared_decisions": {k: v for k, v in dec.items() if v}}
         return Measured(res, before, after, cpu_used, kv_config, sampler.summary()), extra
     finally:
         if front is not None:
