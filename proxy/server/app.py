@@ -240,6 +240,8 @@ async def _sharing(app: web.Application) -> AsyncIterator[None]:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+        if decider is not None:
+            await decider.close()
 
 
 @web.middleware

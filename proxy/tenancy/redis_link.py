@@ -7,9 +7,6 @@ Rules:
 - A failed or timed-out operation raises ``RedisUnavailable`` and puts the link in back-off for
   ``retry_after_failure_s``: during back-off calls fail at once instead of each paying the timeout.
   Callers turn ``RedisUnavailable`` into their fallback (a cache miss, a local limit) and a metric.
-- A caller with a deadline of its own, tighter than ``op_timeout_s`` (``run(timeout_s=...)``: a
-  decision on the request path), that runs out does not start the back-off: Redis may be well
-  and merely slower than that caller can wait. Errors still do.
 - Keys are all under ``key_prefix``; per-tenant keys carry a ``{tenant}`` hash tag, so one tenant's
   keys share a Redis Cluster slot and a Lua script may touch all of them.
 """
@@ -94,25 +91,18 @@ class RedisLink:
     def available(self) -> bool:
         return self._clock() >= self._down_until
 
-    async def run(self, op: str, call: Callable[[aioredis.Redis], Awaitable[T]], *,
-                  timeout_s: float | None = None) -> T:
-        """Run ``call(client)`` under the op timeout (or the caller's own ``timeout_s``); any
-        failure is ``RedisUnavailable``."""
+    async def run(self, op: str, call: Callable[[aioredis.Redis], Awaitable[T]]) -> T:
+        """Run ``call(client)`` under the op timeout; any failure is ``RedisUnavailable``."""
         if not self.available:
             self.metrics.errors.labels(op, "backoff").inc()
             raise RedisUnavailable(f"redis {op}: in back-off after a recent failure", "backoff")
         try:
-            async with asyncio.timeout(timeout_s or self.cfg.op_timeout_s):
+            async with asyncio.timeout(self.cfg.op_timeout_s):
                 return await call(self.client)
-        except TimeoutError:
-            if timeout_s is None:
-                self._failed(op, TimeoutError())
-            else:
-                self.metrics.errors.labels(op, "timeout").inc()
-            raise RedisUnavailable(f"redis {op}: TimeoutError", "timeout") from None
-        except (RedisError, OSError) as exc:
+        except (RedisError, OSError, TimeoutError) as exc:
             self._failed(op, exc)
-            raise RedisUnavailable(f"redis {op}: {type(exc).__name__}") from None
+            kind = "timeout" if isinstance(exc, TimeoutError) else "error"
+            raise RedisUnavailable(f"redis {op}: {type(exc).__name__}", kind) from None
 
     def _failed(self, op: str, exc: BaseException) -> None:
         kind = "timeout" if isinstance(exc, TimeoutError) else "error"

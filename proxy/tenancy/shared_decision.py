@@ -8,11 +8,17 @@ Rules:
   dies stops counting ``sharing.ttl_s`` later, and the next script that sees it expired deletes
   its fields. Both keys expire ``4 * ttl_s`` after the last write.
 - ``decide``: one EVALSHA of ``DECIDE`` (loaded once, reloaded on NOSCRIPT by redis-py's
-  ``Script``) under ``sharing.decision_timeout_s``. On a timeout, Redis down or in back-off, or a
-  reply out of bounds the caller uses its local decision (the spread included); every outcome
-  counts in ``kvproxy_shared_decisions_total{outcome, reason}`` and every call's round trip in
-  ``kvproxy_shared_decision_seconds``. A timeout does not put the link in back-off (Redis may be
-  well, merely slower than a request can wait); an error does.
+  ``Script``); the request waits for it ``sharing.decision_timeout_s`` at most. On a timeout,
+  Redis down or in back-off, or a reply out of bounds the caller uses its local decision (the
+  spread included); every outcome counts in ``kvproxy_shared_decisions_total{outcome, reason}``
+  and every call's round trip in ``kvproxy_shared_decision_seconds``.
+- A call the request stopped waiting for runs on (shielded, under the link's own
+  ``op_timeout_s``; the calls are owned and cancelled on shutdown): cancelling it would close its
+  connection (redis-py cannot reuse a connection with an answer half read), and the next call
+  would pay a new connection, which on a busy host starts a cascade of timeouts. Its answer still
+  reaches the ledger, so the claim it made is known and the next round moves it to where the
+  request went. Only a call that fails leaves the ledger unsure. A decision's timeout is no Redis
+  failure and starts no back-off; an error or the link's own timeout does.
 - The caller asks only while a peer is live (``engaged``): one replica alone, or sharing off, or
   sharing over the workers' hub, makes no Redis call on the request path.
 - ``refresh`` (every sharing round, off the request path): renews the live entry and moves the
@@ -25,8 +31,10 @@ Rules:
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -36,6 +44,8 @@ from proxy.core.sharing import Backlog
 from proxy.tenancy.redis_link import RedisClient, RedisLink, RedisUnavailable
 
 MAX_LIVE = 64
+# Loop passes a decision past its deadline may take to read an answer already received.
+_GRACE_PASSES = 4
 
 _AMOUNT = f"""
 local function amount(v)
@@ -151,6 +161,13 @@ class HasBacklog(Protocol):
     def backlog(self) -> Backlog: ...
 
 
+@dataclass
+class _Waiter:
+    """Whether the request that asked for a decision has stopped waiting for it."""
+
+    gone: bool = False
+
+
 class DecisionMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.decisions = Counter(
@@ -191,6 +208,7 @@ class SharedDecider:
         self.metrics = DecisionMetrics(registry)
         self._decide = link.client.register_script(DECIDE)
         self._refresh = link.client.register_script(REFRESH)
+        self._calls: set[asyncio.Task[int | None]] = set()
 
     def engaged(self) -> bool:
         """Whether a decision should go through Redis: only while another process is live."""
@@ -198,34 +216,85 @@ class SharedDecider:
 
     async def decide(self, cands: Sequence[Claimable]) -> int | None:
         """The index of the pick among ``cands``, claimed in Redis; None: decide locally."""
+        # The ledger is read now, with the costs the caller has just computed: by the time the
+        # call's task starts, an earlier decision's answer may have moved it (and its request
+        # into the local backlog those costs did not see).
         args: list[Any] = [self.replica, self._ttl_ms, MAX_LIVE, repr(self._tolerance), len(cands)]
         for c in cands:
             args += [c.name, repr(c.cost_s), repr(c.slope_s), repr(c.held), repr(c.tokens),
                      repr(self.ledger.at(c.name))]
+        self.ledger.outstanding += 1
+        waiter = _Waiter()
+        call = asyncio.create_task(self._call(cands, args, waiter),
+                                   name="kvproxy-shared-decision")
+        self._calls.add(call)
+        call.add_done_callback(self._calls.discard)
+        try:
+            pick = await self._wait(call)
+        except TimeoutError:
+            waiter.gone = True  # from now on the call records its own claim
+            self._local("timeout")
+            return None
+        except RedisUnavailable as exc:
+            self._local(exc.kind if exc.kind != "error" else "redis_error")
+            return None
+        if pick is None:
+            self._local("bad_state")
+            return None
+        # Recorded here, where the caller dispatches the request in the same step: another
+        # decision never sees the claim in the ledger without the request in the backlog.
+        self.ledger.granted(cands[pick].name, cands[pick].tokens)
+        self.metrics.decisions.labels("shared", "").inc()
+        return pick
+
+    async def _wait(self, call: asyncio.Task[int | None]) -> int | None:
+        """``call``'s answer, waiting ``timeout_s`` at most (``TimeoutError``). Shielded: a late
+        answer still lands, keeping the connection and the ledger. At the deadline the loop gets
+        a few passes to read an answer already received: an event loop that lags (a burst of
+        requests being parsed) runs its timers before it polls the sockets, so without them the
+        loop's own lag would pass for Redis being slow."""
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                return await asyncio.shield(call)
+        except TimeoutError:
+            for _ in range(_GRACE_PASSES):
+                if call.done():
+                    return call.result()
+                await asyncio.sleep(0)
+            if call.done():  # the caller marks the call abandoned in this same step
+                return call.result()
+            raise
+
+    async def _call(self, cands: Sequence[Claimable], args: list[Any],
+                    waiter: _Waiter) -> int | None:
+        """One script call under the link's own timeout; the ledger learns its claim even when
+        the request that asked has stopped waiting (the next round moves it where it went)."""
         keys = self._keys
 
-        async def call(r: RedisClient) -> object:
+        async def run(r: RedisClient) -> object:
             return await self._decide(keys=keys, args=args, client=r)
 
-        self.ledger.outstanding += 1
         started = time.perf_counter()
         try:
-            raw = await self._link.run("shared_decision", call, timeout_s=self.timeout_s)
+            raw = await self._link.run("shared_decision", run)
         except RedisUnavailable as exc:
             if exc.kind != "backoff":
                 self.ledger.lost()  # the claim may have been made
-            self._local(exc.kind if exc.kind != "error" else "redis_error")
-            return None
+            raise
         finally:
             self.ledger.outstanding -= 1
             self.metrics.seconds.observe(time.perf_counter() - started)
         pick = parse_reply(raw, len(cands))
-        if pick is None:
-            self._local("bad_state")
-            return None
-        self.ledger.granted(cands[pick].name, cands[pick].tokens)
-        self.metrics.decisions.labels("shared", "").inc()
+        if pick is not None and waiter.gone:
+            self.ledger.granted(cands[pick].name, cands[pick].tokens)
         return pick
+
+    async def close(self) -> None:
+        """Cancel the calls still under way (shutdown)."""
+        calls = list(self._calls)
+        for call in calls:
+            call.cancel()
+        await asyncio.gather(*calls, return_exceptions=True)
 
     def _local(self, reason: str) -> None:
         self.metrics.decisions.labels("local", reason).inc()

@@ -176,6 +176,19 @@ async def test_a_flushed_script_is_loaded_again(link: RedisLink) -> None:
     assert outcome(a, "shared") == 2.0
 
 
+async def test_a_late_answer_still_reaches_the_ledger(link: RedisLink) -> None:
+    a = decider(link, "a" * 16)
+    a.timeout_s = 1e-9  # the request stops waiting at once; the call runs on
+    assert await a.decide(two(tokens=2000.0)) is None
+    assert outcome(a, "local", "timeout") == 1.0
+    for _ in range(100):
+        if a.ledger.claimed:
+            break
+        await asyncio.sleep(0.02)
+    assert a.ledger.claimed == {"t0": 2000.0} and not a.ledger.dirty
+    assert float(await link.client.hget(PENDING, f"{'a' * 16}|t0")) == 2000.0
+
+
 class _State:
     def __init__(self, name: str, tokens: float) -> None:
         self.name = name
@@ -265,18 +278,29 @@ async def _burst(http: aiohttp.ClientSession, servers: list[ProxyServer]) -> dic
     return used
 
 
+async def _hold_first_bytes(http: aiohttp.ClientSession, cluster: SimCluster) -> None:
+    # No first byte for a second: the burst's prompts all wait to be computed at once (the
+    # simulated engines would otherwise answer one before the client has sent the next).
+    for url in cluster.urls:
+        async with http.post(url + "/admin/faults", json={"header_delay_s": 1.0}) as r:
+            assert r.status == 200
+
+
 async def test_a_burst_at_two_replicas_spreads_as_one_router_would(
-    replicas: Replicas, redis_server: RedisServer
+    replicas: Replicas, redis_server: RedisServer, cluster: SimCluster
 ) -> None:
     servers = await replicas(redis_server.url)
     async with aiohttp.ClientSession(headers=AUTH) as http:
         for server in servers:
             await wait_for(lambda s=server: _peers(http, s))
+        await _hold_first_bytes(http, cluster)
         used = await _burst(http, servers)
         shared = [await scrape(http, s.url + "/metrics", "kvproxy_shared_decisions_total",
                                outcome="shared") for s in servers]
+        local = [await scrape(http, s.url + "/metrics", "kvproxy_shared_decisions_total",
+                              outcome="local") for s in servers]
     # Four requests at one instant, two per replica, four idle engines: one each.
-    assert used == {f"t{i}": 1 for i in range(4)}, used
+    assert used == {f"t{i}": 1 for i in range(4)}, (used, shared, local)
     assert shared == [2.0, 2.0]
 
 
