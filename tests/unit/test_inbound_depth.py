@@ -1,4 +1,5 @@
-"""The body depth limit at parse: the bracket count lets most bodies skip the walk, never a deep one."""
+"""The body depth limit at parse: counting brackets lets most bodies skip the walk, never a deep
+one."""
 
 from __future__ import annotations
 
