@@ -20,6 +20,7 @@ Rules (pure, no I/O):
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 from collections.abc import Mapping
@@ -203,16 +204,16 @@ def cache_key(
 
 
 class KeyMaker:
-    """``cache_key`` under one secret: the HMAC's input is put together in one piece and hashed
-    by the one-shot ``hmac.digest`` (no HMAC object per request, which costs more than hashing
-    a short request); the same bytes, so the same key, as updating an HMAC part by part."""
+    """``cache_key`` under one secret, the HMAC's key set up once: every request's key starts
+    from a copy of it (measured faster than a new HMAC and than a one-shot ``hmac.digest`` of
+    the joined fields, which sets the key up again for every request)."""
 
     def __init__(self, secret: bytes) -> None:
-        self._secret = secret
+        self._base = hmac.new(secret, _KEY_DOMAIN, hashlib.sha256)
 
     def key(self, *, tenant: str, model: str, endpoint: str, body: Mapping[str, Any]) -> str:
-        pieces = [_KEY_DOMAIN]
+        mac = self._base.copy()
         for part in (tenant.encode(), model.encode(), endpoint.encode(), canonical_body(body)):
-            pieces.append(len(part).to_bytes(8, "big"))
-            pieces.append(part)
-        return hmac.digest(self._secret, b"".join(pieces), "sha256").hex()
+            mac.update(len(part).to_bytes(8, "big"))
+            mac.update(part)
+        return mac.hexdigest()
