@@ -166,17 +166,23 @@ def _normalise(value: Any) -> Any:
     todo: list[tuple[Any, Any]] = [(value, root)]
     while todo:
         source, target = todo.pop()
-        items = source.items() if isinstance(source, dict) else enumerate(source)
-        for key, item in items:
-            if isinstance(item, _CONTAINERS):
-                copy = _empty_like(item)
-                todo.append((item, copy))
-            else:
-                copy = _number(item)
-            if isinstance(target, dict):
-                target[key] = copy
-            else:
-                target.append(copy)
+        # Every request's whole body passes here: a loop per container kind, and only floats
+        # go through ``_number``; strings, the bulk of a prompt, are taken as they are.
+        if isinstance(source, dict):
+            for key, item in source.items():
+                if isinstance(item, _CONTAINERS):
+                    target[key] = copy = _empty_like(item)
+                    todo.append((item, copy))
+                else:
+                    target[key] = _number(item) if isinstance(item, float) else item
+        else:
+            append = target.append
+            for item in source:
+                if isinstance(item, _CONTAINERS):
+                    append(copy := _empty_like(item))
+                    todo.append((item, copy))
+                else:
+                    append(_number(item) if isinstance(item, float) else item)
     return root
 
 
@@ -194,8 +200,20 @@ def cache_key(
     secret: bytes, *, tenant: str, model: str, endpoint: str, body: Mapping[str, Any]
 ) -> str:
     """The HMAC-SHA256 (hex) a response for this request is stored under."""
-    mac = hmac.new(secret, _KEY_DOMAIN, hashlib.sha256)
-    for part in (tenant.encode(), model.encode(), endpoint.encode(), canonical_body(body)):
-        mac.update(len(part).to_bytes(8, "big"))
-        mac.update(part)
-    return mac.hexdigest()
+    return KeyMaker(secret).key(tenant=tenant, model=model, endpoint=endpoint, body=body)
+
+
+class KeyMaker:
+    """``cache_key`` under one secret, the HMAC's key set up once: every request's key starts
+    from a copy of it (measured faster than a new HMAC and than a one-shot ``hmac.digest`` of
+    the joined fields, which sets the key up again for every request)."""
+
+    def __init__(self, secret: bytes) -> None:
+        self._base = hmac.new(secret, _KEY_DOMAIN, hashlib.sha256)
+
+    def key(self, *, tenant: str, model: str, endpoint: str, body: Mapping[str, Any]) -> str:
+        mac = self._base.copy()
+        for part in (tenant.encode(), model.encode(), endpoint.encode(), canonical_body(body)):
+            mac.update(len(part).to_bytes(8, "big"))
+            mac.update(part)
+        return mac.hexdigest()

@@ -163,8 +163,15 @@ class Commitments:
     def owed_blocks(self, block_size: int, bytes_per_token: float | None) -> float:
         """KV blocks the flights will still take on the engine beyond what it holds now."""
         tokens = self._waiting_owed / _SCALE  # int / int: rounded once, correctly
-        for flight in self._answered.values():
-            tokens += owed_tokens(flight, bytes_per_token)
+        # ``owed_tokens`` of each answered flight, inlined: admission reads this for every engine
+        # of the pool on every request, and a call per flight was most of its cost. The same
+        # float operations in the same order, so the same total to the last bit.
+        if bytes_per_token:
+            for f in self._answered.values():
+                tokens += max(0.0, f.output_tokens - f.relayed / bytes_per_token)
+        else:
+            for f in self._answered.values():
+                tokens += max(0.0, f.output_tokens - 0.0)
         return tokens / block_size
 
 

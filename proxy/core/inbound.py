@@ -44,26 +44,32 @@ def parse_body(raw: bytes, max_depth: int = DEFAULT_MAX_DEPTH) -> dict[str, Any]
     """Parse a JSON object; the error message names what is wrong with it."""
     if not raw:
         raise BadRequest("request body is empty; expected a JSON object", param=None)
-    too_deep_error = BadRequest(
-        f"request body is nested more than {max_depth} levels deep", param=None
-    )
     try:
         value = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         if "depth" in str(exc) or "recursion" in str(exc):
-            raise too_deep_error from None  # beyond orjson's own limit, far beyond ours
+            raise _too_deep_error(max_depth) from None  # beyond orjson's own limit, and ours
         raise BadRequest(f"request body is not valid JSON: {exc}", param=None) from None
     if not isinstance(value, dict):
         kind = type(value).__name__
         raise BadRequest(f"request body must be a JSON object, not {kind}", param=None)
-    if too_deep(value, max_depth):
-        raise too_deep_error
+    # Each level opens with a bracket, so a body with no more brackets than the limit (strings'
+    # included) cannot be too deep: the usual body is not walked at all.
+    if raw.count(b"[") + raw.count(b"{") > max_depth and too_deep(value, max_depth):
+        raise _too_deep_error(max_depth)
     return value
+
+
+def _too_deep_error(max_depth: int) -> BadRequest:
+    return BadRequest(f"request body is nested more than {max_depth} levels deep", param=None)
+
+
+_CONTAINERS = (dict, list)  # a tuple: ``dict | list`` would build a union object on every test
 
 
 def too_deep(value: object, limit: int) -> bool:
     """Whether ``value`` has more than ``limit`` levels of objects and arrays (iterative)."""
-    level: list[dict[Any, Any] | list[Any]] = [value] if isinstance(value, dict | list) else []
+    level: list[dict[Any, Any] | list[Any]] = [value] if isinstance(value, _CONTAINERS) else []
     depth = 0
     while level:
         depth += 1
@@ -72,7 +78,7 @@ def too_deep(value: object, limit: int) -> bool:
         below: list[dict[Any, Any] | list[Any]] = []
         for node in level:
             items: Iterable[Any] = node.values() if isinstance(node, dict) else node
-            below.extend(v for v in items if isinstance(v, dict | list))
+            below.extend(v for v in items if isinstance(v, _CONTAINERS))
         level = below
     return False
 

@@ -229,14 +229,16 @@ class PressureTracker:
         # Judged at every read: preemption holds run out and commitments change between snapshots.
         level, reason = self._level(now)
         committed, capacity = self._committed or (None, None)
+        # Rounded as the Pressure carries it: the unrounded figure moves with every byte relayed,
+        # the rounded one seldom, so the answer is rebuilt only when what it says changes.
+        shown = None if committed is None else round(committed, 4)
         evidence = self._evidence(now)
-        key = (self._state, level, reason, committed, capacity, evidence)
+        key = (self._state, level, reason, shown, capacity, evidence)
         if key != self._built:
             # An equal key builds an identical Pressure: its floats are sums with +0.0 (never
             # -0.0, which equals 0.0), and a NaN never equals itself, so it only ever rebuilds.
             self._built = key
-            self._local = replace(self._state, level=level, reason=reason,
-                                  committed_kv=None if committed is None else round(committed, 4),
+            self._local = replace(self._state, level=level, reason=reason, committed_kv=shown,
                                   capacity_tokens=capacity, evidence=evidence)
         return self._local
 

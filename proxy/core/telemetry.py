@@ -298,6 +298,9 @@ class EngineState:
         # snapshot change (``_tickets_changed`` counts the changes).
         self._tickets_changed = 0
         self._backlog: tuple[int, EngineSnapshot | None, Backlog] = (-1, None, NO_BACKLOG)
+        # ``view``'s last answer and what it was built from.
+        self._view_key: tuple[object, ...] = ()
+        self._view: EngineView | None = None
         self._next_ticket = 0
         # What proves a repeated metrics text frozen (``body_is_news``): open tickets' dispatch
         # times, recent completions as (dispatched, completed), and the last text as (digest,
@@ -474,12 +477,20 @@ class EngineState:
         overcommit guard's level in force)."""
         self.tick(now, self.stale_after_s)
         snap, local, remote = self.snapshot, self.backlog, self.remote_backlog
-        return EngineView(
+        # Admission asks every engine of the pool for its view on every request, and most of
+        # them have not changed since the last one: the same inputs give back the same (frozen)
+        # view instead of building an equal one.
+        key = (self.health, breaker_allows, pressure, self.load(), snap, local, remote,
+               self.rates)
+        if key == self._view_key and self._view is not None:
+            return self._view
+        self._view_key = key
+        self._view = EngineView(
             name=self.name,
             pressure=pressure,
             routable=self.health in (Health.HEALTHY, Health.STALE) and breaker_allows,
             fresh=self.health is Health.HEALTHY,
-            load=self.load(),
+            load=key[3],
             kv_usage=snap.kv_usage if snap is not None else 1.0,
             prefill=local.tokens + remote.tokens,
             remote_prefill=remote.tokens,
@@ -491,3 +502,4 @@ class EngineState:
             prefill_tps=self.rates.prefill_tps,
             step_s=self.rates.step_s,
         )
+        return self._view

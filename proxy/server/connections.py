@@ -52,14 +52,16 @@ class GuardedHandler(RequestHandler):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if self._awaiting_head and data and self._head_timer is None:
-            self._arm_head_timer()
         heads = self._request_count
         super().data_received(data)
         if self._request_count != heads:
             # A whole head (or a parse error, answered 400) arrived: the handler's turn now.
             self._awaiting_head = False
             self._disarm_head_timer()
+        elif self._awaiting_head and data and self._head_timer is None:
+            # Part of a head, timed from now. Armed only after parsing: a head that arrives
+            # whole in one read (the usual case) needs no timer at all.
+            self._arm_head_timer()
 
     async def _handle_request(self, *args: Any, **kwargs: Any) -> Any:
         # A pipelined request's head may have been parsed while the previous one ran.

@@ -13,7 +13,7 @@ from proxy.core.errors import UpstreamTimeout
 from proxy.core.usage import Usage
 
 
-@dataclass
+@dataclass(slots=True)
 class Job:
     """One proxied request on its way through; fields fill in as decisions are made."""
 

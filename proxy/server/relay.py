@@ -54,6 +54,7 @@ There is no fallback path: a body that ended with its first read is simply finis
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -95,6 +96,12 @@ REASON_CONNECTIONS_FULL = "engine_connections_full"
 CLIENT_CLOSED = 499  # nginx's convention for "client went away", used as a metrics label only
 
 
+@functools.cache
+def _connect_timeout(seconds: float) -> aiohttp.ClientTimeout:
+    """The connect limit as aiohttp takes it: one frozen object per setting, not per request."""
+    return aiohttp.ClientTimeout(total=None, connect=None, sock_connect=seconds)
+
+
 class _Retry(Exception):
     """The engine failed in a way that another engine may fix; carries what the client would get."""
 
@@ -120,9 +127,7 @@ class Relay:
     async def run(self, ranked: Sequence[str]) -> web.StreamResponse:
         """Try ranked engines in order (at most ``1 + retries``), first good one answers."""
         attempts = ranked[: 1 + self._up.retries]
-        error: KvproxyError = NoCapacity(
-            "no engine could take the request", reason=REASON_NO_ENGINE
-        )
+        error: KvproxyError | None = None  # built only when needed: most requests never fail
         for i, name in enumerate(attempts):
             self._job.engine, self._job.retries = name, i
             try:
@@ -131,6 +136,8 @@ class Relay:
                 error = retry.error
                 if i + 1 < len(attempts):
                     self._ctx.metrics.retries.labels(self._job.pool, retry.reason).inc()
+        if error is None:
+            error = NoCapacity("no engine could take the request", reason=REASON_NO_ENGINE)
         raise error
 
     async def _exchange(self, engine: Engine) -> web.StreamResponse:
@@ -204,9 +211,7 @@ class Relay:
     async def _open(self, engine: Engine) -> aiohttp.ClientResponse:
         """Send the request and wait for the response head; raise ``_Retry`` where allowed."""
         job = self._job
-        connect = aiohttp.ClientTimeout(
-            total=None, connect=None, sock_connect=self._up.connect_timeout_s
-        )
+        connect = _connect_timeout(self._up.connect_timeout_s)
         # One budget from dispatch to the first body byte, whether the head or the body is slow.
         # An engine sends a non-streamed answer only once it is generated, so there the budget
         # covers the whole answer.

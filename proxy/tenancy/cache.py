@@ -30,7 +30,7 @@ from typing import Any, Protocol
 from prometheus_client import CollectorRegistry, Counter
 
 from proxy.core.cache_entry import CachedResponse, EntryError, Recording, decode_entry
-from proxy.core.cache_key import CacheConfig, CachePolicy, cache_key, decide
+from proxy.core.cache_key import CacheConfig, CachePolicy, KeyMaker, decide
 from proxy.tenancy.redis_link import RedisLink, RedisUnavailable
 
 log = logging.getLogger("kvproxy.cache")
@@ -176,7 +176,7 @@ class ResponseCache:
         self.cfg = cfg
         self.backend = backend
         self.metrics = CacheMetrics(registry or CollectorRegistry())
-        self._secret = cfg.secret.encode() if cfg.secret else secrets.token_bytes(32)
+        self._keys = KeyMaker(cfg.secret.encode() if cfg.secret else secrets.token_bytes(32))
         self._flights: dict[str, _Flight] = {}
         self._clock = clock
 
@@ -184,8 +184,8 @@ class ResponseCache:
         return decide(req.body, req.cache_control, enabled=self.cfg.enabled)
 
     def key(self, req: CacheRequest) -> str:
-        return cache_key(self._secret, tenant=req.tenant, model=req.model, endpoint=req.endpoint,
-                         body=req.body)  # fmt: skip
+        return self._keys.key(tenant=req.tenant, model=req.model, endpoint=req.endpoint,
+                              body=req.body)  # fmt: skip
 
     async def lookup(self, req: CacheRequest) -> Lookup:
         policy = self.policy(req)

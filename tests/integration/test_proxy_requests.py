@@ -251,3 +251,38 @@ async def test_admin_view_needs_the_admin_key_when_one_is_set(
     monkeypatch.delenv("KVPROXY_TEST_ADMIN_KEY")
     with pytest.raises(ConfigError, match=r"auth\.admin_key_env"):
         ProxyServer(Config(server=ServerConfig(port=0), pools=(pool,), auth=auth))
+
+
+async def _raw_post(url: str, head: bytes, body: bytes) -> tuple[int, bytes]:
+    """Send a request head and body in one write (so the body arrives with its head); returns the
+    status and the response bytes."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(head + body)
+        await writer.drain()
+        raw = await asyncio.wait_for(reader.read(65536), 10)
+    finally:
+        writer.close()
+    return int(raw.split(b" ", 2)[1]), raw
+
+
+def _chunked(payload: bytes) -> bytes:
+    return b"%x\r\n%s\r\n0\r\n\r\n" % (len(payload), payload)
+
+
+CHUNKED_HEAD = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                b"\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n")
+
+
+async def test_a_chunked_body_that_came_whole_is_read_and_bounded(make_stack: StackFactory) -> None:
+    stack = await make_stack(server=ServerConfig(port=0, max_body_bytes=2048))
+    ok = orjson.dumps(chat_body("z", max_tokens=2))
+    status, raw = await _raw_post(stack.url, CHUNKED_HEAD, _chunked(ok))
+    assert status == 200, raw
+    big = orjson.dumps(chat_body("y" * 4096))
+    status, raw = await _raw_post(stack.url, CHUNKED_HEAD, _chunked(big))
+    assert status == 413, raw
+    broken = b"zz\r\n" + ok + b"\r\n0\r\n\r\n"  # not a chunk size
+    status, raw = await _raw_post(stack.url, CHUNKED_HEAD, broken)
+    assert status == 400, raw
