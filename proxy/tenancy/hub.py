@@ -186,7 +186,11 @@ class HubBus:
                     self.dropped += 1
                 self._inbox.append(payload)
             elif kind == TELEMETRY and self.on_telemetry is not None:
-                self.on_telemetry(payload)
+                try:
+                    self.on_telemetry(payload)
+                except Exception:
+                    # A bug in one consumer must not cut the routing state off with it.
+                    log.exception("handling a sibling's telemetry failed")
 
     async def close(self) -> None:
         if self._writer is not None:
