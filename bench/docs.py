@@ -37,6 +37,8 @@ python -m bench.speculation         # adaptive speculation vs static choices (si
 python -m bench.specfirst           # speculative-first routing vs the target alone (~2 min)
 python -m bench.replicas --quick    # 1, 2 and 4 kvproxy replicas behind HAProxy, sharing routing
                                     # state through Redis or not (--repeat N for rounds)
+python -m bench.workers --repeat 2  # kvproxy serve --workers 2 against one worker: CPU per
+                                    # request and hit rate (~3 min)
 python -m bench.report              # rewrite bench/results/*.md, *.png and this page
 ```
 

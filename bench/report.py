@@ -110,6 +110,22 @@ def write_replicas(results: Path, docs: Path) -> str | None:
     return replicas_markdown(data, prefix)
 
 
+def write_workers(results: Path) -> str | None:
+    """Writes ``workers.md``; returns its text for the page."""
+    # Imported here: bench.workers imports this module (through bench.routing).
+    from bench.workers import markdown as workers_markdown  # noqa: PLC0415
+
+    path = results / "workers.json"
+    if not path.exists():
+        return None
+    data = read_json(path)
+    if not data.get("verdicts"):
+        return None  # an unfinished run
+    text = workers_markdown(data)
+    (results / "workers.md").write_text(text)
+    return text
+
+
 def _figure(draw: object, path: Path) -> str | None:
     if plots.available() is not None:
         return None
@@ -155,6 +171,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     replicas = write_replicas(args.results, args.docs)
     page += "\n" + _demoted(replicas if replicas is not None else "# Replica benchmark\n\n"
                              "No results yet: run `python -m bench.replicas`.")
+    workers = write_workers(args.results)
+    page += "\n" + _demoted(workers if workers is not None else "# Workers benchmark\n\n"
+                            "No results yet: run `python -m bench.workers`.")
     args.docs.write_text(page)
     print(f"wrote {args.docs} and reports under {args.results}")
     return 0

@@ -131,6 +131,7 @@ class SimEngine:
         self.rng = random.Random(config.seed)
         self.fault_rng = random.Random(config.seed + 2)
         self.last_metrics: bytes | None = None
+        self.metrics_served = 0  # /metrics answers, failures included: how often it is scraped
         # None: the simulator's own tokenizer (4 bytes per token).
         self.tokenizer = (None if config.tokenizer is None
                           else load_tokenizer(config.tokenizer, "tokenizer"))
@@ -429,5 +430,5 @@ class SimEngine:
             "aborted_ids": list(self.aborted_ids),
             "aborted_request_ids": list(self.aborted_client_ids), "faults": self.faults.as_dict(),
             "kv_events": self.kv_events.state() if self.kv_events is not None else None,
-            "busy_s": self.busy_s, "steps": self.steps,
+            "busy_s": self.busy_s, "steps": self.steps, "metrics_served": self.metrics_served,
         }

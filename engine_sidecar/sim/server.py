@@ -189,6 +189,7 @@ async def _version(request: web.Request) -> web.StreamResponse:
 
 async def _metrics(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
+    engine.metrics_served += 1
     faults = engine.faults
     if faults.metrics_status is not None and faults.metrics_status != 200:
         return web.Response(status=faults.metrics_status, text="injected metrics failure\n")

@@ -14,6 +14,9 @@ Rules:
   failures, without a traceback; what it means for the engine's health is the telemetry state
   machine's decision, not ours. Every change of an engine's health is logged once, with its reason.
 - After each round every engine is ticked, so staleness is noticed even when scrapes hang.
+- One of several workers (``kvproxy serve --workers N``) skips the engines a sibling scrapes for it
+  and relays the outcomes of those it scrapes (``proxy.fleet.scrape_share``): each engine is
+  scraped once per machine.
 - A timeout is measured on this process's own event loop: when the loop ran late during a scrape
   (its timer fired late, or the loop-lag probe saw a wake-up late by a quarter of the timeout or
   more), the answer may be sitting unread in the socket, so the scrape gets one more timeout's
@@ -33,14 +36,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import zlib
 from collections.abc import Callable
 
 import aiohttp
 
 from proxy.core.config import TelemetryConfig
+from proxy.core.scrape_relay import Outcome
 from proxy.core.telemetry import EngineSnapshot, Health, MetricsError, parse_metrics
 from proxy.fleet.engines import Engine, Fleet
 from proxy.fleet.periodic import stop_if_cancelled
+from proxy.fleet.scrape_share import FROZEN, ScrapeShare, failed_outcome, ok_outcome
 from proxy.observe.looplag import LoopLag
 from proxy.observe.metrics import ProxyMetrics
 
@@ -61,8 +67,11 @@ class Scraper:
         clock: Clock,
         *,
         lag: LoopLag | None = None,
+        share: ScrapeShare | None = None,
     ) -> None:
         self._lag = lag
+        # With sibling workers: engines they scrape are skipped, what this one scrapes relayed.
+        self._share = share
         self._fleet = fleet
         self._session = session
         self._cfg = cfg
@@ -85,41 +94,58 @@ class Scraper:
             await asyncio.sleep(max(0.0, self._cfg.interval_s - elapsed))
 
     async def scrape_all(self) -> None:
-        await asyncio.gather(*(self._scrape(engine) for engine in self._fleet))
+        share, now = self._share, self._clock()
+        engines = [e for e in self._fleet if share is None or not share.follows(e, now)]
+        outcomes = await asyncio.gather(*(self._scrape(engine) for engine in engines))
+        if share is not None:
+            share.publish([o for o in outcomes if o is not None])
+            share.forget_removed()
         self._fleet.tick(self._clock(), self._cfg.stale_after_s)
         self._log_transitions()
         self.rounds += 1
 
-    async def _scrape(self, engine: Engine) -> None:
+    async def _scrape(self, engine: Engine) -> Outcome | None:
+        """Scrape ``engine`` and apply the result; what to relay to sibling workers."""
         started = self._clock()
         try:
+            return await self._attempt(engine, started)
+        finally:
+            self._metrics.scrape_duration.labels(engine.name).observe(self._clock() - started)
+
+    async def _attempt(self, engine: Engine, started: float) -> Outcome | None:
+        try:
             body = await self._fetch_in_time(engine.metrics_url)
-            snapshot = self._judge(engine, body, started)
+            snapshot, digest = self._judge(engine, body, started)
         except _Busy:
             self._metrics.scrape_failures.labels(engine.name, "proxy_busy").inc()
+            return None
         except _Failed as exc:
-            self._failed(engine, exc.reason, exc.detail)
+            return self._failed(engine, started, exc.reason, exc.detail)
         except TimeoutError:
-            self._failed(engine, "timeout", "scrape timed out")
+            return self._failed(engine, started, "timeout", "scrape timed out")
         except aiohttp.ClientError as exc:
             reason, detail = _transport(exc)
-            self._failed(engine, reason, detail, str(exc) or type(exc).__name__)
+            return self._failed(engine, started, reason, detail, str(exc) or type(exc).__name__)
         except MetricsError as exc:
-            self._failed(engine, exc.reason, str(exc))
+            return self._failed(engine, started, exc.reason, str(exc))
         except Exception:
             # A bug here must cost this engine its scrape, not the other engines theirs.
             if engine.state.consecutive_failures == 0:
                 log.exception("scrape of %s failed inside the proxy", engine.name)
             self._count(engine, "internal", "internal error while scraping")
-        else:
-            engine.state.on_scrape_ok(snapshot, self._clock())
-        finally:
-            self._metrics.scrape_duration.labels(engine.name).observe(self._clock() - started)
+            return None
+        fetched = self._clock()
+        engine.state.on_scrape_ok(snapshot, fetched)
+        return ok_outcome(engine, snapshot, digest, fetched)
 
-    def _judge(self, engine: Engine, body: bytes, started: float) -> EngineSnapshot:
-        """The snapshot in ``body``, or ``_Failed`` / ``MetricsError`` when it is not usable."""
+    def _judge(self, engine: Engine, body: bytes, started: float) -> tuple[EngineSnapshot, int]:
+        """The snapshot in ``body`` and the text's digest, or ``_Failed`` / ``MetricsError``
+        when it is not usable."""
+        # crc32, not hash(): sibling workers compare digests (``scrape_share``) and hash() of
+        # bytes differs from process to process.
+        digest = zlib.crc32(body)
         news = engine.state.body_is_news(
-            hash(body), started, self._clock(), settle_s=self._cfg.interval_s / 2
+            digest, started, self._clock(), settle_s=self._cfg.interval_s / 2
         )
         try:
             text = body.decode("utf-8")
@@ -129,8 +155,8 @@ class Scraper:
         # counted on top of it rather than vanish.
         snapshot = parse_metrics(text, taken_at=started)
         if not news:
-            raise _Failed("frozen", "frozen metrics: unchanged although requests completed")
-        return snapshot
+            raise _Failed("frozen", FROZEN)
+        return snapshot, digest
 
     async def _fetch_in_time(self, url: str) -> bytes:
         """The metrics body within the timeout; ``_Busy`` when only this process was too slow."""
@@ -167,11 +193,13 @@ class Scraper:
                 raise _Failed(f"http_{resp.status}", f"metrics answered HTTP {resp.status}")
             return await _read_capped(resp, self._cfg.max_metrics_bytes)
 
-    def _failed(self, engine: Engine, reason: str, detail: str, logged: str = "") -> None:
+    def _failed(self, engine: Engine, started: float, reason: str, detail: str,
+                logged: str = "") -> Outcome:
         """Count a failed scrape; log the first of a run (``logged``: a more detailed text)."""
         if engine.state.consecutive_failures == 0:
             log.warning("scrape of %s failed (%s): %s", engine.name, reason, logged or detail)
         self._count(engine, reason, detail)
+        return failed_outcome(engine, started, self._clock(), reason, detail)
 
     def _count(self, engine: Engine, reason: str, detail: str) -> None:
         self._metrics.scrape_failures.labels(engine.name, reason).inc()

@@ -156,6 +156,12 @@ class ProxyMetrics:
             "kvproxy_scrape_failures", "Engine metrics scrapes that failed, by reason",
             ["engine", "reason"], registry=r,
         )  # fmt: skip
+        self.scrape_relayed = Counter(
+            "kvproxy_scrape_relayed",
+            "Scrape outcomes relayed between the workers of one proxy, by result (sent, unsent; "
+            "applied, ignored, invalid: received)",
+            ["result"], registry=r,
+        )  # fmt: skip
         self.inflight_total = Gauge(
             "kvproxy_inflight_requests", "Proxied requests currently open", registry=r
         )

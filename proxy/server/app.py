@@ -4,7 +4,8 @@ Rules:
 - ``build_app`` wires pure-core objects into a ``ShellContext`` reachable only via typed keys.
 - The upstream sessions, the named scraper task and the named event-loop lag probe
   (``kvproxy-loop-lag``) are created and destroyed by ``cleanup_ctx``; nothing outlives the
-  application.
+  application. A worker's scraper shares its scrapes with its siblings over the parent's hub
+  (``proxy.fleet.scrape_share``).
 - One middleware turns every exception into a response: ``KvproxyError`` renders itself,
   aiohttp's own HTTP errors (unknown route, wrong method) become OpenAI-shaped errors, anything else
   is logged and becomes a 500. ``asyncio.CancelledError`` always propagates.
@@ -36,6 +37,7 @@ from proxy.core.spread import Blindness
 from proxy.fleet.discovery import REFRESH_S, ModelDiscovery
 from proxy.fleet.engines import Engine, Fleet
 from proxy.fleet.precise import PreciseRouting
+from proxy.fleet.scrape_share import ScrapeShare
 from proxy.fleet.scraper import Scraper
 from proxy.fleet.upstream import make_data_session, make_scrape_session
 from proxy.observe.looplag import LoopLag
@@ -47,6 +49,7 @@ from proxy.server.context import Drain, ShellContext
 from proxy.server.keys import MODELS, REQUEST_ID, SCRAPER_TASK, SHARING, SHELL, WORKER
 from proxy.server.worker import WorkerLink, WorkerSeat
 from proxy.tenancy.frontdoor import DOOR, FrontDoor
+from proxy.tenancy.hub import MAX_FRAME
 from proxy.tenancy.shared_decision import SharedDecider
 from proxy.tenancy.shared_routing import Bus, RedisStreamBus, SharedRouting
 from proxy.tenancy.shared_state import RegistrySync
@@ -150,7 +153,7 @@ async def _scraper(app: web.Application) -> AsyncIterator[None]:
     lag = LoopLag(ctx.metrics.loop_lag)
     probe = asyncio.create_task(lag.run(), name="kvproxy-loop-lag")
     scraper = Scraper(ctx.fleet, ctx.scrape_session, ctx.cfg.telemetry, ctx.metrics, ctx.clock,
-                      lag=lag)
+                      lag=lag, share=_scrape_share(app))
     task = asyncio.create_task(scraper.run(), name="kvproxy-scraper")
     app[SCRAPER_TASK] = task
     try:
@@ -160,6 +163,19 @@ async def _scraper(app: web.Application) -> AsyncIterator[None]:
             owned.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await owned
+
+
+def _scrape_share(app: web.Application) -> ScrapeShare | None:
+    """A worker's link to its siblings' scrapes (engines are scraped once per machine)."""
+    worker = app.get(WORKER)
+    if worker is None:
+        return None
+    ctx, bus = app[SHELL], worker.bus
+    share = ScrapeShare(ctx.fleet, ctx.metrics, ctx.clock, index=worker.seat.index,
+                        workers=worker.seat.workers, interval_s=ctx.cfg.telemetry.interval_s,
+                        max_bytes=MAX_FRAME, send=bus.send_telemetry)  # fmt: skip
+    bus.on_telemetry = share.receive
+    return share
 
 
 async def _kv_events(app: web.Application) -> AsyncIterator[None]:

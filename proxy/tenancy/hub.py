@@ -4,7 +4,9 @@ socket owned by the parent process, which forwards every worker's messages to it
 Rules:
 - A frame is a 4-byte big-endian length, one kind byte, then the payload. A worker's first frame is
   ``HELLO`` with its index (that is also how the parent learns the worker is serving); every later
-  frame is ``DATA`` and is forwarded as it is to every other worker. The hub never parses payloads.
+  frame is ``DATA`` (routing state, fetched by ``shared_routing``'s rounds) or ``TELEMETRY``
+  (scrape outcomes, ``proxy.fleet.scrape_share``: handed to ``HubBus.on_telemetry`` as they
+  arrive) and is forwarded as it is to every other worker. The hub never parses payloads.
 - Bounded everywhere: a frame over ``max_frame`` closes that connection; a sibling whose socket
   buffer already holds ``max_buffer`` bytes misses the frame (counted in ``dropped``) rather than
   growing the hub's memory; a worker's inbound queue keeps at most ``max_queue`` frames (oldest go).
@@ -25,6 +27,8 @@ log = logging.getLogger("kvproxy.hub")
 
 HELLO = 1
 DATA = 2
+TELEMETRY = 3
+_FORWARDED = frozenset({DATA, TELEMETRY})
 MAX_FRAME = 1 << 20
 _HEAD = struct.Struct(">IB")
 
@@ -88,8 +92,8 @@ class Hub:
                 self._on_hello(index)
             while True:
                 kind, payload = await read_frame(reader, self._max_frame)
-                if kind == DATA:
-                    self._forward(index, frame(DATA, payload))
+                if kind in _FORWARDED:
+                    self._forward(index, frame(kind, payload))
         except (EOFError, ValueError, ConnectionError):
             pass
         finally:
@@ -120,6 +124,8 @@ class HubBus:
         self._inbox: deque[bytes] = deque(maxlen=max_queue)
         self._writer: asyncio.StreamWriter | None = None
         self.dropped = 0
+        # Called with each ``TELEMETRY`` payload as it arrives; it must not raise.
+        self.on_telemetry: Callable[[bytes], None] | None = None
 
     @property
     def live(self) -> bool:
@@ -133,6 +139,17 @@ class HubBus:
             self.dropped += 1
             return
         writer.write(frame(DATA, payload))
+
+    def send_telemetry(self, payload: bytes) -> bool:
+        """Hand ``payload`` to the siblings as ``TELEMETRY``; False when it cannot go now."""
+        writer = self._writer
+        if writer is None or writer.is_closing():
+            return False
+        if writer.transport.get_write_buffer_size() > self._max_buffer:
+            self.dropped += 1
+            return False
+        writer.write(frame(TELEMETRY, payload))
+        return True
 
     async def fetch(self) -> list[bytes]:
         if not self.live and not self._inbox:
@@ -168,6 +185,12 @@ class HubBus:
                 if len(self._inbox) == self._inbox.maxlen:
                     self.dropped += 1
                 self._inbox.append(payload)
+            elif kind == TELEMETRY and self.on_telemetry is not None:
+                try:
+                    self.on_telemetry(payload)
+                except Exception:
+                    # A bug in one consumer must not cut the routing state off with it.
+                    log.exception("handling a sibling's telemetry failed")
 
     async def close(self) -> None:
         if self._writer is not None:

@@ -231,3 +231,77 @@ async def test_sigterm_drains_an_open_stream_and_the_parent_exits_0(parent: Pare
     assert body.rstrip().endswith(b"data: [DONE]")
     async with asyncio.timeout(30):
         assert await parent.proc.wait() == 0
+
+
+async def _metrics_served(engines: list[EngineProcess]) -> list[int]:
+    async with aiohttp.ClientSession() as http:
+        out = []
+        for engine in engines:
+            async with http.get(engine.url + "/admin/state") as resp:
+                out.append(int((await resp.json())["metrics_served"]))
+        return out
+
+
+async def test_each_engine_is_scraped_as_often_as_by_one_proxy(
+    parent: Parent, engines: list[EngineProcess]
+) -> None:
+    loop = asyncio.get_running_loop()
+    before, started = await _metrics_served(engines), loop.time()
+    await asyncio.sleep(2.0)
+    after, took = await _metrics_served(engines), loop.time() - started
+    # One proxy scrapes every 0.1 s at most (a round never starts early); two workers scraping
+    # each for itself would double that. Slow rounds on a busy machine only lower the count.
+    most = took / 0.1 + 2
+    assert all(b - a <= most for a, b in zip(before, after, strict=True)), (before, after, most)
+    seats = parent.workers()
+    relayed = [total(await own_metrics(seats[i][1]), "kvproxy_scrape_relayed_total",
+                     result=result) for i, result in ((0, "sent"), (1, "applied"))]  # fmt: skip
+    assert all(n > 0 for n in relayed), relayed
+
+
+async def _scraped_by(path: str) -> float:
+    return total(await own_metrics(path), "kvproxy_scrape_duration_seconds_count")
+
+
+async def _relayed_or_zero(path: str) -> float:
+    """What a worker has sent its siblings; 0 while it is still starting (no socket yet)."""
+    try:
+        return total(await own_metrics(path), "kvproxy_scrape_relayed_total", result="sent")
+    except aiohttp.ClientError:
+        return 0.0
+
+
+async def _assert_healthy(path: str, engines: int) -> None:
+    text = await own_metrics(path)
+    healthy = total(text, "kvproxy_engine_health", state="healthy")
+    assert healthy == engines, [line for line in text.splitlines() if "engine_health{" in line]
+
+
+async def test_a_sibling_takes_over_the_scrapes_of_a_dead_worker_and_nothing_goes_stale(
+    parent: Parent, engines: list[EngineProcess]
+) -> None:
+    seats = parent.workers()
+    other = seats[1][1]
+    # Worker 1 follows worker 0's scrapes: it makes none of its own while they arrive.
+    await asyncio.sleep(0.5)
+    quiet = await _scraped_by(other)
+    await asyncio.sleep(0.5)
+    assert await _scraped_by(other) == quiet
+    os.kill(seats[0][0], signal.SIGKILL)
+    async with asyncio.timeout(15):
+        # Until worker 0 is back, worker 1 keeps every engine healthy by scraping them itself.
+        while (seat := parent.workers().get(0)) is None or seat[0] == seats[0][0]:
+            await _assert_healthy(other, len(engines))
+            await asyncio.sleep(0.05)
+    assert await _scraped_by(other) > quiet
+    await _assert_healthy(other, len(engines))
+    # The new worker 0 scrapes again and worker 1 goes back to following it.
+    async with asyncio.timeout(15):
+        while await _relayed_or_zero(seat[1]) < 1:  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+        while True:
+            settled = await _scraped_by(other)
+            await asyncio.sleep(0.5)
+            if await _scraped_by(other) == settled:
+                break
+    await _assert_healthy(other, len(engines))

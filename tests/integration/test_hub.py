@@ -1,0 +1,69 @@
+"""The workers' hub on a real Unix socket: routing-state frames queue for the sharing rounds,
+telemetry frames reach the siblings' callback as they arrive, and neither goes back to its
+sender."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from proxy.tenancy.hub import Hub, HubBus
+
+
+@pytest.fixture
+async def hub(tmp_path: Path) -> AsyncIterator[tuple[Hub, list[HubBus], list[list[bytes]]]]:
+    hello: set[int] = set()
+    ready = asyncio.Event()
+
+    def on_hello(index: int) -> None:
+        hello.add(index)
+        if len(hello) == 3:
+            ready.set()
+
+    path = str(tmp_path / "hub.sock")
+    parent = Hub(path, on_hello=on_hello)
+    await parent.start()
+    buses = [HubBus(path, i) for i in range(3)]
+    heard: list[list[bytes]] = [[] for _ in buses]
+    for bus, got in zip(buses, heard, strict=True):
+        bus.on_telemetry = got.append
+    tasks = [asyncio.create_task(bus.run()) for bus in buses]
+    try:
+        async with asyncio.timeout(5):
+            await ready.wait()
+            while not all(bus.live for bus in buses):  # noqa: ASYNC110
+                await asyncio.sleep(0.01)
+        yield parent, buses, heard
+    finally:
+        for task in tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for bus in buses:
+            await bus.close()
+        await parent.close()
+
+
+async def test_telemetry_reaches_every_sibling_and_routing_state_stays_queued(
+    hub: tuple[Hub, list[HubBus], list[list[bytes]]],
+) -> None:
+    _, buses, heard = hub
+    assert buses[0].send_telemetry(b"scraped")
+    await buses[0].publish(b"dispatched")
+    fetched: list[list[bytes]] = [[] for _ in buses]
+    async with asyncio.timeout(5):
+        while not (heard[1] and heard[2] and fetched[1] and fetched[2]):
+            for bus, got in zip(buses, fetched, strict=True):
+                got.extend(await bus.fetch())
+            await asyncio.sleep(0.01)
+    assert heard == [[], [b"scraped"], [b"scraped"]]
+    assert fetched == [[], [b"dispatched"], [b"dispatched"]]
+
+
+async def test_telemetry_is_not_sent_without_the_hub(tmp_path: Path) -> None:
+    bus = HubBus(str(tmp_path / "nobody.sock"), 0)
+    assert not bus.send_telemetry(b"scraped")
