@@ -44,7 +44,9 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
+
+from proxy.core.spread import Costed
 
 MAX_CANDIDATES = 32
 MAX_TOKENS = 1e12
@@ -63,19 +65,6 @@ class Claimable(NamedTuple):
     slope_s: float  # seconds of cost per pending prompt token queued at the engine
     held: float  # prompt tokens the engine holds
     tokens: float  # prompt tokens this request adds there (uncached)
-
-
-class Costed(Protocol):
-    """What ``claimables`` needs of one engine's estimate (``costmodel.Estimate`` fits)."""
-
-    @property
-    def name(self) -> str: ...
-
-    @property
-    def cost_s(self) -> float: ...
-
-    @property
-    def held(self) -> float: ...
 
 
 def claimables(estimates: Sequence[Costed], ranked: Sequence[str], *, slopes: Mapping[str, float],
