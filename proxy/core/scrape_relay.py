@@ -31,6 +31,7 @@ from dataclasses import dataclass, fields
 
 import orjson
 
+from proxy.core.sharing import versioned_object
 from proxy.core.telemetry import KV_SLACK, MAX_REQUESTS, EngineSnapshot
 
 VERSION = 1
@@ -78,14 +79,7 @@ def _row(o: Outcome) -> list[object]:
 
 def decode(raw: bytes, *, max_bytes: int, workers: int) -> tuple[int, list[Outcome]]:
     """(sender index, outcomes) in ``raw``; ``BadRelay`` for anything else."""
-    if len(raw) > max_bytes:
-        raise BadRelay("too large")
-    try:
-        doc = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        raise BadRelay("not JSON") from None
-    if not isinstance(doc, dict) or doc.get("v") != VERSION:
-        raise BadRelay("not a version 1 object")
+    doc = versioned_object(raw, max_bytes=max_bytes, version=VERSION, error=BadRelay)
     sender, rows = doc.get("w"), doc.get("o")
     if type(sender) is not int or not 0 <= sender < workers:
         raise BadRelay("bad sender")

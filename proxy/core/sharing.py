@@ -113,16 +113,25 @@ class BadMessage(ValueError):
     """A message that is not one this module writes (or one that is out of bounds)."""
 
 
-def decode(raw: bytes, *, max_bytes: int, max_chain: int) -> Message:
-    """The message in ``raw``; ``BadMessage`` for anything else."""
+def versioned_object(raw: bytes, *, max_bytes: int, version: int,
+                     error: type[ValueError]) -> dict[str, object]:
+    """The JSON object in ``raw`` if it is at most ``max_bytes`` and says ``"v": version``;
+    ``error`` (naming what is wrong) for anything else. Messages between processes are hostile
+    input: this is the first check every decoder makes."""
     if len(raw) > max_bytes:
-        raise BadMessage("too large")
+        raise error("too large")
     try:
         doc = orjson.loads(raw)
     except orjson.JSONDecodeError:
-        raise BadMessage("not JSON") from None
-    if not isinstance(doc, dict) or doc.get("v") != VERSION:
-        raise BadMessage("not a version 1 object")
+        raise error("not JSON") from None
+    if not isinstance(doc, dict) or doc.get("v") != version:
+        raise error(f"not a version {version} object")
+    return doc
+
+
+def decode(raw: bytes, *, max_bytes: int, max_chain: int) -> Message:
+    """The message in ``raw``; ``BadMessage`` for anything else."""
+    doc = versioned_object(raw, max_bytes=max_bytes, version=VERSION, error=BadMessage)
     sender, seq = doc.get("r"), doc.get("s")
     if not _name(sender) or not isinstance(seq, int) or isinstance(seq, bool):
         raise BadMessage("bad sender or sequence")
