@@ -132,23 +132,23 @@ class HubBus:
         return self._writer is not None and not self._writer.is_closing()
 
     async def publish(self, payload: bytes) -> None:
-        writer = self._writer
-        if writer is None or writer.is_closing():
+        if self._write(DATA, payload) is None:
             raise BusDown("not connected to the workers' hub")
-        if writer.transport.get_write_buffer_size() > self._max_buffer:
-            self.dropped += 1
-            return
-        writer.write(frame(DATA, payload))
 
     def send_telemetry(self, payload: bytes) -> bool:
         """Hand ``payload`` to the siblings as ``TELEMETRY``; False when it cannot go now."""
+        return bool(self._write(TELEMETRY, payload))
+
+    def _write(self, kind: int, payload: bytes) -> bool | None:
+        """Write one frame: True; False when the hub's buffer is full (the frame is dropped and
+        counted); None when not connected."""
         writer = self._writer
         if writer is None or writer.is_closing():
-            return False
+            return None
         if writer.transport.get_write_buffer_size() > self._max_buffer:
             self.dropped += 1
             return False
-        writer.write(frame(TELEMETRY, payload))
+        writer.write(frame(kind, payload))
         return True
 
     async def fetch(self) -> list[bytes]:
