@@ -11,6 +11,7 @@ traffic, and reported as ``idle_cpu_ms_per_s``. It is part of the raw figures (`
 ``b_us_per_token``), where it leaks into b: a slice of long answers completes fewer requests per
 second, so each carries more of it. ``a_net_ms`` and ``b_net_us_per_token`` are the same line with
 the idle rate times each slice's span taken off first: the cost of serving requests alone.
+``rounds`` holds the same fit made from each round's slices alone: the spread of a and b.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import asyncio
 import copy
 import math
 import time
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from bench.loadgen import make_session
@@ -54,27 +56,45 @@ async def measure_fit(paths: Paths, started: list[tuple[Router, Managed, Endpoin
     variants = {t: copy.copy(paths) for t in tokens}
     for t, variant in variants.items():
         variant.output_tokens = t
-    cpu: dict[str, dict[int, float]] = {}
-    spans: dict[str, dict[int, float]] = {}
-    done: dict[str, dict[int, int]] = {}
+    # (router, round, tokens) -> CPU seconds, slice seconds, requests completed
+    slices: dict[tuple[str, int, int], tuple[float, float, int]] = {}
     print(f"== CPU fit at {conc} streams, answers of {tokens} tokens", flush=True)
     idle = await idle_rates(started)
     async with make_session() as session:
         start = time.perf_counter()
-        for _ in range(rounds):
+        for k in range(rounds):
             for router, _, _ in started:
                 for t in tokens:
                     recs, span, used = await _slice(session, variants[t], started, router.name,
                                                     conc, slice_s, start, ramp_s)
-                    cpu.setdefault(router.name, {}).setdefault(t, 0.0)
-                    cpu[router.name][t] += used
-                    spans.setdefault(router.name, {}).setdefault(t, 0.0)
-                    spans[router.name][t] += span
-                    done.setdefault(router.name, {}).setdefault(t, 0)
-                    done[router.name][t] += sum(1 for r in recs if r.ok)
-    out = {name: _router_fit(per, spans[name], done[name], idle.get(name, 0.0))
-           for name, per in cpu.items()}
+                    slices[router.name, k, t] = (used, span, sum(1 for r in recs if r.ok))
+    out = {}
+    for router, _, _ in started:
+        name, rate = router.name, idle.get(router.name, 0.0)
+        fitted = _router_fit(*_summed(slices, name, range(rounds), tokens), rate)
+        # One fit per round too: their range is the figure's noise.
+        per_round = [_router_fit(*_summed(slices, name, [k], tokens), rate) for k in range(rounds)]
+        for one in per_round:
+            one.pop("idle_cpu_ms_per_s")
+        fitted["rounds"] = per_round
+        out[name] = fitted
     return {"concurrency": conc, "tokens": tokens, "idle_s": IDLE_S, "routers": out}
+
+
+def _summed(slices: dict[tuple[str, int, int], tuple[float, float, int]], name: str,
+            rounds: Iterable[int], tokens: list[int],
+            ) -> tuple[dict[int, float], dict[int, float], dict[int, int]]:
+    """CPU seconds, slice seconds and requests per answer length over ``rounds``."""
+    cpu = dict.fromkeys(tokens, 0.0)
+    spans = dict.fromkeys(tokens, 0.0)
+    done = dict.fromkeys(tokens, 0)
+    for k in rounds:
+        for t in tokens:
+            used, span, ok = slices[name, k, t]
+            cpu[t] += used
+            spans[t] += span
+            done[t] += ok
+    return cpu, spans, done
 
 
 async def idle_rates(started: list[tuple[Router, Managed, Endpoint]]) -> dict[str, float]:

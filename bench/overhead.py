@@ -12,7 +12,8 @@ Rules:
 - Router CPU per request: ``/proc/<pid>/stat`` CPU time over the router's own slices divided by
   the requests they completed (the router's idle work between its slices, e.g. scraping, is
   charged to it too, so the figure is an upper bound).
-- The relay test puts kvproxy alone on one core in front of a source that streams as fast as it
+- The relay test puts kvproxy (and any other router named in ``--relay-routers``, one after
+  another) alone on one core in front of a source that streams as fast as it
   can (``bench.firehose``), with the source and the client on the other core: "paced" (events
   one at a time, as tokens arrive) and "burst" (reads coalesce several events).
 """
@@ -41,6 +42,7 @@ from bench.prompts import random_tokens
 from bench.report import RESULTS, report_args
 from bench.stats import RequestRecord, percentile, summarize
 
+RELAY_ROUTER = "kvproxy/round_robin"  # the one the relay target is judged on
 RAMP_S = 4.0  # streams start spread over this, not in one burst (a steady state, not waves)
 DEFAULT_ROUTERS = ("kvproxy/prefix_affinity,kvproxy/round_robin,vllm-router/round_robin,"
                    "sglang-router/round_robin,litellm/least-busy")
@@ -69,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="answer lengths for the CPU fit a + b*tokens ('' to skip)")
     p.add_argument("--fit-concurrency", type=int, default=64)
     p.add_argument("--no-relay", action="store_true", help="skip the relay-rate test")
+    p.add_argument("--relay-routers", default=RELAY_ROUTER,
+                   help="routers of the relay test, one after another (e.g. also floor/aiohttp)")
     p.add_argument("--relay-events", type=int, default=2000)
     p.add_argument("--relay-s", type=float, default=8.0)
     p.add_argument("--out", type=Path, default=RESULTS)
@@ -139,7 +143,10 @@ def main(argv: list[str] | None = None) -> int:
             proc.stop()
         fleet.stop()
     if not args.no_relay:
-        result["relay"] = relay_rate(args, work)
+        by_router = {r.name: relay_rate(args, work, r)
+                     for r in parse_router_list(args.relay_routers)}
+        result["relay"] = by_router.get(RELAY_ROUTER, {})
+        result["relay_by_router"] = by_router
     result["finished_at"] = machine.now_utc()
     machine.write_json(args.out / "overhead.json", result)
     if not args.no_report:
@@ -289,17 +296,17 @@ RELAY_MODES = {
 }
 
 
-def relay_rate(args: argparse.Namespace, work: Path) -> dict[str, object]:
-    """kvproxy alone on its core relaying a fast SSE source, in each mode; events/s and CPU."""
+def relay_rate(args: argparse.Namespace, work: Path, router: Router) -> dict[str, object]:
+    """``router`` alone on its core relaying a fast SSE source, in each mode; events/s and CPU."""
     out: dict[str, object] = {}
     for mode, (streams, interval_ms) in RELAY_MODES.items():
-        out[mode] = _relay_mode(args, work, streams, interval_ms)
-        print(f"   relay {mode}: {out[mode]}", flush=True)
+        out[mode] = _relay_mode(args, work, streams, interval_ms, router)
+        print(f"   relay {router.name} {mode}: {out[mode]}", flush=True)
     return out
 
 
-def _relay_mode(args: argparse.Namespace, work: Path, streams: int,
-                interval_ms: float) -> dict[str, object]:
+def _relay_mode(args: argparse.Namespace, work: Path, streams: int, interval_ms: float,
+                router: Router) -> dict[str, object]:
     port = free_port()
     argv = [sys.executable, "-m", "bench.firehose", "--port", str(port),
             "--interval-ms", str(interval_ms)]
@@ -309,7 +316,6 @@ def _relay_mode(args: argparse.Namespace, work: Path, streams: int,
     old_affinity = os.sched_getaffinity(0)
     try:
         source.wait_http(f"http://127.0.0.1:{port}/health")
-        router = Router("kvproxy", "round_robin")
         proxy, endpoint, ready = router.launch([f"http://127.0.0.1:{port}"], "firehose",
                                                work / "relay", args.router_cores or None)
         proxy.wait_http(ready, timeout_s=60)

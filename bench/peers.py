@@ -36,12 +36,15 @@ PEER_POLICIES = {
     "sglang-router": ("round_robin", "cache_aware"),
     "litellm": ("least-busy",),
 }
+# Reference routers for the overhead benchmark (``bench.floor``): aiohttp alone, not routers
+# anyone would run; named only explicitly, never part of "every router".
+FLOOR_POLICIES = ("aiohttp", "aiohttp-splice")
 PACKAGES = {"vllm-router": "vllm-router", "sglang-router": "sglang-router", "litellm": "litellm"}
 
 
 @dataclass(frozen=True)
 class Router:
-    router: str  # "kvproxy", "vllm-router", "sglang-router", "litellm"
+    router: str  # "kvproxy", "vllm-router", "sglang-router", "litellm", "floor"
     policy: str
     workers: int = 1  # kvproxy only: ``kvproxy serve --workers N`` (named ``<policy>+wN``)
 
@@ -62,7 +65,7 @@ class Router:
 
     def unavailable(self) -> str | None:
         """Why this router cannot run here, or None."""
-        if self.router == "kvproxy":
+        if self.router in ("kvproxy", "floor"):
             try:
                 __import__("proxy.cli")
             except ImportError as exc:
@@ -75,6 +78,8 @@ class Router:
     def version(self) -> str:
         if self.router == "kvproxy":
             return _own_version()
+        if self.router == "floor":
+            return f"aiohttp {metadata.version('aiohttp')}"
         code = f"import importlib.metadata as m; print(m.version({PACKAGES[self.router]!r}))"
         try:
             out = subprocess.run([str(self.venv / "bin" / "python"), "-c", code],
@@ -157,6 +162,13 @@ def _vllm_router(r: Router, urls: Sequence[str], model: str, port: int, work: Pa
     return argv, {}, f"http://127.0.0.1:{port}/health", {}
 
 
+def _floor(r: Router, urls: Sequence[str], model: str, port: int, work: Path) -> Built:
+    argv = [sys.executable, "-m", "bench.floor", "--port", str(port), "--engines", ",".join(urls)]
+    if r.policy == "aiohttp-splice":
+        argv.append("--splice")
+    return argv, {}, f"http://127.0.0.1:{port}/health", {}
+
+
 def _sglang_router(r: Router, urls: Sequence[str], model: str, port: int, work: Path) -> Built:
     argv = [str(r.venv / "bin" / "python"), "-m", "sglang_router.launch_router",
             "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls,
@@ -195,6 +207,7 @@ _BUILDERS = {
     "vllm-router": _vllm_router,
     "sglang-router": _sglang_router,
     "litellm": _litellm,
+    "floor": _floor,
 }
 
 
@@ -208,6 +221,7 @@ def all_routers(peers: bool = True) -> list[Router]:
 def parse_router_list(text: str) -> list[Router]:
     """``kvproxy/prefix_affinity,vllm-router/*`` -> routers; ``*`` means every policy."""
     known = {r.name: r for r in all_routers()}
+    known.update({(r := Router("floor", p)).name: r for p in FLOOR_POLICIES})
     known.update({f"kvproxy/{p}{PRECISE}": Router("kvproxy", p + PRECISE)
                   for p in PRECISE_POLICIES})
     known.update({(r := Router("kvproxy", p, n)).name: r

@@ -61,6 +61,20 @@ def relay_text(data: Mapping[str, object]) -> str:
     relay = data.get("relay")
     if not isinstance(relay, dict) or not relay:
         return "Not measured in this run."
+    lines = _relay_lines(relay)
+    others = data.get("relay_by_router")
+    for name, rates in (others.items() if isinstance(others, dict) else ()):
+        if isinstance(rates, dict) and rates is not relay and rates != relay:
+            lines += ["", f"`{name}`, the same way:", *_relay_lines(rates)]
+    lines.append("")
+    lines.append("One kvproxy process pinned to one core; the SSE source (`bench.firehose`) and "
+                 "the client share the other core, so where the proxy's core is not saturated the "
+                 "per-CPU-second figure is its one-core capacity, the events/s figure what this "
+                 "machine reached.")
+    return "\n".join(lines)
+
+
+def _relay_lines(relay: Mapping[str, object]) -> list[str]:
     lines = []
     for mode, r in relay.items():
         if not isinstance(r, dict):
@@ -73,12 +87,7 @@ def relay_text(data: Mapping[str, object]) -> str:
             f"stream's events): {fmt(r.get('events_per_s'), 0)} SSE events/s relayed with the "
             f"proxy at {fmt(r.get('proxy_cpu_util'), 2)} of its core, i.e. "
             f"**{fmt(r.get('events_per_cpu_s'), 0)} events per proxy CPU-second**")
-    lines.append("")
-    lines.append("One kvproxy process pinned to one core; the SSE source (`bench.firehose`) and "
-                 "the client share the other core, so where the proxy's core is not saturated the "
-                 "per-CPU-second figure is its one-core capacity, the events/s figure what this "
-                 "machine reached.")
-    return "\n".join(lines)
+    return lines
 
 
 PROXY_HEADER = ("streams", "router", "event-loop lag p50 ms", "lag p99 ms", "scrape age p99 ms",
@@ -111,19 +120,31 @@ def fit_text(data: Mapping[str, object]) -> str:
         return "Not measured in this run."
     tokens = found.get("tokens", [])
     header = ("router", *(f"CPU ms/req at {t} tokens" for t in tokens), "a (ms per request)",
-              "b (us per token)", "idle CPU ms/s", "a net of idle (ms)", "b net of idle (us)")
+              "b (us per token)", "idle CPU ms/s", "a net of idle (ms)", "b net of idle (us)",
+              "a net, per round", "b net, per round")
     rows = []
     for name, r in found["routers"].items():
         per = r.get("cpu_ms_per_request", {})
         rows.append([name, *(fmt(num(per.get(str(t))), 3) for t in tokens),
                      fmt(num(r.get("a_ms")), 3), fmt(num(r.get("b_us_per_token")), 1),
                      fmt(num(r.get("idle_cpu_ms_per_s")), 1), fmt(num(r.get("a_net_ms")), 3),
-                     fmt(num(r.get("b_net_us_per_token")), 1)])
+                     fmt(num(r.get("b_net_us_per_token")), 1),
+                     _per_round(r, "a_net_ms", 3), _per_round(r, "b_net_us_per_token", 1)])
     return (f"At {found.get('concurrency')} streams, interleaved; the line through CPU per "
             f"request at each answer length. Idle CPU: each router's CPU per second over "
             f"{found.get('idle_s', 'n/a')} s with no traffic, measured before the slices; the "
             f"net columns take it off each slice (times the slice's span) before the fit, the "
-            f"raw columns include it.\n\n" + table(header, rows))
+            f"raw columns include it; the per-round columns are the same fit from each round's "
+            f"slices alone (their spread is the figure's noise). `floor/*` are references, not "
+            f"routers: the least an aiohttp server and client cost here (`bench/floor.py`)."
+            f"\n\n" + table(header, rows))
+
+
+def _per_round(fitted: Mapping[str, object], key: str, digits: int) -> str:
+    rounds = fitted.get("rounds")
+    if not isinstance(rounds, list) or not rounds:
+        return "-"
+    return ", ".join(fmt(num(r.get(key)), digits) for r in rounds if isinstance(r, dict))
 
 
 def overhead_settings(data: Mapping[str, object]) -> str:

@@ -107,12 +107,14 @@ RELAY_PACED_TARGET = 150_000.0
 
 def cpu_targets(fit: object, relay: object) -> str:
     """Issue 16's CPU targets: every kvproxy router's b ≤ vllm-router's b and a ≤ 2 x its a (raw,
-    and net of idle CPU), and the paced relay rate."""
+    and net of idle CPU), and the paced relay rate; the floor references (``bench.floor``) the
+    same way, to show which goals an aiohttp relay can reach at all."""
     routers = fit.get("routers", {}) if isinstance(fit, Mapping) else {}
     peer = routers.get(CPU_PEER, {})
     lines = []
     for name, r in routers.items():
-        if not name.startswith("kvproxy/"):
+        # A floor reference is judged too: a goal it misses is below what aiohttp itself costs.
+        if not name.startswith(("kvproxy/", "floor/")):
             continue
         for suffix, label in (("", "raw"), ("_net", "net of idle")):
             b_key, a_key = f"b{suffix}_us_per_token", f"a{suffix}_ms"
