@@ -74,6 +74,19 @@ def test_crlf_and_comments_are_understood() -> None:
     assert result is not None and result["choices"][0]["message"]["content"] == "ab"
 
 
+@pytest.mark.parametrize("split", [1, 3, 7, 1 << 20])
+def test_other_event_shapes_are_understood(split: int) -> None:
+    """Fields besides data, a payload over two data lines, no space after the colon, extra blank
+    lines, a CR at the end of one read and its LF at the start of the next."""
+    first = orjson.dumps(chat_chunk({"role": "assistant", "content": "a"}))
+    cut = len(first) // 2
+    data = (b"id: 1\nevent: message\ndata: " + first[:cut] + b"\ndata: " + first[cut:]
+            + b"\n\n\n\ndata:" + orjson.dumps(chat_chunk({"content": "b"}, "stop")) + b"\r\n\r\n"
+            + b"data:[DONE]\n\n")
+    result = assemble(data, split=split)
+    assert result is not None and result["choices"][0]["message"]["content"] == "ab"
+
+
 @pytest.mark.parametrize(
     "data",
     [
