@@ -31,6 +31,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from proxy.core.cache_entry import CachedResponse, EntryError, Recording, decode_entry
 from proxy.core.cache_key import CacheConfig, CachePolicy, KeyMaker, decide
+from proxy.observe.metrics import Children
 from proxy.tenancy.redis_link import RedisLink, RedisUnavailable
 
 log = logging.getLogger("kvproxy.cache")
@@ -132,6 +133,10 @@ class CacheMetrics:
             "kvproxy_cache_stores", "Answers offered to the cache after a miss, by outcome",
             ["outcome"], registry=registry,
         )  # fmt: skip
+        # Every cacheable request counts a lookup and a store: their children looked up once.
+        self.lookups_by = Children(self.lookups)
+        self.stores_by = Children(self.stores)
+        self.bypass_by = Children(self.bypass_reasons)  # the policy's reasons: a fixed set
 
 
 @dataclass(frozen=True)
@@ -190,12 +195,12 @@ class ResponseCache:
     async def lookup(self, req: CacheRequest) -> Lookup:
         policy = self.policy(req)
         if policy.bypass or not policy.read:
-            self.metrics.lookups.labels("bypass").inc()
-            self.metrics.bypass_reasons.labels(policy.reason).inc()
+            self.metrics.lookups_by("bypass").inc()
+            self.metrics.bypass_by(policy.reason).inc()
             fill = Fill(self, req, self.key(req), None) if policy.write else None
             return Lookup("BYPASS", fill=fill)
         result = await self._lookup(req, self.key(req))
-        self.metrics.lookups.labels("hit" if result.entry else "miss").inc()
+        self.metrics.lookups_by("hit" if result.entry else "miss").inc()
         return result
 
     async def _lookup(self, req: CacheRequest, key: str) -> Lookup:
@@ -278,7 +283,7 @@ class ResponseCache:
         except RedisUnavailable:
             self.metrics.errors.labels("set").inc()
             return
-        self.metrics.stores.labels("stored").inc()
+        self.metrics.stores_by("stored").inc()
 
     def _wake(self, flight: _Flight | None, entry: CachedResponse | None) -> None:
         if flight is not None:
@@ -352,9 +357,9 @@ class Fill:
         self._cache._wake(self._flight, None if too_large else entry)
         try:
             if value is None:
-                self._cache.metrics.stores.labels("incomplete").inc()
+                self._cache.metrics.stores_by("incomplete").inc()
             elif too_large:
-                self._cache.metrics.stores.labels("too_large").inc()
+                self._cache.metrics.stores_by("too_large").inc()
             else:
                 await self._cache._store(self._key, value)
         finally:
