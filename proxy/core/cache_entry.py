@@ -131,6 +131,7 @@ class StreamAssembler:
 
     def _lines(self, lines: list[bytes]) -> None:
         """Complete events' lines, in order; a blank line ends an event."""
+        payloads: list[bytes] = []
         data: list[bytes] = []
         for line in lines:
             if line:
@@ -138,53 +139,44 @@ class StreamAssembler:
                     data.append(line)
                 continue  # comments (keep-alives) and other fields
             if data:
-                self._event(data)
+                payloads.append(_payload(data))
                 data = []
-            if not self.storable:
-                return
-        if data and self.storable:
-            self._event(data)
+        if data:
+            payloads.append(_payload(data))
+        self._events(payloads)
 
     def _give_up(self) -> None:
         self.storable = False
         self._buffer = b""
         self._choices.clear()
 
-    def _event(self, lines: list[bytes]) -> None:
-        """One event's data lines (at least one)."""
-        # The usual event is one data line: its payload is taken as it is, leading space and all.
-        one = len(lines) == 1
-        data = lines[0][5:] if one else b"\n".join(ln[5:].lstrip(b" ") for ln in lines)
-        if self.done:
-            self._give_up()
-        elif data[:2] == b" {":
-            self._chunk(data)  # JSON takes the leading space: no copy of the payload
-        elif data.strip() == b"[DONE]":
-            self.done = True
-        else:
-            self._chunk(data)
-
-    def _chunk(self, data: bytes) -> None:
-        try:
-            obj = orjson.loads(data)
-        except orjson.JSONDecodeError:
-            self._give_up()
-            return
-        if not isinstance(obj, dict) or "error" in obj:
-            self._give_up()
-            return
-        choices = obj.get("choices")
-        if not isinstance(choices, list):
-            self._give_up()
-            return
-        if not self._head:
-            self._head = {k: obj[k] for k in _HEAD_FIELDS if k in obj}
-        if obj.get("usage"):
-            self._usage = obj["usage"]
-        for choice in choices:
-            if not (isinstance(choice, dict) and self._merge(choice)):
+    def _events(self, payloads: list[bytes]) -> None:
+        """Each event's data in order. One loop for all of them, not calls per event: this runs
+        once per streamed token of every answer the cache may store."""
+        loads, merge = orjson.loads, self._merge
+        for data in payloads:
+            if self.done:
+                self._give_up()  # an event after [DONE]
+                return
+            if data[:2] != b" {" and data.strip() == b"[DONE]":
+                self.done = True
+                continue
+            try:
+                obj = loads(data)  # JSON takes a leading space: no copy of the payload
+            except orjson.JSONDecodeError:
+                obj = None
+            if (not isinstance(obj, dict) or "error" in obj
+                    or not isinstance(choices := obj.get("choices"), list)):
                 self._give_up()
                 return
+            if not self._head:
+                self._head = {k: obj[k] for k in _HEAD_FIELDS if k in obj}
+            if obj.get("usage"):
+                self._usage = obj["usage"]
+            for choice in choices:
+                if not (isinstance(choice, dict) and merge(choice)):
+                    self._give_up()
+                    return
 
     def _merge(self, choice: dict[str, Any]) -> bool:
         index = choice.get("index", 0)
@@ -212,6 +204,14 @@ class StreamAssembler:
         response["choices"] = choices
         response["usage"] = self._usage
         return response if _finished(response) else None
+
+
+def _payload(lines: list[bytes]) -> bytes:
+    """An event's data from its data lines (at least one). The usual event is one data line: its
+    payload is taken as it is, leading space and all."""
+    if len(lines) == 1:
+        return lines[0][5:]
+    return b"\n".join(ln[5:].lstrip(b" ") for ln in lines)
 
 
 class _Choice:
