@@ -1,7 +1,14 @@
 """The floor references of the overhead benchmark: named, launched and judged like the routers."""
 
+import asyncio
 from pathlib import Path
 
+import aiohttp
+import orjson
+import pytest
+from aiohttp import web
+
+from bench import firehose, floor
 from bench.peers import Router, _floor, all_routers, parse_router_list
 from bench.targets import cpu_targets
 
@@ -33,3 +40,36 @@ def test_floor_references_are_judged_against_the_cpu_goals():
     text = cpu_targets(fit, {})
     assert "`floor/aiohttp` (raw): b 20.0 us ≤ vllm-router/round_robin's 21.0 us — **met**" in text
     assert "a 0.500 ms ≤ 2 x 0.300 ms — **met**" in text
+
+
+async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    return runner, f"http://127.0.0.1:{port}"
+
+
+@pytest.mark.parametrize("splice", [False, True])
+async def test_a_floor_relays_the_engines_bytes_as_they_are(splice: bool):
+    """The instrument must relay what it measures: every byte of a stream, in order, both ways
+    of relaying (the splice is kvproxy's own, so a change there must keep the floor working)."""
+    source, source_url = await _serve(firehose.build_app())
+    floor_runner, floor_url = await _serve(floor.build_app([source_url], splice))
+    body = orjson.dumps({"model": "firehose", "max_tokens": 50, "stream": True})
+    try:
+        async with aiohttp.ClientSession() as session:
+            direct = await _post(session, source_url, body)
+            relayed = await _post(session, floor_url, body)
+    finally:
+        await floor_runner.cleanup()
+        await source.cleanup()
+    assert relayed == direct and relayed.count(b"data: ") == 52  # 50 tokens, usage, [DONE]
+
+
+async def _post(session: aiohttp.ClientSession, base: str, body: bytes) -> bytes:
+    async with asyncio.timeout(10):
+        resp = await session.post(base + "/v1/chat/completions", data=body)
+        assert resp.status == 200
+        return await resp.read()
