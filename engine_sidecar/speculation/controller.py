@@ -30,7 +30,13 @@ from engine_sidecar.speculation import schedule as sch
 from engine_sidecar.speculation.cost import StepCost, calibrate
 from engine_sidecar.speculation.export import render
 from engine_sidecar.speculation.lease import Lease
-from engine_sidecar.speculation.policy import Decision, PolicySettings, PolicyState, decide
+from engine_sidecar.speculation.policy import (
+    Decision,
+    PolicySettings,
+    PolicyState,
+    committed,
+    decide,
+)
 from engine_sidecar.speculation.rollout import Rollout, RolloutState, may_start
 from engine_sidecar.speculation.shift import Shift, ShiftSettings, change_point
 from engine_sidecar.speculation.window import MetricsWindow, WindowFigures, snapshot_from_text
@@ -215,7 +221,7 @@ class Controller:
             ok = await self._roll_out(decision)
         finally:
             await self.lease.release(self.name)
-        self.state = replace(PolicyState(), last_change_at=self._now())
+        self.state = committed(self.state, self._now(), decision if ok else None)
         self.last_hold = "" if ok else "the restart failed; rolled back"
         return ok
 
