@@ -182,8 +182,9 @@ def render(data: Mapping[str, object]) -> str:
 def render_variations(variations: Sequence[Mapping[str, object]]) -> str:
     """The same benchmark under other seeds or phase lengths (``speculation-*.json``): each
     run's goals and whole-run rows, so that no default is judged on one workload alone."""
+    grids = [d for d in variations if d.get("kind") == "oracle-grid"]
     parts = ["## Variations", ""]
-    for data in variations:
+    for data in (d for d in variations if d.get("kind") != "oracle-grid"):
         arms = data["arms"]
         assert isinstance(arms, dict)
         settings = data["settings"]
@@ -196,4 +197,47 @@ def render_variations(variations: Sequence[Mapping[str, object]]) -> str:
                   table(["arm", "ITL p50 (ms)", "ITL p99 (ms)", "output tok/s", "requests",
                          "lost", "reconfigurations"], rows), "",
                   *data["goals"], ""]  # type: ignore[list-item]
-    return "\n".join(parts)
+    return "\n".join(parts + [render_grid(g) for g in grids])
+
+
+def _cell(point: Mapping[str, object], names: Sequence[str]) -> str:
+    whole, worst = point["whole"], point["worst"]
+    assert isinstance(whole, dict) and isinstance(worst, float)
+    where = names[point["worst_phase"]]  # type: ignore[index]
+    mark = " **both**" if point["both_goals"] else ""
+    return f"{whole['itl_p99_ms']:.1f} / {worst - 1:+.1%} ({where}){mark}"
+
+
+def render_grid(data: Mapping[str, object]) -> str:
+    """``bench.speculation_oracles``: every oracle point's whole-run ITL p99 and its worst phase
+    against the best static arm, one row per in-domain choice, one column per shifted one."""
+    grid, static, names = data["grid"], data["static"], data["phase_names"]
+    settings = data["settings"]
+    assert isinstance(grid, list) and isinstance(static, dict) and isinstance(settings, dict)
+    assert isinstance(names, list)
+    offs = settings["shifted_off_from"]
+    cells = {(g["in_domain_k"], g["from_batch"], g["shifted_off_from"]): g for g in grid}
+    rows = [[k, t, *(_cell(cells[(k, t, o)], names) if (k, t, o) in cells else "not run"
+                     for o in offs)]
+            for k in settings["in_domain_ks"] for t in settings["thresholds"]]
+    off_p99 = static["off"]["whole"]["itl_p99_ms"]
+    below = [g for g in grid if g["p99_below_off"]]
+    both = [g for g in grid if g["both_goals"]]
+    closest = max(below, key=lambda g: g["worst"], default=None)
+    summary = [f"- points run: {len(grid)}; whole-run ITL p99 below speculation off's "
+               f"({off_p99:.1f} ms): {len(below)}; of those, every phase within "
+               f"{WITHIN:.0%} of the best static arm: {len(both)}"]
+    if closest is not None:
+        summary.append(f"- closest of those below off's tail: in-domain K "
+                       f"{closest['in_domain_k']} from batch {closest['from_batch']}, shifted "
+                       f"off from {closest['shifted_off_from']}: {_cell(closest, names)}")
+    return "\n".join([
+        f"## Oracle grid (seed {settings['seed']}, phases x{settings['scale']})", "",
+        f"- command: `{data['command']}`", f"- run: {data['started_at']}", "",
+        "Every engine switches for free at the shift and back. In-domain: K 6 to batch 8, 5 to "
+        "16, 4 to 32, 2 above, and the row's K from the row's batch up; shifted: K 1 below the "
+        "column's batch, speculation off from it. Each cell: whole-run ITL p99 (ms) / the worst "
+        "phase's output tok/s against that phase's best static arm (the phase); **both**: "
+        "p99 below off's and every phase within 5 %.", "",
+        table(["in-domain K", "from batch", *(f"shifted off from {o}" for o in offs)], rows),
+        "", *summary, ""])

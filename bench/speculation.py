@@ -249,6 +249,7 @@ def _describe(settings: ControllerSettings) -> dict[str, object]:
             "margin": p.margin, "min_interval_s": p.min_interval_s,
             "confirmations": p.confirmations, "tie": p.tie, "horizon_s": p.horizon_s,
             "restart_cost_s": p.restart_cost_s, "spare_load": p.spare_load,
+            "followup_margin": p.followup_margin, "followup_drafts": p.followup_drafts,
             "shift_threshold": s.shift.threshold, "shift_min": s.shift.min_shift}
 
 
