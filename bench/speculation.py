@@ -266,8 +266,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="simulated seconds an engine restart takes after its drain")
     parser.add_argument("--arms", default=",".join(a.name for a in ARMS))
     parser.add_argument("--out", type=Path, default=RESULTS / "speculation")
+    parser.add_argument("--decisions", action="store_true",
+                        help="print the adaptive loop's decision log (kvproxy.speculation)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    if args.decisions:
+        logging.getLogger("kvproxy.speculation").setLevel(logging.INFO)
     plan = phases(args.scale)
     wanted = set(args.arms.split(","))
     results = [run_arm(a, plan, args.seed, args.restart_s) for a in ARMS if a.name in wanted]
