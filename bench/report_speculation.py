@@ -36,10 +36,10 @@ after the shift back has only the seconds after the change point (about 60 draft
 1 alone measured, the others extrapolated from it), so where an engine lands depends on that
 estimate's noise. The follow-up corrects a landing once every drafted position is measured:
 - seed 1: engine-1 landed on K 5 (first-position estimate 0.75), engine-0 on K 6 (0.83). Engine-1's
-  follow-up, 400 drafts after its restart, found K 6 3.7 % better, but engine-0 was then
-  restarting and held the pool's lease; when the lease was free, about 30 s later, 1,300 drafts
-  put the gain at 2.0 %, not above the follow-up margin, and it kept K 5. Engine-0's follow-up
-  kept K 6. The phase is unchanged (-7.7 %).
+  follow-up, 440 drafts after its restart, found K 6-7 at batch 1 3.7 % better, but engine-0 was
+  then restarting and held the pool's lease; while it waited (about 20 s), more drafts brought
+  the gain down to 2.0 % at 1,360 drafts (K 6), not above the follow-up margin, and it kept K 5.
+  Engine-0's follow-up kept K 6. The phase is unchanged (-7.7 %).
 - seed 2: both engines landed on K 6; both follow-ups kept it (-5.6 %, unchanged).
 - phases x1.5: engine-1 landed on K 4 (estimate 0.66); its follow-up found K 6 5.4-6.2 % better
   and restarted as soon as the lease was free (the ordinary rule would have waited for the 60 s
