@@ -10,6 +10,8 @@ Rules:
   ``kvproxy.speculation``) with its inputs, and counted.
 - How long a rollout kept the engine out (drain, restart, warm-up) is measured and is what the
   policy charges the next change for.
+- After a rollout the policy starts again from ``committed`` with the decision rolled out, so a
+  provisional change (made on positions the window had not measured) keeps its one follow-up.
 - A change is rolled out only when ``act`` is on, the gate allows it and the pool lease is held:
   the engine handle drains, restarts with the new schedule and warms up; if that fails, the handle
   is asked to come back on the last good schedule. The lease is released in every case.
