@@ -2,7 +2,8 @@
 
 ``python -m bench.speculation_oracles`` runs ``bench.speculation``'s workload once per static arm
 and once per *oracle* schedule of a grid over the high-load ranges, and writes
-``bench/results/speculation-oracles.json`` (the speculation report renders it as a table).
+``bench/results/speculation-oracles.json`` (the speculation report renders it as a table);
+``--ks``, ``--thresholds`` and ``--off-from`` run a part of the grid (another seed's check).
 
 An oracle switches every engine's schedule at the domain shift and back, instantly and for free
 (the benchmark's own oracle mechanism), so it bounds what any loop could reach: a point of the
@@ -80,23 +81,32 @@ def judge(point: dict[str, object], static: dict[str, dict[str, object]]) -> dic
             "p99_below_off": p99 < off_p99, "both_goals": both}
 
 
+def _csv(values: Sequence[int]) -> str:
+    return ",".join(str(v) for v in values)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.speculation_oracles",
                                      description=__doc__)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--scale", type=float, default=1.0)
     parser.add_argument("--out", type=Path, default=RESULTS / "speculation-oracles.json")
+    parser.add_argument("--ks", default=_csv(IN_DOMAIN_KS), help="in-domain K from the threshold")
+    parser.add_argument("--thresholds", default=_csv(THRESHOLDS))
+    parser.add_argument("--off-from", default=_csv(SHIFTED_OFF))
     args = parser.parse_args(argv)
+    ks, thresholds, offs = (tuple(int(v) for v in a.split(","))
+                            for a in (args.ks, args.thresholds, args.off_from))
     plan = phases(args.scale)
     static = {a.name: figures(run_arm(a, plan, args.seed, 30.0), plan)
               for a in ARMS if not a.adaptive and not a.name.startswith("oracle")}
     data: dict[str, object] = {
         "kind": "oracle-grid", "command": machine.command_line(),
         "started_at": machine.now_utc(), "machine": machine.environment(),
-        "settings": {"seed": args.seed, "scale": args.scale, "in_domain_ks": IN_DOMAIN_KS,
-                     "thresholds": THRESHOLDS, "shifted_off_from": SHIFTED_OFF},
+        "settings": {"seed": args.seed, "scale": args.scale, "in_domain_ks": ks,
+                     "thresholds": thresholds, "shifted_off_from": offs},
         "phase_names": [p.name for p in plan], "static": static, "grid": []}
-    for k, threshold, off_from in itertools.product(IN_DOMAIN_KS, THRESHOLDS, SHIFTED_OFF):
+    for k, threshold, off_from in itertools.product(ks, thresholds, offs):
         point = figures(run_arm(grid_arm(k, threshold, off_from), plan, args.seed, 30.0), plan)
         point |= {"in_domain_k": k, "from_batch": threshold, "shifted_off_from": off_from}
         point |= judge(point, static)
