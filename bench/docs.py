@@ -34,6 +34,8 @@ python -m bench.routing --suite     # routing over six workloads (--quick: under
 python -m bench.overhead            # overhead benchmark (full run; --quick for a few minutes)
 python -m bench.soak all            # soak: proxy memory over 100k requests, 2,000 idle streams
 python -m bench.speculation         # adaptive speculation vs static choices (simulated, ~2 min)
+python -m bench.speculation_oracles # 72 oracle schedules: can any meet both speculation goals?
+                                    # (simulated, ~20 min)
 python -m bench.specfirst           # speculative-first routing vs the target alone (~2 min)
 python -m bench.replicas --quick    # 1, 2 and 4 kvproxy replicas behind HAProxy, sharing routing
                                     # state through Redis or not (--repeat N for rounds)

@@ -249,6 +249,7 @@ def _describe(settings: ControllerSettings) -> dict[str, object]:
             "margin": p.margin, "min_interval_s": p.min_interval_s,
             "confirmations": p.confirmations, "tie": p.tie, "horizon_s": p.horizon_s,
             "restart_cost_s": p.restart_cost_s, "spare_load": p.spare_load,
+            "followup_margin": p.followup_margin, "followup_drafts": p.followup_drafts,
             "shift_threshold": s.shift.threshold, "shift_min": s.shift.min_shift}
 
 
@@ -265,8 +266,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="simulated seconds an engine restart takes after its drain")
     parser.add_argument("--arms", default=",".join(a.name for a in ARMS))
     parser.add_argument("--out", type=Path, default=RESULTS / "speculation")
+    parser.add_argument("--decisions", action="store_true",
+                        help="print the adaptive loop's decision log (kvproxy.speculation)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    if args.decisions:
+        logging.getLogger("kvproxy.speculation").setLevel(logging.INFO)
     plan = phases(args.scale)
     wanted = set(args.arms.split(","))
     results = [run_arm(a, plan, args.seed, args.restart_s) for a in ARMS if a.name in wanted]

@@ -10,6 +10,8 @@ Rules:
   ``kvproxy.speculation``) with its inputs, and counted.
 - How long a rollout kept the engine out (drain, restart, warm-up) is measured and is what the
   policy charges the next change for.
+- After a rollout the policy starts again from ``committed`` with the decision rolled out, so a
+  provisional change (made on positions the window had not measured) keeps its one follow-up.
 - A change is rolled out only when ``act`` is on, the gate allows it and the pool lease is held:
   the engine handle drains, restarts with the new schedule and warms up; if that fails, the handle
   is asked to come back on the last good schedule. The lease is released in every case.
@@ -30,7 +32,13 @@ from engine_sidecar.speculation import schedule as sch
 from engine_sidecar.speculation.cost import StepCost, calibrate
 from engine_sidecar.speculation.export import render
 from engine_sidecar.speculation.lease import Lease
-from engine_sidecar.speculation.policy import Decision, PolicySettings, PolicyState, decide
+from engine_sidecar.speculation.policy import (
+    Decision,
+    PolicySettings,
+    PolicyState,
+    committed,
+    decide,
+)
 from engine_sidecar.speculation.rollout import Rollout, RolloutState, may_start
 from engine_sidecar.speculation.shift import Shift, ShiftSettings, change_point
 from engine_sidecar.speculation.window import MetricsWindow, WindowFigures, snapshot_from_text
@@ -215,7 +223,7 @@ class Controller:
             ok = await self._roll_out(decision)
         finally:
             await self.lease.release(self.name)
-        self.state = replace(PolicyState(), last_change_at=self._now())
+        self.state = committed(self.state, self._now(), decision if ok else None)
         self.last_hold = "" if ok else "the restart failed; rolled back"
         return ok
 

@@ -58,6 +58,9 @@ def render(c: Controller) -> str:
     if st.out_s is not None:
         lines += _family("last_restart_seconds", "gauge", "How long the last rollout kept the "
                          "engine out (drain, restart, warm-up).", [("", st.out_s)])
+    lines += _family("followup_pending", "gauge", "1 while the last change was made on thin "
+                     "evidence and its one follow-up evaluation has not run yet.",
+                     [("", float(c.state.followup))])
     lines += _family("shifts_total", "counter", "Acceptance shifts found by the change-point "
                      "test.", [("", float(st.shifts))])
     lines += _family("decisions_total", "counter", "Controller evaluations by outcome.",

@@ -23,6 +23,14 @@ Rules:
   pool has room and costs about the engine's whole output once it runs full. The gain over
   ``horizon_s`` must exceed that cost, so a change worth making at low load waits while the pool
   is busy, and is made when the load falls if it is still worth it.
+- A change made on thin evidence is *provisional*: the new schedule drafts, at the batch sizes
+  seen, positions the window had measured on fewer than ``followup_drafts`` drafts (after a
+  shift, typically only position 1 was drafted, and the rest were extrapolated from it). Once
+  the window has measured every position the new schedule drafts at those batch sizes on
+  ``followup_drafts`` drafts, one follow-up evaluation may change it again with the smaller
+  ``followup_margin``, without waiting for ``min_interval_s`` or the confirmations (the
+  evidence is now direct; a landing a few per cent off the best would otherwise never be
+  corrected). A follow-up is never provisional itself, so there is at most one per change.
 - Per-position acceptance under a schedule that mixes draft lengths: a position ``i`` is only
   proposed in steps whose K exceeds ``i``, so its denominator is the drafts of those steps, which
   :func:`estimate_positions` infers from the batch sizes seen; unobserved positions repeat the last
@@ -59,6 +67,9 @@ class PolicySettings:
     restart_cost_s: float = 60.0
     # Below this load the other engines of the pool absorb a restarting engine's share for free.
     spare_load: float = 0.5
+    # The one re-evaluation after a provisional change (see the module rules).
+    followup_margin: float = 0.02
+    followup_drafts: float = 400.0
 
     def __post_init__(self) -> None:
         if self.max_k < 1 or self.max_batch < 1:
@@ -74,6 +85,8 @@ class PolicySettings:
         if self.horizon_s <= 0 or self.restart_cost_s < 0 or not 0 <= self.spare_load < 1:
             raise ValueError("horizon_s must be > 0, restart_cost_s >= 0, spare_load within "
                              "0..1 (excluding 1)")
+        if self.followup_margin < 0 or self.followup_drafts <= 0:
+            raise ValueError("followup_margin must be >= 0, followup_drafts > 0")
 
     @property
     def used_edges(self) -> tuple[int, ...]:
@@ -88,6 +101,9 @@ class Figures:
     batch_weights: Mapping[int, float]
     drafts: float
     load: float = 0.0  # 0..1: how full the engine ran (KV usage or batch over the maximum)
+    # Drafts that proposed each position (see :func:`position_reach`); empty: not known, and
+    # every position counts as measured.
+    position_drafts: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -108,11 +124,14 @@ class Decision:
     predicted_gain: float
     ranges: tuple[RangeChoice, ...]
     required_gain: float = 0.0
+    provisional: bool = False  # a change on thin evidence: a follow-up will be allowed
+    followup: bool = False  # this was the follow-up evaluation of a provisional change
 
     def as_log(self) -> dict[str, object]:
         return {"action": self.action, "reason": self.reason,
                 "predicted_gain": round(self.predicted_gain, 4),
                 "required_gain": round(self.required_gain, 4),
+                "provisional": self.provisional, "followup": self.followup,
                 "ranges": [c.__dict__ for c in self.ranges]}
 
 
@@ -124,6 +143,7 @@ class PolicyState:
     # A shift found stands in for the confirmations until a change is made or the new regime
     # says keep: a change held for the pool's lease must not start counting them again.
     confirmed: bool = False
+    followup: bool = False  # the last change was provisional and not yet re-evaluated
 
 
 def extend_positions(per_position: tuple[float, ...], max_k: int) -> tuple[float, ...]:
@@ -140,26 +160,46 @@ def extend_positions(per_position: tuple[float, ...], max_k: int) -> tuple[float
     return tuple(rates)
 
 
-def estimate_positions(accepted_per_pos: tuple[float, ...], drafts: float,
-                       batch_weights: Mapping[int, float], current: Schedule,
-                       max_k: int) -> tuple[float, ...]:
-    """Unconditional acceptance per position from a window's counter deltas (see module rules)."""
+def position_reach(drafts: float, batch_weights: Mapping[int, float], current: Schedule,
+                   max_k: int) -> tuple[float, ...]:
+    """How many of a window's ``drafts`` proposed each position ``0..max_k-1``: a draft proposes
+    position ``i`` only in steps whose K exceeds ``i`` (inferred from the batch sizes seen)."""
     if drafts <= 0:
         return ()
     share = {b: w * b for b, w in batch_weights.items()
              if b > 0 and k_for_batch(current, b, max_k) > 0}
     drafted = sum(share.values())
+    if drafted <= 0:
+        return (drafts,) * max_k
+    return tuple(drafts * sum(w for b, w in share.items() if k_for_batch(current, b, max_k) > i)
+                 / drafted for i in range(max_k))
+
+
+def estimate_positions(accepted_per_pos: tuple[float, ...], drafts: float,
+                       batch_weights: Mapping[int, float], current: Schedule,
+                       max_k: int) -> tuple[float, ...]:
+    """Unconditional acceptance per position from a window's counter deltas (see module rules)."""
+    reach = position_reach(drafts, batch_weights, current, max(max_k, len(accepted_per_pos)))
     rates: list[float] = []
-    for i, accepted in enumerate(accepted_per_pos):
-        if drafted > 0:
-            reach = sum(w for b, w in share.items() if k_for_batch(current, b, max_k) > i)
-            fraction = reach / drafted
-        else:
-            fraction = 1.0
-        if fraction <= 0:
+    for accepted, proposed in zip(accepted_per_pos, reach, strict=False):
+        if proposed <= 0:
             break
-        rates.append(min(1.0, accepted / (drafts * fraction)))
+        rates.append(min(1.0, accepted / proposed))
     return extend_positions(tuple(rates), max_k)
+
+
+def drafted_k(schedule: Schedule, weights: Mapping[int, float], max_k: int) -> int:
+    """The longest draft ``schedule`` runs at the batch sizes seen."""
+    return max((k_for_batch(schedule, b, max_k) for b, w in weights.items() if b > 0 and w > 0),
+               default=0)
+
+
+def measured(figures: Figures, k: int, drafts: float) -> bool:
+    """Whether positions ``0..k-1`` were each proposed by at least ``drafts`` drafts."""
+    reach = figures.position_drafts
+    if not reach:
+        return True
+    return all(i < len(reach) and reach[i] >= drafts for i in range(k))
 
 
 def _rate(cost: StepCost, p: tuple[float, ...], b: int, k: int) -> float:
@@ -218,12 +258,21 @@ def _same_ks(a: Schedule, b: Schedule, max_k: int, max_batch: int) -> bool:
                for n in range(1, max_batch + 1))
 
 
-def required_gain(settings: PolicySettings, load: float, out_s: float | None) -> float:
-    """The least predicted gain that pays for a restart at ``load``: the margin, plus the share
-    of the engine's output the pool cannot absorb while it is out, spread over the horizon."""
+def required_gain(settings: PolicySettings, load: float, out_s: float | None, *,
+                  margin: float | None = None) -> float:
+    """The least predicted gain that pays for a restart at ``load``: the margin (``margin``, or
+    the settings'), plus the share of the engine's output the pool cannot absorb while it is out,
+    spread over the horizon."""
     spill = min(1.0, max(0.0, (load - settings.spare_load) / (1.0 - settings.spare_load)))
     out = settings.restart_cost_s if out_s is None else out_s
-    return settings.margin + spill * out / settings.horizon_s
+    return (settings.margin if margin is None else margin) + spill * out / settings.horizon_s
+
+
+def _is_followup(settings: PolicySettings, state: PolicyState, figures: Figures,
+                 current: Schedule) -> bool:
+    """A provisional change is re-evaluated once its schedule's positions are measured."""
+    k = drafted_k(current, figures.batch_weights, settings.max_k)
+    return state.followup and measured(figures, k, settings.followup_drafts)
 
 
 def decide(settings: PolicySettings, state: PolicyState, cost: StepCost, figures: Figures, *,
@@ -236,36 +285,45 @@ def decide(settings: PolicySettings, state: PolicyState, cost: StepCost, figures
     if not figures.per_position or figures.drafts < settings.min_drafts:
         reason = f"acceptance not measured yet ({figures.drafts:.0f} drafts in the window)"
         return _hold("wait", reason, current, state), replace(state, streak=0)
+    followup = _is_followup(settings, state, figures, current)
+    margin = min(settings.followup_margin, settings.margin) if followup else settings.margin
     proposed, choices, gain = propose(settings, cost, figures, current)
-    need = required_gain(settings, figures.load, out_s)
-    if _same_ks(proposed, current, settings.max_k, settings.max_batch) or gain <= settings.margin:
+    need = required_gain(settings, figures.load, out_s, margin=margin)
+    if _same_ks(proposed, current, settings.max_k, settings.max_batch) or gain <= margin:
         decision = Decision("keep", f"predicted gain {gain:+.1%} within margin", current,
-                            proposed, gain, choices, need)
-        return decision, replace(state, streak=0, last_proposal=(), confirmed=False)
+                            proposed, gain, choices, need, followup=followup)
+        return decision, replace(state, streak=0, last_proposal=(), confirmed=False,
+                                 followup=state.followup and not followup)
     same = bool(state.last_proposal) and _same_ks(proposed, state.last_proposal,
                                                   settings.max_k, settings.max_batch)
     confirmed = shifted or state.confirmed
-    streak = settings.confirmations if confirmed else state.streak + 1 if same else 1
+    streak = settings.confirmations if confirmed or followup else \
+        state.streak + 1 if same else 1
     state = replace(state, streak=streak, last_proposal=proposed, confirmed=confirmed)
+    provisional = not followup and not measured(
+        figures, drafted_k(proposed, figures.batch_weights, settings.max_k),
+        settings.followup_drafts)
 
-    def wait(why: str) -> tuple[Decision, PolicyState]:
-        return Decision("wait", f"gain {gain:+.1%}: {why}", current, proposed, gain, choices,
-                        need), state
+    def out(action: str, why: str) -> tuple[Decision, PolicyState]:
+        return Decision(action, why, current, proposed, gain, choices, need,
+                        provisional=provisional, followup=followup), state
 
     if streak < settings.confirmations:
-        return wait(f"confirmation {streak}/{settings.confirmations}")
+        return out("wait", f"gain {gain:+.1%}: confirmation {streak}/{settings.confirmations}")
     if gain <= need:
-        return wait(f"not worth a restart at load {figures.load:.0%} (needs {need:+.1%})")
-    if now - state.last_change_at < settings.min_interval_s:
+        return out("wait", f"gain {gain:+.1%}: not worth a restart at load "
+                           f"{figures.load:.0%} (needs {need:+.1%})")
+    if now - state.last_change_at < settings.min_interval_s and not followup:
         left = settings.min_interval_s - (now - state.last_change_at)
-        return wait(f"last change too recent ({left:.0f} s to go)")
-    return Decision("change", f"predicted gain {gain:+.1%}", current, proposed, gain,
-                    choices, need), state
+        return out("wait", f"gain {gain:+.1%}: last change too recent ({left:.0f} s to go)")
+    return out("change", f"predicted gain {gain:+.1%}" + (" (follow-up)" if followup else ""))
 
 
-def committed(state: PolicyState, now: float) -> PolicyState:
-    """The state after a change was rolled out at ``now``."""
-    return PolicyState(last_change_at=now)
+def committed(state: PolicyState, now: float, decision: Decision | None = None) -> PolicyState:
+    """The state after ``decision`` was rolled out at ``now``: a provisional change leaves one
+    follow-up evaluation pending."""
+    return PolicyState(last_change_at=now,
+                       followup=decision is not None and decision.provisional)
 
 
 def _hold(action: str, reason: str, current: Schedule, state: PolicyState) -> Decision:

@@ -20,7 +20,7 @@ import itertools
 from collections import Counter, deque
 from dataclasses import dataclass
 
-from engine_sidecar.speculation.policy import Figures, estimate_positions
+from engine_sidecar.speculation.policy import Figures, estimate_positions, position_reach
 from engine_sidecar.speculation.schedule import Schedule
 from engine_sidecar.vllm import metrics as m
 
@@ -156,7 +156,9 @@ class MetricsWindow:
         prefill = new.prefill_tokens - old.prefill_tokens
         requests = new.requests - old.requests
         measured = requests >= MIN_REQUESTS and tokens > 0
-        return WindowFigures(Figures(per_pos, weights, drafts, min(1.0, load)), itl, rate,
+        reach = position_reach(drafts, weights, current, max_k)
+        return WindowFigures(Figures(per_pos, weights, drafts, min(1.0, load), reach),
+                             itl, rate,
                              waiting, min(1.0, load),
                              prefill / tokens if measured else None,
                              prefill / requests if measured else None)

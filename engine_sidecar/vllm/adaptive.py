@@ -59,6 +59,8 @@ class AdaptiveSettings:
     horizon_s: float = 600.0
     restart_cost_s: float = 60.0
     spare_load: float = 0.5
+    followup_margin: float = 0.02
+    followup_drafts: float = 400.0
     shift_threshold: float = 25.0
     shift_min: float = 0.1
     edges: tuple[int, ...] = DEFAULT_EDGES
@@ -120,7 +122,8 @@ def _controller_settings(profile: Profile, s: AdaptiveSettings) -> ControllerSet
         max_batch=profile.engine.max_num_seqs or 256, edges=s.edges, margin=s.margin,
         min_interval_s=s.min_interval_s, confirmations=s.confirmations,
         min_drafts=s.min_drafts, probe_k=s.probe_k, tie=s.tie, horizon_s=s.horizon_s,
-        restart_cost_s=s.restart_cost_s, spare_load=s.spare_load)
+        restart_cost_s=s.restart_cost_s, spare_load=s.spare_load,
+        followup_margin=s.followup_margin, followup_drafts=s.followup_drafts)
     return ControllerSettings(policy=policy, act=s.act, poll_s=s.poll_s, eval_s=s.eval_s,
                               window_s=s.window_s, max_waiting=s.max_waiting,
                               shift=ShiftSettings(threshold=s.shift_threshold,
