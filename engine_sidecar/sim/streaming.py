@@ -6,6 +6,9 @@ closed connection or a cancelled handler aborts the request inside the engine (t
 ``stall_after_tokens`` pauses the relay once for ``stall_s`` wall seconds, ``reset_after_tokens``
 sends exactly that many tokens and then resets the TCP connection (RST, not FIN), as a crashing
 engine would. A non-streamed response applies the same faults to the tokens it collects.
+A chat stream's role chunk goes out with the first batch of words, as vLLM sends it with the
+engine's first output (never on receipt: a router reads the first body byte as the end of the
+prefill); before a stall or reset fires it is written first, so faults come after it as before.
 """
 
 from __future__ import annotations
@@ -58,9 +61,12 @@ class _FaultGate:
             return max(0, limit - self.sent), True
         return n, False
 
-    async def maybe_stall(self) -> None:
+    def stalls_now(self) -> bool:
         after = self.faults.stall_after_tokens
-        if not self.stalled and after is not None and self.sent >= after:
+        return not self.stalled and after is not None and self.sent >= after
+
+    async def maybe_stall(self) -> None:
+        if self.stalls_now():
             self.stalled = True
             await asyncio.sleep(self.faults.stall_s)
 
@@ -70,9 +76,12 @@ async def relay_stream(request: web.Request, engine: SimEngine, stream: RequestS
     resp = web.StreamResponse(headers=SSE_HEADERS)
     await resp.prepare(request)
     try:
-        if ident.kind == "chat":
-            await resp.write(responses.role_chunk(ident))
-        await _relay_words(request, stream, ident, resp, _FaultGate(engine))
+        # vLLM sends a chat stream's role chunk with the engine's first output, not on receipt:
+        # a client (or router) sees its first body byte when the prefill is done.
+        lead = [responses.role_chunk(ident)] if ident.kind == "chat" else []
+        await _relay_words(request, stream, ident, resp, _FaultGate(engine), lead=lead)
+        if lead:  # no output at all (the engine stopped under the request)
+            await resp.write(lead.pop())
         await _end_stream(resp, stream, ident, include_usage)
     except ConnectionResetByFault:
         pass
@@ -96,8 +105,12 @@ async def _end_stream(resp: web.StreamResponse, stream: RequestStream, ident: Id
 
 
 async def _relay_words(request: web.Request, stream: RequestStream, ident: Identity,
-                       resp: web.StreamResponse, gate: _FaultGate) -> None:
+                       resp: web.StreamResponse, gate: _FaultGate, *, lead: list[bytes]) -> None:
+    """Write the words as the engine steps produce them; ``lead`` (the role chunk, if any) goes
+    out with the first batch, or before a stall or reset fault fires (which come after it)."""
     while True:
+        if lead and gate.stalls_now():
+            await resp.write(lead.pop())
         await gate.maybe_stall()
         words = await stream.next_words()
         if not words:
@@ -106,8 +119,11 @@ async def _relay_words(request: web.Request, stream: RequestStream, ident: Ident
         done = stream.finished and not reset and n == len(words)
         finished = done and stream.request.status is Status.FINISHED
         reason = stream.finish_reason if finished else None
+        head = lead.pop() if lead else b""
         if n:
-            await resp.write(responses.delta_chunk(ident, words[:n], gate.sent, reason))
+            await resp.write(head + responses.delta_chunk(ident, words[:n], gate.sent, reason))
+        elif head:
+            await resp.write(head)
         gate.sent += n
         if reset:
             stream.abort()

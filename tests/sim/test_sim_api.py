@@ -36,6 +36,23 @@ async def test_chat_stream_shape_and_done(start: Start, http: aiohttp.ClientSess
     assert usage_chunk["usage"]["total_tokens"] == usage_chunk["usage"]["prompt_tokens"] + 6
 
 
+async def test_chat_role_chunk_comes_with_the_first_token(start: Start,
+                                                        http: aiohttp.ClientSession) -> None:
+    """As vLLM's: the role chunk is written with the engine's first output, so a router's first
+    body byte marks the end of the prefill (the prompt is long enough that the prefill takes
+    a while, so a role chunk written on receipt would arrive alone)."""
+    cluster = await start(time_scale=5.0)
+    body = chat_body("word " * 4000, max_tokens=2, stream=True, ignore_eos=True)
+    async with http.post(cluster.urls[0] + "/v1/chat/completions", json=body) as resp:
+        assert resp.status == 200
+        first = await resp.content.readany()  # what the first read brings
+        rest = await resp.read()
+    events = parse_sse(first[: first.rindex(b"\n\n") + 2])
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert len(events) >= 2 and events[1]["choices"][0]["delta"].get("content")
+    assert parse_sse(first + rest)[-1] == "[DONE]"
+
+
 async def test_completion_stream_without_usage(start: Start, http: aiohttp.ClientSession) -> None:
     cluster = await start()
     body = {"prompt": "once upon a time", "max_tokens": 3, "stream": True, "ignore_eos": True}
