@@ -1,9 +1,10 @@
 """Routing state shared between proxy processes: the shell around ``proxy.core.sharing``.
 
 Rules:
-- Every ``sharing.interval_s`` one round: take the outbox (dispatches the request path recorded),
-  read each engine's in-flight counts, publish them as one message (or several of at most
-  ``dispatches_per_message`` dispatches: chains of ``max_chain`` blocks fit a frame), then
+- Every ``sharing.interval_s`` (unless quiet, below) one round: take the outbox (dispatches
+  the request path recorded), read each engine's in-flight counts, publish them as one message
+  (or several of at most ``dispatches_per_message`` dispatches: chains of ``max_chain``
+  blocks fit a frame), then
   merge what the other processes published: their dispatches go into this process's policies
   through ``Policy.observe`` exactly as local ones do, their in-flight counts into each
   engine's ``remote_pending`` (part of its load) and their prefill backlogs into its
