@@ -14,12 +14,13 @@ Rules:
   never lapse while it lives, and vanish ``ttl_s`` after it dies or loses the transport.
 - Quiet rounds (``proxy.core.sharing.next_round``), over a transport that says when messages
   arrive (the workers' hub: ``Bus.listen``): after a round that took no dispatch, merged no
-  peer's dispatch and found nothing in flight in this process (so no count of its own can change
-  without a dispatch first), the task sleeps until a dispatch (``Outbox.on_dispatch``) or a
-  peer's message wakes it, its heartbeat is due, or a peer's figures expire; a woken round
-  still runs no sooner than one interval after the previous one. Every other round is followed
-  by the next one interval on, as always; over Redis (read without blocking: it cannot wake a
-  round) every round is, so claims are renewed every round there.
+  peer's dispatch and found nothing in flight in this process (so none of its counts can change
+  before a request opens), the task sleeps until a dispatch (``Outbox.on_dispatch``), a request
+  opened at an engine (``EngineState.on_open``: a retry, a speculation leg) or a peer's message
+  wakes it, its heartbeat is due, or a peer's figures expire; a woken round still runs no
+  sooner than one interval after the previous one. Every other round is followed by the next
+  one interval on, as always; over Redis (read without blocking: it cannot wake a round) every
+  round is, so claims are renewed every round there.
 - Two transports: ``RedisStreamBus`` (one Redis stream for every replica, trimmed to
   ``sharing.stream_len`` entries and expiring ``ttl_s`` after the last write; read without blocking
   from the last id seen) and the workers' hub (``proxy.tenancy.hub``). Transport trouble skips the
@@ -245,6 +246,8 @@ class SharedRouting:
         now = self._clock()
         self._round = {}
         self.rounds += 1
+        for e in engines:  # engines come and go: (re)attached every round
+            e.state.on_open = self._wake.set
         try:
             took = await self._publish(engines, now)
             if self._claims is not None:

@@ -127,6 +127,18 @@ async def test_an_open_request_s_first_byte_and_end_reach_the_sibling_then_round
         assert a.shared.rounds - rounds <= 2
 
 
+async def test_a_request_opened_without_a_dispatch_wakes_a_quiet_round(tmp_path: Path) -> None:
+    """A retry or a speculation leg opens a ticket at an engine with no outbox entry: the sibling
+    still hears of it within a few intervals, not at the next heartbeat (15 s away here)."""
+    async with _pair(tmp_path, ttl_s=60.0) as (a, b):
+        await asyncio.sleep(0.2)  # quiet
+        state = a.engines[1].state
+        ticket = state.on_dispatch(time.monotonic(), prefill=0.0)
+        await _until(lambda: b.engines[1].state.remote_open == 1.0, 1.0)
+        state.on_settle(ticket)
+        await _until(lambda: b.engines[1].state.remote_open == 0.0, 1.0)
+
+
 async def test_heartbeats_keep_an_idle_sibling_live_and_a_dead_one_expires(
     tmp_path: Path,
 ) -> None:
