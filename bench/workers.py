@@ -1,7 +1,8 @@
 """Workers benchmark: ``kvproxy serve --workers N`` against one worker on prefix-sharing traffic.
 
-Usage: ``python -m bench.workers [--workloads rag,chat] [--workers 2] [--repeat 2]``; writes
-``bench/results/workers.{json,md}`` (raw records under ``bench/results/workers/raw/``).
+Usage: ``python -m bench.workers [--workloads rag,chat] [--workers 2] [--repeat 2] [--idle-s 20]
+[--rate-factor 1]``; writes ``bench/results/workers.{json,md}`` (raw records under
+``bench/results/workers/raw/``).
 
 Rules:
 - What is asked of the workers (they share routing state through their parent): CPU per request
@@ -15,6 +16,13 @@ Rules:
 - The workers are pinned with the single process to the router cores (default core 0): the
   figure is CPU per request, not throughput. Saturation throughput with more workers needs more
   cores than a 2-core machine has; it is not measured here.
+- Idle CPU, measured too: in every round each arm also runs ``--idle-s`` seconds with no traffic
+  in front of fresh engines (after one warm-up request), CPU per process of its tree. CPU per
+  request net of idle takes that rate times the replay's duration off the replay's CPU: what the
+  requests themselves cost. The goal is judged on the raw figure; the net one says how much of
+  the difference is a cost per second rather than per request.
+- ``--rate-factor`` scales the replay's request rate (1: the knee) for runs that separate a cost
+  per second from a cost per request; results written with another factor say so.
 """
 
 from __future__ import annotations
@@ -22,21 +30,28 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from bench import machine
+from bench.fleet import Fleet
 from bench.markdown import table
-from bench.peers import Router
+from bench.peers import Router, launch_ready
+from bench.procs import cpu_seconds, descendants
 from bench.prompts import PromptMapper
 from bench.report import RESULTS
+from bench.routing import Plan, print_run, run_async, run_one
+from bench.routing import _cores as cores_arg
+from bench.routing import _warm_up as warm_up
 from bench.routing import build_parser as routing_parser
-from bench.routing import print_run, run_one
 from bench.suite import prepare
 from bench.workloads import by_name
 
 CPU_GOAL = 1.10
 HIT_GOAL = 0.05
+_SETTLE_S = 2.0  # after the warm-up request, before idle CPU is measured
 
 
 def _args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, argparse.Namespace]:
@@ -46,47 +61,106 @@ def _args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, argparse.Name
     p.add_argument("--workers", type=int, default=2, help="N, compared with 1 (2)")
     p.add_argument("--policy", default="expected_ttft")
     p.add_argument("--repeat", type=int, default=2)
+    p.add_argument("--idle-s", type=float, default=20.0,
+                   help="idle CPU measured this long per arm and round (0: not measured)")
+    p.add_argument("--rate-factor", type=float, default=1.0,
+                   help="the replay's request rate times this (1: round-robin's knee)")
     p.add_argument("--router-cores", default="0")
     p.add_argument("--engine-cores", default="1")
     p.add_argument("--out", type=Path, default=RESULTS)
     own = p.parse_args(argv)
     if own.workers < 2:
         p.error("--workers must be at least 2 (it is compared with one worker)")
+    if own.rate_factor <= 0 or own.idle_s < 0:
+        p.error("--rate-factor must be > 0 and --idle-s >= 0")
     suite = routing_parser().parse_args(
         ["--suite", "--quick", "--router-cores", own.router_cores,
          "--engine-cores", own.engine_cores, "--out", str(own.out / "workers")])
     return own, suite
 
 
-def _per_request(run: dict[str, object]) -> float:
+def _per_request(run: dict[str, object], idle_cpu_per_s: float = 0.0) -> float:
+    """CPU seconds per completed request; net of ``idle_cpu_per_s`` over the replay's duration
+    when given."""
     summary = run["summary"]
     assert isinstance(summary, dict)
-    cpu = run["router_cpu_s"]
-    assert isinstance(cpu, float)
-    return cpu / max(1.0, float(summary["completed"]))
+    cpu = float(str(run["router_cpu_s"]))
+    idle = idle_cpu_per_s * float(str(run.get("duration_s", 0.0)))
+    return (cpu - idle) / max(1.0, float(summary["completed"]))
 
 
-def judge(runs: list[dict[str, object]], one: str, many: str) -> list[dict[str, object]]:
-    """Per workload: the ratios N workers / one worker, round by round, and the verdicts."""
+def idle_cpu(router: Router, plan: Plan, seconds: float) -> dict[str, object]:
+    """CPU per second of ``router``'s process tree with no traffic, per process, in front of
+    fresh engines; both stopped whatever happens."""
+    work = plan.args.out / "raw" / f"idle-{router.name.replace('/', '-')}"
+    fleet = Fleet(plan.spec, work, cores=cores_arg(plan.args.engine_cores))
+    proc = None
+    try:
+        fleet.start()
+        proc, endpoint = launch_ready(router, fleet.urls, plan.spec.model, work,
+                                      cores_arg(plan.args.router_cores))
+        run_async(warm_up(endpoint))
+        time.sleep(_SETTLE_S)
+        pids = [proc.pid, *sorted(descendants(proc.pid))]
+        before, started = [cpu_seconds(p) for p in pids], time.monotonic()
+        time.sleep(seconds)
+        after, elapsed = [cpu_seconds(p) for p in pids], time.monotonic() - started
+    finally:
+        if proc is not None:
+            proc.stop()
+        fleet.stop()
+    children = [f"child {i}" for i in range(1, len(pids))]
+    roles = ["parent", *children] if children else ["proxy"]
+    per = {role: (b - a) / elapsed for role, a, b in zip(roles, before, after, strict=True)}
+    return {"router": router.name, "seconds": elapsed, "cpu_s_per_s": sum(per.values()),
+            "processes": per}
+
+
+def _idle_rate(idle: Sequence[dict[str, object]], router: str, rnd: int) -> float | None:
+    for i in idle:
+        if i["router"] == router and i["round"] == rnd:
+            return float(str(i["cpu_s_per_s"]))
+    return None
+
+
+def judge(runs: list[dict[str, object]], one: str, many: str,
+          idle: Sequence[dict[str, object]] = ()) -> list[dict[str, object]]:
+    """Per workload: the ratios N workers / one worker, round by round (net of idle CPU too,
+    when measured in that round), and the verdicts (on the raw figures)."""
     out = []
     for name in dict.fromkeys(str(r["workload"]) for r in runs):
-        pairs = []
+        pairs: list[dict[str, object]] = []
         for rnd in sorted({int(str(r["round"])) for r in runs}):
             got = {r["router"]: r for r in runs if r["workload"] == name and r["round"] == rnd
                    and r.get("status") == "ok"}
             if one in got and many in got:
-                a, b = got[one], got[many]
-                pairs.append({"round": rnd,
-                              "cpu_ms_one": 1e3 * _per_request(a),
-                              "cpu_ms_many": 1e3 * _per_request(b),
-                              "cpu_ratio": _per_request(b) / _per_request(a),
-                              "hit_one": a["hit_rate"], "hit_many": b["hit_rate"],
-                              "hit_ratio": float(str(b["hit_rate"])) / float(str(a["hit_rate"]))})
-        cpu = statistics.median(p["cpu_ratio"] for p in pairs) if pairs else float("nan")
-        hit = statistics.median(p["hit_ratio"] for p in pairs) if pairs else float("nan")
+                pairs.append(_pair(got[one], got[many], rnd, _idle_rate(idle, one, rnd),
+                                   _idle_rate(idle, many, rnd)))
+        cpu, hit, net = (_median(pairs, k) for k in ("cpu_ratio", "hit_ratio", "net_ratio"))
         out.append({"workload": name, "rounds": pairs, "cpu_ratio": cpu, "hit_ratio": hit,
-                    "cpu_met": cpu <= CPU_GOAL, "hit_met": abs(hit - 1.0) <= HIT_GOAL})
+                    "net_ratio": net, "cpu_met": cpu <= CPU_GOAL,
+                    "hit_met": abs(hit - 1.0) <= HIT_GOAL})
     return out
+
+
+def _pair(a: dict[str, object], b: dict[str, object], rnd: int, idle_a: float | None,
+          idle_b: float | None) -> dict[str, object]:
+    pair: dict[str, object] = {
+        "round": rnd, "cpu_ms_one": 1e3 * _per_request(a), "cpu_ms_many": 1e3 * _per_request(b),
+        "cpu_ratio": _per_request(b) / _per_request(a),
+        "hit_one": a["hit_rate"], "hit_many": b["hit_rate"],
+        "hit_ratio": float(str(b["hit_rate"])) / float(str(a["hit_rate"]))}
+    if idle_a is not None and idle_b is not None:
+        net_a, net_b = _per_request(a, idle_a), _per_request(b, idle_b)
+        pair |= {"idle_ms_s_one": 1e3 * idle_a, "idle_ms_s_many": 1e3 * idle_b,
+                 "net_ms_one": 1e3 * net_a, "net_ms_many": 1e3 * net_b,
+                 "net_ratio": net_b / net_a if net_a > 0 else float("nan")}
+    return pair
+
+
+def _median(pairs: Sequence[dict[str, object]], key: str) -> float:
+    values = [float(str(p[key])) for p in pairs if key in p]
+    return statistics.median(values) if values else float("nan")
 
 
 def markdown(result: dict[str, object]) -> str:
@@ -107,21 +181,51 @@ def markdown(result: dict[str, object]) -> str:
         "process tree over the replay divided by completed requests; all workers are pinned to "
         "the router cores, so this is CPU per request, not throughput.", "",
         f"Goals: CPU per request ≤ {CPU_GOAL:.2f}x one worker's; hit rate within "
-        f"{HIT_GOAL:.0%} of one worker's (median over rounds).", ""]
-    rows = []
-    for v in verdicts:
-        for p in v["rounds"]:
-            rows.append([v["workload"], p["round"] + 1, f"{p['cpu_ms_one']:.2f}",
-                         f"{p['cpu_ms_many']:.2f}", f"{p['cpu_ratio']:.2f}",
-                         f"{p['hit_one']:.3f}", f"{p['hit_many']:.3f}", f"{p['hit_ratio']:.2f}"])
+        f"{HIT_GOAL:.0%} of one worker's (median over rounds). Judged on the raw CPU per "
+        "request; the net column takes each arm's idle CPU per second (no traffic, same "
+        "engines, measured in the same round) times the replay's duration off first.", ""]
     lines.append(table(["workload", "round", "CPU ms/req, 1 worker", "CPU ms/req, N workers",
-                        "CPU ratio", "hit rate, 1", "hit rate, N", "hit ratio"], rows))
+                        "CPU ratio", "net ms/req, 1", "net ms/req, N", "net ratio",
+                        "hit rate, 1", "hit rate, N", "hit ratio"], _rows(verdicts)))
+    idle = result.get("idle")
+    if isinstance(idle, list) and idle:
+        lines += ["", "Idle CPU (ms per second, no traffic), per process of each arm:", "",
+                  table(["router", "round", "total", "per process"], _idle_rows(idle))]
     lines += ["", "## Verdicts", ""]
     for v in verdicts:
         lines.append(f"- `{v['workload']}`: CPU per request {v['cpu_ratio']:.2f}x one worker's "
-                     f"({'met' if v['cpu_met'] else 'NOT met'}), hit rate {v['hit_ratio']:.2f}x "
+                     f"({'met' if v['cpu_met'] else 'NOT met'}; net of idle "
+                     f"{_fmt(v.get('net_ratio'))}x), hit rate {v['hit_ratio']:.2f}x "
                      f"({'met' if v['hit_met'] else 'NOT met'})")
     return "\n".join(lines) + "\n"
+
+
+def _fmt(value: object, digits: int = 2) -> str:
+    x = float(str(value)) if isinstance(value, (int, float)) else float("nan")
+    return "—" if x != x else f"{x:.{digits}f}"
+
+
+def _rows(verdicts: Sequence[dict[str, object]]) -> list[list[object]]:
+    rows: list[list[object]] = []
+    for v in verdicts:
+        for p in v["rounds"]:  # type: ignore[attr-defined]
+            rows.append([v["workload"], p["round"] + 1, f"{p['cpu_ms_one']:.2f}",
+                         f"{p['cpu_ms_many']:.2f}", f"{p['cpu_ratio']:.2f}",
+                         _fmt(p.get("net_ms_one")), _fmt(p.get("net_ms_many")),
+                         _fmt(p.get("net_ratio")), f"{p['hit_one']:.3f}",
+                         f"{p['hit_many']:.3f}", f"{p['hit_ratio']:.2f}"])
+    return rows
+
+
+def _idle_rows(idle: Sequence[dict[str, object]]) -> list[list[object]]:
+    rows: list[list[object]] = []
+    for i in idle:
+        per = i["processes"]
+        assert isinstance(per, dict)
+        rows.append([f"`{i['router']}`", int(str(i["round"])) + 1,
+                     f"{1e3 * float(str(i['cpu_s_per_s'])):.1f}",
+                     ", ".join(f"{role} {1e3 * x:.1f}" for role, x in per.items())])
+    return rows
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -133,24 +237,41 @@ def main(argv: Sequence[str] | None = None) -> int:
         "started_at": machine.now_utc(), "machine": machine.environment(),
         "settings": {"workloads": own.workloads, "workers": own.workers, "policy": own.policy,
                      "repeat": own.repeat, "router_cores": own.router_cores,
-                     "engine_cores": own.engine_cores, "slices": "suite quick"},
-        "runs": [], "verdicts": []}
+                     "engine_cores": own.engine_cores, "slices": "suite quick",
+                     "idle_s": own.idle_s, "rate_factor": own.rate_factor},
+        "runs": [], "idle": [], "verdicts": []}
     runs: list[dict[str, object]] = result["runs"]  # type: ignore[assignment]
-    prepared = [prepare(w, suite_args, [one, many]) for w in workloads]
+    idle: list[dict[str, object]] = result["idle"]  # type: ignore[assignment]
+    prepared = [_at_rate(prepare(w, suite_args, [one, many]).plan, own.rate_factor)
+                for w in workloads]  # fmt: skip
     for rnd in range(max(1, own.repeat)):
-        for prep in prepared:
+        if own.idle_s > 0:
             for router in (one, many):
-                print(f"== {prep.workload.name} / {router.name} (round {rnd + 1})", flush=True)
-                run = run_one(router, prep.plan, PromptMapper(), label=f"{prep.workload.name}-")
-                runs.append({"workload": prep.workload.name, "round": rnd, **run})
+                idle.append({"round": rnd, **idle_cpu(router, prepared[0], own.idle_s)})
+                print(f"== idle {router.name} (round {rnd + 1}): "
+                      f"{1e3 * float(str(idle[-1]['cpu_s_per_s'])):.1f} ms/s", flush=True)
+        for plan in prepared:
+            for router in (one, many):
+                name = str(plan.args.trace)
+                print(f"== {name} / {router.name} (round {rnd + 1})", flush=True)
+                run = run_one(router, plan, PromptMapper(), label=f"{name}-")
+                runs.append({"workload": name, "round": rnd, **run})
                 print_run(runs[-1])
                 machine.write_json(own.out / "workers.json", result)
     result["finished_at"] = machine.now_utc()
-    result["verdicts"] = judge(runs, one.name, many.name)
+    result["verdicts"] = judge(runs, one.name, many.name, idle)
     machine.write_json(own.out / "workers.json", result)
     (own.out / "workers.md").write_text(markdown(result))
     print(markdown(result))
     return 0
+
+
+def _at_rate(plan: Plan, factor: float) -> Plan:
+    """``plan`` replayed at ``factor`` times its request rate."""
+    if factor == 1.0:
+        return plan
+    args = argparse.Namespace(**{**vars(plan.args), "rate_scale": plan.args.rate_scale * factor})
+    return replace(plan, args=args)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,10 @@ Rules:
 - Messages come from another process and are not trusted: ``decode`` refuses anything over
   ``max_bytes``, of the wrong shape, with names, texts or figures out of bounds (the same bounds
   ``telemetry.parse_metrics`` holds an engine's own text to), or from a sender index outside
-  ``0..workers-1``.
+  ``0..workers-1``. With a ``SnapshotMemo``, a snapshot whose figures equal the last ones checked
+  for the same engine is that snapshot restamped (an idle engine's figures repeat every interval;
+  equal values pass the same checks), not checked and built again. The memo holds at most
+  ``MAX_MEMO`` engines and starts over past that.
 - Whom a worker follows, per engine (``Sources``): only lower-index workers, and of those the
   lowest heard from within ``hold_s``. A worker scrapes an engine itself unless it follows
   someone for it, so worker 0 scrapes everything, the others scrape nothing while worker 0's
@@ -27,7 +30,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import orjson
 
@@ -38,6 +41,7 @@ VERSION = 1
 MAX_OUTCOMES = 128
 MAX_NAME = 256
 MAX_TEXT = 200  # a failure's reason label and description
+MAX_MEMO = 4096
 _MAX_U32 = (1 << 32) - 1
 _MAX_COUNTER = 1e18
 _MAX_INFO_INT = 1 << 31
@@ -77,7 +81,26 @@ def _row(o: Outcome) -> list[object]:
     return [o.engine, o.url, o.started, o.fetched_at, o.digest, snap, o.reason, o.detail]
 
 
-def decode(raw: bytes, *, max_bytes: int, workers: int) -> tuple[int, list[Outcome]]:
+class SnapshotMemo:
+    """Per engine, the last snapshot figures checked and the snapshot built from them."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, tuple[list[object], EngineSnapshot]] = {}
+
+    def snapshot(self, engine: str, values: object, taken_at: float) -> EngineSnapshot:
+        last = self._last.get(engine)
+        if last is not None and last[0] == values:
+            return replace(last[1], taken_at=float(taken_at))
+        snap = _snapshot(values, taken_at)
+        if len(self._last) >= MAX_MEMO:
+            self._last.clear()
+        assert isinstance(values, list)  # _snapshot refused anything else
+        self._last[engine] = (values, snap)
+        return snap
+
+
+def decode(raw: bytes, *, max_bytes: int, workers: int,
+           memo: SnapshotMemo | None = None) -> tuple[int, list[Outcome]]:
     """(sender index, outcomes) in ``raw``; ``BadRelay`` for anything else."""
     doc = versioned_object(raw, max_bytes=max_bytes, version=VERSION, error=BadRelay)
     sender, rows = doc.get("w"), doc.get("o")
@@ -85,10 +108,10 @@ def decode(raw: bytes, *, max_bytes: int, workers: int) -> tuple[int, list[Outco
         raise BadRelay("bad sender")
     if not isinstance(rows, list) or len(rows) > MAX_OUTCOMES:
         raise BadRelay("bad outcomes")
-    return sender, [_outcome(row) for row in rows]
+    return sender, [_outcome(row, memo) for row in rows]
 
 
-def _outcome(row: object) -> Outcome:
+def _outcome(row: object, memo: SnapshotMemo | None = None) -> Outcome:
     if not (isinstance(row, list) and len(row) == 8):
         raise BadRelay("bad outcome")
     engine, url, started, fetched, digest, snap, reason, detail = row
@@ -100,7 +123,12 @@ def _outcome(row: object) -> Outcome:
         raise BadRelay("bad failure text")
     if snap is None and not reason:
         raise BadRelay("a failure without a reason")
-    snapshot = None if snap is None else _snapshot(snap, started)
+    if snap is None:
+        snapshot = None
+    elif memo is None:
+        snapshot = _snapshot(snap, started)
+    else:
+        snapshot = memo.snapshot(engine, snap, started)
     return Outcome(engine, url, float(started), float(fetched), digest, snapshot, reason, detail)
 
 

@@ -8,9 +8,10 @@ that: the outbox the request path appends to, the message format, and the table 
 processes reported. The transports (Redis stream, the workers' local hub) live in ``tenancy``.
 
 Rules:
-- The request path only appends to ``Outbox`` (no I/O, no encoding); a background task takes the
-  batch every ``sharing.interval_s``. An outbox holds at most ``max_batch`` dispatches; more in one
-  interval are dropped and counted (routing then merely learns less). A message carries at most
+- The request path only appends to ``Outbox`` (no I/O, no encoding) and pokes ``on_dispatch``
+  (which may wake a quiet round); a background task takes the batch at most every
+  ``sharing.interval_s``. An outbox holds at most ``max_batch`` dispatches; more in one interval
+  are dropped and counted (routing then merely learns less). A message carries at most
   ``dispatches_per_message`` of them, so that chains of ``routing.max_blocks`` fit a frame.
 - A message is one orjson object: ``{"v": 1, "r": sender, "s": seq, "d": [[pool, engine, chain],
   ...], "p": {engine: pending}, "o": {engine: open}, "t": {engine: [tokens, requests, seen]}}``.
@@ -26,12 +27,16 @@ Rules:
   counts. Unknown pools and engines are ignored by the caller, never created.
 - A sender's counts hold until ``ttl_s`` after its last message (senders repeat them at least every
   ``ttl_s / 4``): a process that dies or loses the transport stops counting by itself.
+- Quiet rounds (``next_round``): a process with nothing in flight, whose round took no dispatch
+  and merged none from a peer, over a transport that says when messages arrive, has nothing to share
+  until a dispatch or a peer's message wakes it: its next round is due at its heartbeat or when
+  the first peer's figures expire, whichever is first. Anything else: one interval on.
 - No clock is read here: callers pass ``now``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -82,10 +87,14 @@ class Outbox:
         self.max_batch = max_batch
         self._items: list[Dispatch] = []
         self.dropped = 0
+        # Wakes a quiet sharing round; must be cheap and must not raise.
+        self.on_dispatch: Callable[[], None] | None = None
 
     def dispatched(self, pool: str, engine: str, chain: tuple[int, ...]) -> None:
         if not self.enabled:
             return
+        if self.on_dispatch is not None:
+            self.on_dispatch()
         if len(self._items) >= self.max_batch:
             self.dropped += 1
             return
@@ -144,6 +153,16 @@ def decode(raw: bytes, *, max_bytes: int, max_chain: int) -> Message:
         _counts(doc.get("o", {})),
         _backlogs(doc.get("t", {})),
     )
+
+
+def next_round(now: float, *, quiet: bool, interval_s: float, heartbeat_at: float,
+               expiry: float | None) -> float:
+    """When the next round is due unless woken first: one interval on, or for a quiet round
+    the heartbeat or the first peer expiry (never sooner than one interval: rounds batch)."""
+    if not quiet:
+        return now + interval_s
+    due = heartbeat_at if expiry is None else min(heartbeat_at, expiry)
+    return max(due, now + interval_s)
 
 
 def dispatches_per_message(max_chain: int, max_bytes: int) -> int:
@@ -235,6 +254,11 @@ class PeerTable:
 
     def expire(self, now: float) -> None:
         self._peers = {k: p for k, p in self._peers.items() if now - p.heard_at <= self.ttl_s}
+
+    def next_expiry(self, now: float) -> float | None:
+        """When the first peer still counted stops counting (None: none is counted)."""
+        ends = (p.heard_at + self.ttl_s for p in self._peers.values())
+        return min((t for t in ends if t >= now), default=None)
 
     def live(self, now: float) -> int:
         """Processes heard from within ``ttl_s``."""

@@ -37,6 +37,7 @@ from __future__ import annotations
 import math
 import re
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
@@ -309,6 +310,9 @@ class EngineState:
         self._completions: deque[tuple[float, float]] = deque(maxlen=_COMPLETIONS_KEPT)
         self._last_body: tuple[int, float] | None = None
         self.rates = EngineRates()
+        # Told when a request opens here: wakes a quiet sharing round (``shared_routing``),
+        # which sleeps only while nothing is open. Must be cheap and must not raise.
+        self.on_open: Callable[[], None] | None = None
 
     # -- transitions
 
@@ -393,6 +397,8 @@ class EngineState:
         if prefill > 0:
             self._prefill[self._next_ticket] = prefill
         self.open_requests += 1
+        if self.on_open is not None:
+            self.on_open()
         return self._next_ticket
 
     def on_complete(self, ticket: int, now: float) -> None:

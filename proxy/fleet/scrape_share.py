@@ -41,7 +41,7 @@ import logging
 import zlib
 from collections.abc import Callable, Sequence
 
-from proxy.core.scrape_relay import BadRelay, Outcome, Sources, decode, encode
+from proxy.core.scrape_relay import BadRelay, Outcome, SnapshotMemo, Sources, decode, encode
 from proxy.core.telemetry import EngineSnapshot
 from proxy.fleet.engines import Engine, Fleet
 from proxy.observe.metrics import ProxyMetrics
@@ -74,6 +74,8 @@ class ScrapeShare:
         self._max_bytes = max_bytes
         self._send = send
         self.sources = Sources(index, HOLD_INTERVALS * interval_s)
+        # An idle engine's figures repeat: those already checked are not checked again.
+        self._memo = SnapshotMemo()
         self._relayed = metrics.scrape_relayed
 
     def follows(self, engine: Engine, now: float) -> bool:
@@ -93,7 +95,8 @@ class ScrapeShare:
     def receive(self, payload: bytes) -> None:
         """Apply a sibling's outcomes (the hub's callback: never raises)."""
         try:
-            sender, outcomes = decode(payload, max_bytes=self._max_bytes, workers=self._workers)
+            sender, outcomes = decode(payload, max_bytes=self._max_bytes,
+                                      workers=self._workers, memo=self._memo)
         except BadRelay as exc:
             self._relayed.labels("invalid").inc()
             log.debug("scrape outcomes from a sibling dropped: %s", exc)

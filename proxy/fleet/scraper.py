@@ -29,6 +29,10 @@ Rules:
   answering it catch up). A text proven frozen is a failed scrape (``frozen``): the old snapshot
   ages, the engine is probed again each round and recovers by itself once its text changes or it
   has had no such request.
+- A text that repeats the engine's previous one byte for byte (an idle engine repeats itself,
+  simulated or real) is not parsed again: its snapshot is the previous one stamped with this
+  scrape's start. The same bytes give the same figures, so nothing gets staler; only the parse is
+  saved. What a repeat means for frozen metrics is still ``body_is_news``'s decision.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import contextlib
 import logging
 import zlib
 from collections.abc import Callable
+from dataclasses import replace
 
 import aiohttp
 
@@ -79,6 +84,10 @@ class Scraper:
         self._clock = clock
         self.rounds = 0
         self._health: dict[str, Health] = {}  # as last logged
+        # Per engine, the last text parsed into a snapshot, and that snapshot (bounded by the
+        # fleet: at most ``max_metrics_bytes`` per engine).
+        self._parsed: dict[str, tuple[bytes, EngineSnapshot]] = {}
+        self.parses = 0  # texts actually parsed (the rest were repeats)
 
     async def run(self) -> None:
         """Scrape forever; cancel the task to stop."""
@@ -101,6 +110,9 @@ class Scraper:
             share.publish([o for o in outcomes if o is not None])
             share.forget_removed()
         self._fleet.tick(self._clock(), self._cfg.stale_after_s)
+        if len(self._parsed) > len(self._fleet):
+            names = {e.name for e in self._fleet}
+            self._parsed = {k: v for k, v in self._parsed.items() if k in names}
         self._log_transitions()
         self.rounds += 1
 
@@ -147,16 +159,25 @@ class Scraper:
         news = engine.state.body_is_news(
             digest, started, self._clock(), settle_s=self._cfg.interval_s / 2
         )
+        snapshot = self._parse(engine, body, started)
+        if not news:
+            raise _Failed("frozen", FROZEN)
+        return snapshot, digest
+
+    def _parse(self, engine: Engine, body: bytes, started: float) -> EngineSnapshot:
+        """The snapshot in ``body``, stamped with the start: dispatches after it may be missing
+        from the text, so they stay counted on top of it rather than vanish."""
+        last = self._parsed.get(engine.name)
+        if last is not None and last[0] == body:
+            return replace(last[1], taken_at=started)
         try:
             text = body.decode("utf-8")
         except UnicodeDecodeError:
             raise _Failed("decode", "metrics are not UTF-8 text") from None
-        # Stamped with the start: dispatches after it may be missing from the text, so they stay
-        # counted on top of it rather than vanish.
         snapshot = parse_metrics(text, taken_at=started)
-        if not news:
-            raise _Failed("frozen", FROZEN)
-        return snapshot, digest
+        self.parses += 1
+        self._parsed[engine.name] = (body, snapshot)
+        return snapshot
 
     async def _fetch_in_time(self, url: str) -> bytes:
         """The metrics body within the timeout; ``_Busy`` when only this process was too slow."""

@@ -4,7 +4,8 @@ socket owned by the parent process, which forwards every worker's messages to it
 Rules:
 - A frame is a 4-byte big-endian length, one kind byte, then the payload. A worker's first frame is
   ``HELLO`` with its index (that is also how the parent learns the worker is serving); every later
-  frame is ``DATA`` (routing state, fetched by ``shared_routing``'s rounds) or ``TELEMETRY``
+  frame is ``DATA`` (routing state, fetched by ``shared_routing``'s rounds, each arrival also
+  waking a quiet round through ``HubBus.listen``) or ``TELEMETRY``
   (scrape outcomes, ``proxy.fleet.scrape_share``: handed to ``HubBus.on_telemetry`` as they
   arrive) and is forwarded as it is to every other worker. The hub never parses payloads.
 - Bounded everywhere: a frame over ``max_frame`` closes that connection; a sibling whose socket
@@ -126,6 +127,13 @@ class HubBus:
         self.dropped = 0
         # Called with each ``TELEMETRY`` payload as it arrives; it must not raise.
         self.on_telemetry: Callable[[bytes], None] | None = None
+        self._on_data: Callable[[], None] | None = None
+
+    def listen(self, wake: Callable[[], None]) -> bool:
+        """Call ``wake`` (cheap, must not raise) whenever routing state arrives; True: the
+        sharing rounds need not poll this transport."""
+        self._on_data = wake
+        return True
 
     @property
     def live(self) -> bool:
@@ -185,6 +193,8 @@ class HubBus:
                 if len(self._inbox) == self._inbox.maxlen:
                     self.dropped += 1
                 self._inbox.append(payload)
+                if self._on_data is not None:
+                    self._on_data()
             elif kind == TELEMETRY and self.on_telemetry is not None:
                 try:
                     self.on_telemetry(payload)

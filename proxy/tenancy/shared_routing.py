@@ -1,9 +1,10 @@
 """Routing state shared between proxy processes: the shell around ``proxy.core.sharing``.
 
 Rules:
-- Every ``sharing.interval_s`` one round: take the outbox (dispatches the request path recorded),
-  read each engine's in-flight counts, publish them as one message (or several of at most
-  ``dispatches_per_message`` dispatches: chains of ``max_chain`` blocks fit a frame), then
+- Every ``sharing.interval_s`` (unless quiet, below) one round: take the outbox (dispatches
+  the request path recorded), read each engine's in-flight counts, publish them as one message
+  (or several of at most ``dispatches_per_message`` dispatches: chains of ``max_chain``
+  blocks fit a frame), then
   merge what the other processes published: their dispatches go into this process's policies
   through ``Policy.observe`` exactly as local ones do, their in-flight counts into each
   engine's ``remote_pending`` (part of its load) and their prefill backlogs into its
@@ -11,6 +12,15 @@ Rules:
   engines are skipped; bad messages are dropped and counted.
 - Counts are published when they change and at least every ``ttl_s / 4``, so a peer's figures
   never lapse while it lives, and vanish ``ttl_s`` after it dies or loses the transport.
+- Quiet rounds (``proxy.core.sharing.next_round``), over a transport that says when messages
+  arrive (the workers' hub: ``Bus.listen``): after a round that took no dispatch, merged no
+  peer's dispatch and found nothing in flight in this process (so none of its counts can change
+  before a request opens), the task sleeps until a dispatch (``Outbox.on_dispatch``), a request
+  opened at an engine (``EngineState.on_open``: a retry, a speculation leg) or a peer's message
+  wakes it, its heartbeat is due, or a peer's figures expire; a woken round still runs no
+  sooner than one interval after the previous one. Every other round is followed by the next
+  one interval on, as always; over Redis (read without blocking: it cannot wake a round) every
+  round is, so claims are renewed every round there.
 - Two transports: ``RedisStreamBus`` (one Redis stream for every replica, trimmed to
   ``sharing.stream_len`` entries and expiring ``ttl_s`` after the last write; read without blocking
   from the last id seen) and the workers' hub (``proxy.tenancy.hub``). Transport trouble skips the
@@ -26,6 +36,7 @@ Rules:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping
@@ -44,6 +55,7 @@ from proxy.core.sharing import (
     decode,
     dispatches_per_message,
     encode,
+    next_round,
 )
 from proxy.core.telemetry import EngineState
 from proxy.tenancy.hub import MAX_FRAME, BusDown
@@ -62,6 +74,10 @@ class Bus(Protocol):
     async def publish(self, payload: bytes) -> None: ...
 
     async def fetch(self) -> list[bytes]: ...
+
+    def listen(self, wake: Callable[[], None]) -> bool:
+        """Call ``wake`` when messages arrive; False: the transport cannot, poll it."""
+        ...
 
 
 class Claims(Protocol):
@@ -91,6 +107,10 @@ class RedisStreamBus:
         self._ttl_ms = max(1, int(ttl_s * 1000))
         self._last: str | None = None
         self.live = False
+
+    def listen(self, wake: Callable[[], None]) -> bool:
+        # A read that does not block cannot say when entries arrive: the rounds keep polling.
+        return False
 
     async def publish(self, payload: bytes) -> None:
         key, maxlen, ttl = self._key, self._maxlen, self._ttl_ms
@@ -214,24 +234,36 @@ class SharedRouting:
         # Other processes heard from within ``ttl_s`` at the last round (kept while the
         # transport is down, until their figures expire).
         self.peers_heard = 0
+        self._wake = asyncio.Event()
+        outbox.on_dispatch = self._wake.set
+        self._pushes = bus.listen(self._wake.set)
+        self._quiet = False  # whether the next round may wait for a wake (``next_round``)
+        self.rounds = 0
 
     async def sync(self) -> None:
         """One round: publish, merge, and say whether sharing is live."""
         engines = list(self._engines())
         now = self._clock()
         self._round = {}
+        self.rounds += 1
+        for e in engines:  # engines come and go: (re)attached every round
+            e.state.on_open = self._wake.set
         try:
-            await self._publish(engines, now)
+            took = await self._publish(engines, now)
             if self._claims is not None:
                 await self._claims.refresh(e.state for e in engines)
             await self._merge(engines, now)
         except BusDown as exc:
             self._set_live(False, str(exc))
             self._peers.expire(now - self._peers.ttl_s)  # keep figures until they expire
-            live = False
+            live = took = False
         else:
             self._set_live(True, "")
             live = True
+        # After dispatches, own or merged, the next round comes one interval on: ``spread``
+        # judges a decision by the two merges after it. A peer's counts need no second round.
+        idle = not any(e.state.open_requests for e in engines)
+        self._quiet = live and self._pushes and idle and not (took or self._round)
         now = self._clock()
         peers = self._apply_counts(engines, now)
         if self._on_merged is not None:
@@ -249,7 +281,8 @@ class SharedRouting:
             self._live = live
         self.metrics.live.set(1.0 if live else 0.0)
 
-    async def _publish(self, engines: list[HasState], now: float) -> None:
+    async def _publish(self, engines: list[HasState], now: float) -> bool:
+        """Publish what changed (or a heartbeat); whether the outbox held dispatches."""
         dispatches = self._outbox.take()
         self._count_drops()
         pending = {e.name: float(e.state.dispatched_since_snapshot) for e in engines}
@@ -257,7 +290,7 @@ class SharedRouting:
         prefill = {e.name: e.state.backlog for e in engines}
         changed = (pending, opened, prefill) != self._last_counts
         if not dispatches and not changed and now - self._last_sent < self._heartbeat_s:
-            return
+            return False
         per = self._per_message
         chunks = [dispatches[i : i + per] for i in range(0, len(dispatches), per)]
         for i, chunk in enumerate(chunks or [[]]):
@@ -268,6 +301,7 @@ class SharedRouting:
             self.metrics.published.labels("dispatches").inc(len(chunk))
             self.metrics.published.labels("messages").inc()
         self._last_counts, self._last_sent = (pending, opened, prefill), now
+        return bool(dispatches)
 
     def _count_drops(self) -> None:
         dropped = self._outbox.dropped - self._dropped_seen
@@ -318,11 +352,30 @@ class SharedRouting:
         """Rounds until ``stop``. Not ``periodic.every``: redis-py can swallow a cancellation that
         lands inside a pipeline, and this loop must end on shutdown even then."""
         while not self._stopped:
+            started = self._clock()
+            # Cleared before the round: a dispatch or a message during it wakes the next one.
+            self._wake.clear()
             try:
                 await self.sync()
             except Exception:
                 log.exception("sharing routing state failed; trying again")
+                self._quiet = False
+            await self._pause(started)
+
+    async def _pause(self, started: float) -> None:
+        """Until the next round: one interval, or for a quiet round until woken or due."""
+        if not self._quiet:
             await asyncio.sleep(self.interval_s)
+            return
+        now = self._clock()
+        due = next_round(now, quiet=True, interval_s=self.interval_s,
+                         heartbeat_at=self._last_sent + self._heartbeat_s,
+                         expiry=self._peers.next_expiry(now))  # fmt: skip
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(due - now):
+                await self._wake.wait()
+        # Batching: a woken round runs no sooner than one interval after the previous one.
+        await asyncio.sleep(max(0.0, started + self.interval_s - self._clock()))
 
     def stop(self) -> None:
         self._stopped = True

@@ -7,9 +7,10 @@ from bench.workers import judge, markdown
 
 
 def _run(workload: str, rnd: int, router: str, cpu_s: float, done: float,
-         hit: float) -> dict[str, object]:
+         hit: float, duration_s: float = 10.0) -> dict[str, object]:
     return {"workload": workload, "round": rnd, "router": router, "status": "ok",
-            "router_cpu_s": cpu_s, "hit_rate": hit, "summary": {"completed": done}}
+            "router_cpu_s": cpu_s, "hit_rate": hit, "summary": {"completed": done},
+            "duration_s": duration_s}
 
 
 def test_ratios_are_per_round_and_judged_on_the_median() -> None:
@@ -26,10 +27,31 @@ def test_ratios_are_per_round_and_judged_on_the_median() -> None:
     text = markdown({"command": "x", "started_at": "t", "settings": {}, "verdicts": [rag, chat],
                      "machine": {"cpu_model": "c", "nproc": 2, "python": "3",
                                  "load_avg_at_start": [0.1, 0.2, 0.3]}})
-    assert "`chat`: CPU per request 1.50x one worker's (NOT met)" in text
+    assert "`chat`: CPU per request 1.50x one worker's (NOT met; net of idle —x)" in text
     assert "| rag | 2 | 10.00 | 13.00 | 1.30 |" in text
 
 
 def test_a_worker_count_is_a_router_name() -> None:
     [router] = parse_router_list("kvproxy/expected_ttft+w2")
     assert router == Router("kvproxy", "expected_ttft", 2)
+
+
+def test_net_of_idle_takes_each_arm_s_idle_cpu_over_the_replay_off() -> None:
+    one, many = "kvproxy/expected_ttft", "kvproxy/expected_ttft+w2"
+    runs = [_run("rag", 0, one, 1.2, 100, 0.8), _run("rag", 0, many, 1.5, 100, 0.8)]
+    idle = [{"round": 0, "router": one, "cpu_s_per_s": 0.02, "seconds": 20.0,
+             "processes": {"proxy": 0.02}},
+            {"round": 0, "router": many, "cpu_s_per_s": 0.05, "seconds": 20.0,
+             "processes": {"parent": 0.001, "child 1": 0.03, "child 2": 0.019}}]
+    [rag] = judge(runs, one, many, idle)
+    [pair] = rag["rounds"]
+    # 10 s of replay: 0.2 s and 0.5 s of the CPU were idle cost.
+    assert round(pair["net_ms_one"], 6) == 10.0 and round(pair["net_ms_many"], 6) == 10.0
+    assert round(rag["net_ratio"], 6) == 1.0
+    assert round(rag["cpu_ratio"], 6) == 1.25 and not rag["cpu_met"]  # judged on the raw one
+    text = markdown({"command": "x", "started_at": "t", "settings": {}, "verdicts": [rag],
+                     "idle": idle, "machine": {"cpu_model": "c", "nproc": 2, "python": "3",
+                                               "load_avg_at_start": [0.1, 0.2, 0.3]}})
+    assert "| rag | 1 | 12.00 | 15.00 | 1.25 | 10.00 | 10.00 | 1.00 |" in text
+    assert "| 50.0 | parent 1.0, child 1 30.0, child 2 19.0 |" in text
+    assert "(NOT met; net of idle 1.00x)" in text

@@ -30,6 +30,10 @@ from .rogue import HEALTHY_METRICS, RogueEngine
 
 # What the rogue says once it has served a request: its counters moved.
 COUNTED_ONE = HEALTHY_METRICS + 'vllm:request_success_total{model_name="m"} 1\n'
+# The rogue's text with other figures: KV usage 0.75, 3 running.
+BUSY_METRICS = HEALTHY_METRICS.replace("} 0.1\n", "} 0.75\n").replace(
+    'running{model_name="m",engine="0"} 0', 'running{model_name="m",engine="0"} 3'
+)
 CAP = 64 * 1024  # telemetry.max_metrics_bytes in the mixed proxy
 STALE_S = 1.0  # telemetry.stale_after_s in the mixed proxy
 
@@ -167,6 +171,33 @@ async def test_a_proven_frozen_text_fails_the_scrape_and_the_engine_recovers_whe
         await p.scrape()
         assert (await p.row())["health"] == "healthy"
         assert p.failures("frozen") == 1
+
+
+async def test_a_repeated_text_is_not_parsed_again_and_a_change_after_it_is_seen(
+    rogue: RogueEngine,
+) -> None:
+    """An idle engine's text repeats byte for byte: its snapshot is reused, restamped, without a
+    parse. The first different text after such repeats is parsed and seen at once."""
+    async with stepped(rogue) as p:
+        for _ in range(4):
+            p.clock.advance(0.3)
+            await p.scrape()
+            row = await p.row()
+            assert row["health"] == "healthy" and row["snapshot_age_s"] == 0.0
+            assert row["snapshot"]["kv_usage"] == pytest.approx(0.1)
+        assert p.scraper.parses == 1
+        rogue.behaviour.metrics_body = BUSY_METRICS.encode()
+        p.clock.advance(0.3)
+        await p.scrape()
+        snap = (await p.row())["snapshot"]
+        assert snap["kv_usage"] == pytest.approx(0.75) and snap["running"] == 3
+        assert p.scraper.parses == 2
+        # The same size, other bytes: a digit changed in place is still a change.
+        rogue.behaviour.metrics_body = rogue.behaviour.metrics_body.replace(b"} 3", b"} 4")
+        p.clock.advance(0.3)
+        await p.scrape()
+        assert (await p.row())["snapshot"]["running"] == 4
+        assert p.scraper.parses == 3
 
 
 async def test_idle_simulated_engines_stay_healthy_after_serving(make_stack: Any) -> None:

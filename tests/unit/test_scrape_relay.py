@@ -8,7 +8,15 @@ import pytest
 from prometheus_client import generate_latest
 
 from proxy.core.config import Config, EngineConfig, PoolConfig
-from proxy.core.scrape_relay import MAX_OUTCOMES, BadRelay, Outcome, Sources, decode, encode
+from proxy.core.scrape_relay import (
+    MAX_OUTCOMES,
+    BadRelay,
+    Outcome,
+    SnapshotMemo,
+    Sources,
+    decode,
+    encode,
+)
 from proxy.core.telemetry import EngineSnapshot, Health
 from proxy.fleet.engines import Fleet
 from proxy.fleet.scrape_share import FROZEN, ScrapeShare, failed_outcome, ok_outcome, url_print
@@ -71,6 +79,24 @@ def test_a_bad_outcome_is_refused(change: dict[str, object]) -> None:
 def test_a_bad_message_is_refused(raw: bytes) -> None:
     with pytest.raises(BadRelay):
         decode(raw, max_bytes=1 << 20, workers=2)
+
+
+def test_repeated_figures_are_restamped_and_changed_or_bad_ones_still_checked() -> None:
+    memo = SnapshotMemo()
+    [first] = decode(encode(0, [_ok(started=10.0)])[0], max_bytes=1 << 20, workers=2, memo=memo)[1]
+    [again] = decode(encode(0, [_ok(started=10.2)])[0], max_bytes=1 << 20, workers=2, memo=memo)[1]
+    assert again == _ok(started=10.2) and again.snapshot is not first.snapshot
+    # Figures that change after a repeat are read as they are.
+    moved = Outcome("e0", 1234, 10.4, 10.41, 8, EngineSnapshot(**{**SNAP.__dict__,
+                    "taken_at": 10.4, "running": 9}))  # fmt: skip
+    [got] = decode(encode(0, [moved])[0], max_bytes=1 << 20, workers=2, memo=memo)[1]
+    assert got == moved and got.snapshot is not None and got.snapshot.running == 9
+    # A lie after a repeat is still refused, the memo notwithstanding.
+    with pytest.raises(BadRelay):
+        decode(_row(kv_usage=1.5), max_bytes=1 << 20, workers=2, memo=memo)
+    # Another engine's identical figures are its own.
+    [other] = decode(encode(0, [_ok("e9", 10.6)])[0], max_bytes=1 << 20, workers=2, memo=memo)[1]
+    assert other == _ok("e9", 10.6)
 
 
 def test_a_message_over_the_size_bound_is_refused_unread() -> None:

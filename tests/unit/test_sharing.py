@@ -20,6 +20,7 @@ from proxy.core.sharing import (
     decode,
     dispatches_per_message,
     encode,
+    next_round,
 )
 from proxy.core.telemetry import EngineSnapshot, EngineState
 
@@ -81,6 +82,26 @@ def test_peer_counts_add_up_and_expire() -> None:
     assert table.totals(12.5) == ({"e": 1.0, "f": 1.0}, {})  # a's figures expired
     table.expire(13.5)
     assert table.live(13.5) == 0
+
+
+def test_a_quiet_round_waits_for_the_heartbeat_or_the_first_peer_expiry() -> None:
+    table = PeerTable(ttl_s=2.0)
+    assert table.next_expiry(10.0) is None
+    table.heard(Message("a", 1), now=10.0)
+    table.heard(Message("b", 1), now=10.5)
+    assert table.next_expiry(11.0) == 12.0
+    assert table.next_expiry(12.2) == 12.5  # a's figures are gone already
+    due = {"interval_s": 0.025, "heartbeat_at": 10.5}
+    assert next_round(10.0, quiet=False, expiry=None, **due) == 10.025
+    assert next_round(10.0, quiet=True, expiry=None, **due) == 10.5
+    assert next_round(10.0, quiet=True, expiry=10.2, **due) == 10.2
+    # Never sooner than one interval on: a heartbeat overdue still waits for it.
+    assert next_round(10.0, quiet=True, expiry=9.0, **due) == 10.025
+    box = Outbox(4)
+    woken: list[bool] = []
+    box.on_dispatch = lambda: woken.append(True)
+    box.dispatched("p", "e", (1,))
+    assert woken == [True] and box.take() == [Dispatch("p", "e", (1,))]
 
 
 def test_an_older_message_from_a_peer_does_not_replace_a_newer_one() -> None:
