@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any, Protocol
 
 import orjson
@@ -131,6 +132,12 @@ class StreamAssembler:
 
     def _lines(self, lines: list[bytes]) -> None:
         """Complete events' lines, in order; a blank line ends an event."""
+        data_lines = lines[::2]
+        if not any(lines[1::2]) and all(map(bytes.startswith, data_lines, repeat(b"data:"))):
+            # The usual stream, each event one data line: line, blank, line... checked and cut
+            # by C loops, not a Python step per line.
+            self._events([line[5:] for line in data_lines])
+            return
         payloads: list[bytes] = []
         data: list[bytes] = []
         for line in lines:
@@ -174,9 +181,32 @@ class StreamAssembler:
             if obj.get("usage"):
                 self._usage = obj["usage"]
             for choice in choices:
+                if type(choice) is dict and self._token(choice):
+                    continue
                 if not (isinstance(choice, dict) and merge(choice)):
                     self._give_up()
                     return
+
+    def _token(self, choice: dict[str, Any]) -> bool:
+        """The usual streamed event, one choice's next text and nothing else, appended to the
+        text's pieces; False for anything else (``_merge`` then takes it, fully checked)."""
+        if len(choice) != 4:
+            return False
+        try:  # with the text's key, exactly these four: nothing else to merge
+            index, finish, logprobs = choice["index"], choice["finish_reason"], choice["logprobs"]
+        except KeyError:
+            return False
+        if finish is not None or logprobs is not None or type(index) is not int:
+            return False
+        key = "content" if self._chat else "text"
+        delta = choice.get("delta") if self._chat else choice
+        if type(delta) is not dict or (self._chat and len(delta) != 1):
+            return False
+        text, into = delta.get(key), self._choices.get(index)
+        if type(text) is not str or into is None or (pieces := into.fields.get(key)) is None:
+            return False
+        pieces.append(text)
+        return True
 
     def _merge(self, choice: dict[str, Any]) -> bool:
         index = choice.get("index", 0)

@@ -184,3 +184,35 @@ def test_a_long_stream_fed_at_once_assembles_every_choice() -> None:
     assert odd["message"]["content"] == "".join(f"{i} " for i in range(1, 4000, 2))
     assert (even["finish_reason"], odd["finish_reason"]) == ("stop", "length")
     assert even["stop_reason"] is None and even["message"]["role"] == "assistant"
+
+
+def _token_chunks() -> list[dict[str, Any]]:
+    """Events near the usual token's shape, each differing in one way the fast path must see."""
+    first = chat_chunk({"role": "assistant", "content": ""})
+    extra = chat_chunk({"content": "x", "reasoning_content": "r"})
+    logprobs = chat_chunk({"content": "x"})
+    logprobs["choices"][0]["logprobs"] = {"content": []}
+    stop_reason = chat_chunk({"content": "x"})
+    stop_reason["choices"][0]["stop_reason"] = None
+    float_index = chat_chunk({"content": "x"})
+    float_index["choices"][0]["index"] = 0.0
+    second = chat_chunk({"content": "y"})
+    second["choices"][0]["index"] = 1
+    no_index = chat_chunk({"content": "x"})
+    del no_index["choices"][0]["index"]
+    no_index["choices"][0]["extra"] = 1
+    return [first, extra, logprobs, stop_reason, float_index, second, no_index]
+
+
+@pytest.mark.parametrize("variant", range(1, len(_token_chunks())))
+def test_the_usual_events_fast_path_agrees_with_the_line_by_line_path(variant: int) -> None:
+    """A stream of one-line events is cut and merged on a fast path; a comment line sends the
+    same events through the general path. Both give the same answer (or none)."""
+    chunks = _token_chunks()
+    last = chat_chunk({"content": ""}, "stop")
+    data = sse(chunks[0], chat_chunk({"content": "a"}), chunks[variant], last)
+    fast = assemble(data, split=1 << 20)
+    slow = assemble(b": keep-alive\n\n" + data, split=1 << 20)
+    assert fast == slow
+    # Not stored: per-token logprobs, a float index, a second choice that never finished.
+    assert (fast is None) == (variant in (2, 4, 5))
