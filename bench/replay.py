@@ -5,7 +5,9 @@ Usage: ``python -m bench.replay --workloads chat [--quick] [--policies expected_
 [--rate-scale X] [--log decisions.jsonl]``. Prints, per workload and policy, TTFT percentiles
 (engine seconds), the engines' hit rate, requests per engine (busiest / mean) and what the
 decisions cost in cache: how often the pick held less of the prompt than the engine holding
-the most of it really did (from the engines' own block pools), and why.
+the most of it really did (from the engines' own block pools), and why, and the hit rate over
+``bench.traces.oracle_hit_rate``. A policy may carry variants: ``expected_ttft+abandon``,
+``expected_ttft+drain`` (``VARIANTS``).
 
 Rules:
 - Engines are ``bench.calibrate``'s discrete-event model: the simulator's own scheduler, KV block
@@ -32,19 +34,19 @@ import random
 import sys
 from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
 from bench.prompts import PromptMapper
 from bench.stats import percentile
-from bench.traces import Caps, TraceRequest, apply_caps
+from bench.traces import Caps, TraceRequest, apply_caps, oracle_hit_rate
 from bench.workloads import by_name
 from proxy.core.config import RoutingConfig
 from proxy.core.costmodel import ExpectedTTFT
 from proxy.core.holdings import held_depth
 from proxy.core.prefix import canonical_chat, prefix_chain
-from proxy.core.routeview import RouteKey
+from proxy.core.routeview import EngineView, RouteKey
 from proxy.core.routing import Policy, make_policy
 from proxy.core.telemetry import EngineSnapshot, EngineState
 
@@ -60,16 +62,41 @@ class Router(Protocol):
     def scrape(self, engines: Sequence[Any], now: float) -> None: ...
 
 
+# Variants of a kvproxy policy (``--policies expected_ttft+abandon``): ``abandon`` sets
+# ``routing.charge_abandoned``; ``drain`` counts each engine's queued prompt work as draining at
+# the profile's prefill rate since its dispatch (the views' ``prefill`` capped at that backlog;
+# an experiment of the replay only: the proxy's engine state has no such rule).
+VARIANTS = ("abandon", "drain")
+
+
 class KvproxyRouter:
     """A kvproxy policy behind the proxy's own engine state (see the module rules)."""
 
     def __init__(self, policy: str, n: int, cfg: RoutingConfig) -> None:
         self.name = f"kvproxy/{policy}"
-        self.cfg = cfg
-        self.policy: Policy = make_policy(RoutingConfig(**{**cfg.__dict__, "policy": policy}))
+        base, *variants = policy.split("+")
+        unknown = set(variants) - set(VARIANTS)
+        if unknown:
+            raise ValueError(f"unknown variants {sorted(unknown)}; known: {', '.join(VARIANTS)}")
+        self.cfg = cfg = RoutingConfig(**{**cfg.__dict__, "policy": base,
+                                          "charge_abandoned": "abandon" in variants})
+        self.drain = "drain" in variants
+        self.policy: Policy = make_policy(cfg)
         self.states = [EngineState(f"e{i}", "target", "", stale_after_s=1e9) for i in range(n)]
         self.tickets: dict[int, tuple[int, int]] = {}
+        self.backlog = [(0.0, 0.0)] * n  # per engine: (prompt tokens left, as of when)
         self.last_chain: tuple[int, ...] = ()  # the last pick's prefix chain
+
+    def _left(self, e: int, now: float) -> float:
+        tokens, since = self.backlog[e]
+        return max(0.0, tokens - (now - since) * self.cfg.prefill_tokens_per_s)
+
+    def _views(self, now: float) -> list[EngineView]:
+        views = [st.view(now, True) for st in self.states]
+        if not self.drain:
+            return views
+        return [replace(v, prefill=min(v.prefill, self._left(i, now)))
+                for i, v in enumerate(views)]
 
     def scrape(self, engines: Sequence[Any], now: float) -> None:
         for st, sched in zip(self.states, engines, strict=True):
@@ -88,7 +115,7 @@ class KvproxyRouter:
                              max_blocks=cfg.max_blocks)
         self.last_chain = chain
         key = self.route_key(chain, len(text) / cfg.chars_per_token, now)
-        views = [st.view(now, True) for st in self.states]
+        views = self._views(now)
         info: dict[str, Any] = {}
         if isinstance(self.policy, ExpectedTTFT):
             info["est"] = {e.name: (round(e.wait_s, 3), round(e.cost_s, 3), e.held)
@@ -101,6 +128,7 @@ class KvproxyRouter:
         info["believed_held"] = key.tokens - prefill
         self.policy.observe(key, name)
         e = int(name[1:])
+        self.backlog[e] = (self._left(e, now) + prefill, now)
         self.tickets[rid] = (e, self.states[e].on_dispatch(now, prefill))
         return e, info
 
@@ -289,13 +317,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         scale = args.rate_scale or calibrate(reqs, engines=args.engines, profile=args.profile,
                                              num_gpu_blocks=None).knee_scale
         scale *= args.load
-        print(f"== {w.name}: {len(reqs)} requests, rate scale {scale:.2f}", flush=True)
+        from engine_sidecar.sim.profiles import PROFILES  # noqa: PLC0415
+
+        kv_tokens = PROFILES[args.profile].num_gpu_blocks(16) * 16
+        oracle = oracle_hit_rate(reqs, args.engines, kv_tokens)
+        print(f"== {w.name}: {len(reqs)} requests, rate scale {scale:.2f}, "
+              f"oracle hit rate {oracle:.3f}", flush=True)
         for pol in args.policies.split(","):
             router: Router = (CacheAware(args.engines) if pol == "cache_aware"
                               else KvproxyRouter(pol, args.engines, RoutingConfig()))
             out = replay(reqs, router, engines=args.engines, profile=args.profile,
                          rate_scale=scale, scrape_s=args.scrape_s)
             s = summarise(router.name, out, reqs)
+            s["hit/oracle"] = s["hit"] / oracle if oracle else float("nan")
             print("  ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
                             for k, v in s.items()), flush=True)
             if args.log:

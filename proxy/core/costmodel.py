@@ -28,6 +28,11 @@ Rules:
   for the requests that recompute delays, so a conversation is not moved off the engine holding
   its history for a small gain of its own. ``L`` is the average before this decision, so the
   views of one decision enter only through the estimates (monotone in each engine's queue).
+- With ``charge_abandoned`` (off by default) a pick holding less of the prompt than the engine
+  holding the most pays the difference's prefill once more, at the same ``1 + L``: the move
+  writes a second copy of that history into the pick's block pool, which in a pool at capacity
+  evicts as much of another conversation's cached prefix, and that conversation's next turn
+  recomputes it (an upper bound: it counts every evicted token as one that would be reused).
 - The lowest cost wins. Costs within ``cost_tolerance`` (relative) of the lowest are equal
   within the model's accuracy; among them the engine holding the most of the prompt wins (it saves
   the fleet that prefill), then the least expected wait (ties and new prefixes), then a
@@ -92,9 +97,10 @@ def queued_tokens(e: EngineView, mean_prompt: float) -> float:
 
 
 def estimate(e: EngineView, held: float, key: RouteKey, mean_prompt: float,
-             cfg: RoutingConfig, *, delayed: float = 1.0) -> Estimate:
+             cfg: RoutingConfig, *, delayed: float = 1.0, abandoned: float = 0.0) -> Estimate:
     """``e``'s figures for ``key`` (the formula in the module docstring; one call per engine
-    per decision, so written out flat). ``delayed``: the requests the own prefill delays."""
+    per decision, so written out flat). ``delayed``: the requests the own prefill delays;
+    ``abandoned``: prompt tokens of it another engine holds, charged once more in the cost."""
     if e.prefill_tps and e.step_s:
         tps, step = e.prefill_tps, e.step_s
     else:
@@ -106,7 +112,10 @@ def estimate(e: EngineView, held: float, key: RouteKey, mean_prompt: float,
     total = queued + own if own > 0.0 else queued
     wait = queued / tps + (1.0 + queued / chunk) * step
     ttft = total / tps + (1.0 + total / chunk) * step
-    return Estimate(e.name, wait, ttft, held, wait + (ttft - wait) * delayed)
+    cost = wait + (ttft - wait) * delayed
+    if abandoned > 0.0:
+        cost += (abandoned / tps + abandoned / chunk * step) * delayed
+    return Estimate(e.name, wait, ttft, held, cost)
 
 
 def queue_step(e: EngineView, tokens: float, cfg: RoutingConfig) -> float:
@@ -188,7 +197,9 @@ class ExpectedTTFT:
         names = [e.name for e in engines]
         held = with_exact(self.holdings.held_tokens(key, names), key, names)
         mean, delayed = self.mean_prompt or key.tokens, 1.0 + self.mean_queue
-        return [estimate(e, held.get(e.name, 0.0), key, mean, self.cfg, delayed=delayed)
+        top = max(held.values(), default=0.0) if self.cfg.charge_abandoned else 0.0
+        return [estimate(e, held.get(e.name, 0.0), key, mean, self.cfg, delayed=delayed,
+                         abandoned=top - held.get(e.name, 0.0))
                 for e in engines]
 
     def rank(self, key: RouteKey, engines: Sequence[EngineView]) -> tuple[str, ...]:

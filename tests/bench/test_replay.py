@@ -23,7 +23,8 @@ def _run(router: object) -> dict[str, object]:
     return summarise("x", out, REQS)
 
 
-@pytest.mark.parametrize("policy", ["expected_ttft", "prefix_affinity", "round_robin"])
+@pytest.mark.parametrize("policy", ["expected_ttft", "prefix_affinity", "round_robin",
+                                    "expected_ttft+abandon", "expected_ttft+drain"])
 def test_kvproxy_policies_serve_every_request(policy: str) -> None:
     _run(KvproxyRouter(policy, 2, RoutingConfig()))
 
@@ -39,3 +40,11 @@ def test_affinity_keeps_conversations_home_and_round_robin_does_not() -> None:
 
 def test_cache_aware_model_is_deterministic() -> None:
     assert _run(CacheAware(2)) == _run(CacheAware(2))
+
+
+def test_variants_set_their_rule_and_unknown_ones_are_refused() -> None:
+    router = KvproxyRouter("expected_ttft+abandon", 2, RoutingConfig())
+    assert router.cfg.charge_abandoned and not router.drain
+    assert KvproxyRouter("expected_ttft+drain", 2, RoutingConfig()).drain
+    with pytest.raises(ValueError, match="unknown variants"):
+        KvproxyRouter("expected_ttft+faster", 2, RoutingConfig())

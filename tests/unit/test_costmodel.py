@@ -284,3 +284,29 @@ def test_a_document_longer_than_32k_tokens_stays_on_the_engine_holding_it() -> N
     # computing the document on the idle engine.
     home = idle("home", load=1.0, prefill=40_000.0, pending=1)
     assert policy.rank(doc_key("second question?"), [home, idle("other")])[0] == "home"
+
+
+def test_charging_the_abandoned_cache_keeps_a_conversation_home_longer() -> None:
+    # e0 holds a 3000-token history and has 5000 tokens of prompt work queued, e1 none, on a pool
+    # that reports no queues. The plain model moves the turn (0.46 s against 0.29 s); charged the
+    # history's prefill once more, e1 costs 0.55 s and the turn stays. A queue at home longer
+    # than twice the history still moves it.
+    history = key(*range(1, 48), tokens=3000.0)
+    turn = key(*range(1, 50), tokens=3150.0)
+    for queued, plain, charged in ((5000.0, "e1", "e0"), (20_000.0, "e1", "e1")):
+        fleet = [idle("e0", prefill=queued, pending=1, load=1.0), idle("e1")]
+        picks = []
+        for cfg in (CFG, replace(CFG, charge_abandoned=True)):
+            policy = ExpectedTTFT(cfg)
+            policy.observe(history, "e0")
+            picks.append(policy.rank(turn, fleet)[0])
+        assert picks == [plain, charged]
+
+
+@given(engine("e"), st.floats(0.0, 50_000.0))
+def test_the_abandoned_charge_only_adds_cost(e: EngineView, abandoned: float) -> None:
+    k = key(1, 2, 3, tokens=60_000.0)
+    plain = estimate(e, 0.0, k, 1000.0, CFG, delayed=2.0)
+    charged = estimate(e, 0.0, k, 1000.0, CFG, delayed=2.0, abandoned=abandoned)
+    assert charged.cost_s >= plain.cost_s
+    assert (charged.wait_s, charged.ttft_s) == (plain.wait_s, plain.ttft_s)
