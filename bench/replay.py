@@ -44,11 +44,12 @@ from bench.traces import Caps, TraceRequest, apply_caps, oracle_hit_rate
 from bench.workloads import by_name
 from proxy.core.config import RoutingConfig
 from proxy.core.costmodel import ExpectedTTFT
+from proxy.core.engine_state import EngineState
 from proxy.core.holdings import held_depth
 from proxy.core.prefix import canonical_chat, prefix_chain
 from proxy.core.routeview import EngineView, RouteKey
 from proxy.core.routing import Policy, make_policy
-from proxy.core.telemetry import EngineSnapshot, EngineState
+from proxy.core.telemetry import EngineSnapshot
 
 ARRIVE, STEP, SCRAPE = 0, 1, 2
 

@@ -7,7 +7,7 @@ Rules (pure, no I/O):
   stored).
 - A streamed request whose answer the cache could never store bypasses it entirely, so it is not
   made to wait for an identical one either: per-token ``logprobs`` and tool calls cannot be merged
-  from stream deltas (see ``cache_entry``). The same requests without ``stream`` stay cacheable.
+  from stream deltas (see ``recording``). The same requests without ``stream`` stay cacheable.
 - The key is an HMAC-SHA256 under a server-side secret over the tenant, the requested model, the
   endpoint and the whole canonical request minus what only shapes the transport (``stream``,
   ``stream_options``) or the scheduling (``priority``). Never a part of the prompt alone: one tenant

@@ -3,8 +3,8 @@
 Several kvproxy processes in front of the same engines (replicas behind a load balancer, or the
 workers of one ``kvproxy serve --workers N``) route as one only if each knows what the others just
 dispatched: the provisional prefix entries (``routing.Policy.observe``) and the requests sent since
-the last scrape (``telemetry.EngineState``'s in-flight accounting). This module is the pure part of
-that: the outbox the request path appends to, the message format, and the table of what the other
+the last scrape (``engine_state.EngineState``'s in-flight accounting). This module is the pure part
+of that: the outbox the request path appends to, the message format, and the table of what the other
 processes reported. The transports (Redis stream, the workers' local hub) live in ``tenancy``.
 
 Rules:

@@ -19,11 +19,11 @@ from proxy.core.breaker import Breaker, BreakerState, Outcome
 from proxy.core.commitment import Commitments, OutputEstimate, projected_usage
 from proxy.core.config import Config, EngineConfig, OutlierConfig
 from proxy.core.costmodel import TYPICAL_PROMPT_TOKENS, expected_wait
+from proxy.core.engine_state import EngineState, Health
 from proxy.core.errors import ConfigError
 from proxy.core.outlier import Ejection, OutlierDetector, Result
 from proxy.core.pressure import NO_PRESSURE, Pressure, PressureTracker
 from proxy.core.routing import EngineView
-from proxy.core.telemetry import EngineState, Health
 from proxy.observe.metrics import EngineGaugeRow
 from proxy.observe.signals import PoolRow
 

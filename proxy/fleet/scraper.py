@@ -47,8 +47,9 @@ from dataclasses import replace
 import aiohttp
 
 from proxy.core.config import TelemetryConfig
+from proxy.core.engine_state import Health
 from proxy.core.scrape_relay import Outcome
-from proxy.core.telemetry import EngineSnapshot, Health, MetricsError, parse_metrics
+from proxy.core.telemetry import EngineSnapshot, MetricsError, parse_metrics
 from proxy.fleet.engines import Engine, Fleet
 from proxy.fleet.periodic import stop_if_cancelled
 from proxy.fleet.scrape_share import FROZEN, ScrapeShare, failed_outcome, ok_outcome

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from proxy.core.cache_entry import Recorder
 from proxy.core.errors import UpstreamTimeout
+from proxy.core.recording import Recorder
 from proxy.core.usage import Usage
 
 

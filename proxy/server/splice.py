@@ -43,9 +43,9 @@ from aiohttp.helpers import _EXC_SENTINEL as _NO_CAUSE
 from aiohttp.http_writer import StreamWriter
 from aiohttp.streams import StreamReader
 
-from proxy.core.cache_entry import Recorder
 from proxy.core.commitment import Flight
 from proxy.core.errors import KvproxyError, UpstreamError, UpstreamTimeout
+from proxy.core.recording import Recorder
 from proxy.core.usage import StreamTail, UsageStrip
 
 

@@ -29,8 +29,9 @@ from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter
 
-from proxy.core.cache_entry import CachedResponse, EntryError, Recording, decode_entry
+from proxy.core.cache_entry import CachedResponse, EntryError, decode_entry
 from proxy.core.cache_key import CacheConfig, CachePolicy, KeyMaker, decide
+from proxy.core.recording import Recording
 from proxy.observe.metrics import Children
 from proxy.tenancy.redis_link import RedisLink, RedisUnavailable
 

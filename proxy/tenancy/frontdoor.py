@@ -26,8 +26,9 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from proxy.core.cache_entry import CachedResponse, Recording, replay_sse, usage_tokens
+from proxy.core.cache_entry import CachedResponse, replay_sse, usage_tokens
 from proxy.core.door_config import DoorConfig
+from proxy.core.recording import Recording
 from proxy.tenancy.cache import CacheRequest, Fill, ResponseCache, make_cache
 from proxy.tenancy.ratelimit import RequestGate
 from proxy.tenancy.redis_link import RedisLink

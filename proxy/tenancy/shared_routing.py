@@ -44,6 +44,7 @@ from typing import Protocol, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from proxy.core.engine_state import EngineState
 from proxy.core.routing import Policy, RouteKey
 from proxy.core.sharing import (
     NO_BACKLOG,
@@ -57,7 +58,6 @@ from proxy.core.sharing import (
     encode,
     next_round,
 )
-from proxy.core.telemetry import EngineState
 from proxy.tenancy.hub import MAX_FRAME, BusDown
 from proxy.tenancy.redis_link import RedisClient, RedisLink, RedisUnavailable
 

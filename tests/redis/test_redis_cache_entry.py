@@ -9,14 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.core.cache_entry import (
-    CachedResponse,
-    EntryError,
-    StreamAssembler,
-    complete_json,
-    decode_entry,
-    replay_sse,
-)
+from proxy.core.cache_entry import CachedResponse, EntryError, decode_entry, replay_sse
+from proxy.core.recording import StreamAssembler, complete_json
 
 HEAD = {"id": "chatcmpl-1", "created": 1700000000, "model": "m"}
 

@@ -4,8 +4,9 @@ change (pure: no sockets, no clock)."""
 from hypothesis import given
 from hypothesis import strategies as st
 
+from proxy.core.engine_state import EngineState
 from proxy.core.sharing import Backlog
-from proxy.core.telemetry import EngineSnapshot, EngineState
+from proxy.core.telemetry import EngineSnapshot
 
 OPS = st.lists(st.tuples(st.sampled_from(["dispatch", "first_byte", "settle", "scrape"]),
                          st.integers(1, 6), st.floats(0.0, 4096.0)), max_size=40)

@@ -8,6 +8,7 @@ import pytest
 from prometheus_client import generate_latest
 
 from proxy.core.config import Config, EngineConfig, PoolConfig
+from proxy.core.engine_state import Health
 from proxy.core.scrape_relay import (
     MAX_OUTCOMES,
     BadRelay,
@@ -17,7 +18,7 @@ from proxy.core.scrape_relay import (
     decode,
     encode,
 )
-from proxy.core.telemetry import EngineSnapshot, Health
+from proxy.core.telemetry import EngineSnapshot
 from proxy.fleet.engines import Fleet
 from proxy.fleet.scrape_share import FROZEN, ScrapeShare, failed_outcome, ok_outcome, url_print
 from proxy.observe.metrics import ProxyMetrics

@@ -9,6 +9,7 @@ import pytest
 
 from proxy.core.config import RoutingConfig
 from proxy.core.costmodel import ExpectedTTFT
+from proxy.core.engine_state import EngineState
 from proxy.core.routeview import RouteKey
 from proxy.core.sharing import (
     Backlog,
@@ -22,7 +23,7 @@ from proxy.core.sharing import (
     encode,
     next_round,
 )
-from proxy.core.telemetry import EngineSnapshot, EngineState
+from proxy.core.telemetry import EngineSnapshot
 
 
 def _decode(raw: bytes) -> Message:

@@ -5,14 +5,16 @@ from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.core.config import TelemetryConfig
-from proxy.core.errors import ConfigError
-from proxy.core.telemetry import (
+from proxy.core.engine_state import (
     TRANSITIONS,
-    EngineSnapshot,
     EngineState,
     Health,
     HealthEvent,
     IllegalTransition,
+)
+from proxy.core.errors import ConfigError
+from proxy.core.telemetry import (
+    EngineSnapshot,
     ImplausibleMetrics,
     MetricsError,
     parse_labels,
