@@ -39,16 +39,9 @@ from bench import vclock
 from bench.stats import percentile
 from engine_sidecar.sim.cluster import start_cluster
 from engine_sidecar.sim.config import SimEngineConfig
-from proxy.core.config import (
-    AliasConfig,
-    Config,
-    EngineConfig,
-    PoolConfig,
-    PressureConfig,
-    ServerConfig,
-    TelemetryConfig,
-)
+from proxy.core.config import Config, PressureConfig, ServerConfig, TelemetryConfig
 from proxy.core.door_config import AuthConfig, TenantConfig
+from proxy.core.fleet_config import AliasConfig, EngineConfig, PoolConfig
 from proxy.server.lifecycle import ProxyServer
 
 RESULTS = Path(__file__).resolve().parent / "results"

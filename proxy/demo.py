@@ -16,7 +16,8 @@ import re
 import sys
 from collections.abc import AsyncIterator, Sequence
 
-from proxy.core.config import AliasConfig, Config, EngineConfig, PoolConfig, ServerConfig
+from proxy.core.config import Config, ServerConfig
+from proxy.core.fleet_config import AliasConfig, EngineConfig, PoolConfig
 from proxy.server.lifecycle import ProxyServer, run_server
 
 DRAFT_MODEL = "llama-3.1-8b-instruct"

@@ -17,10 +17,11 @@ from typing import Any
 
 from proxy.core.breaker import Breaker, BreakerState, Outcome
 from proxy.core.commitment import Commitments, OutputEstimate, projected_usage
-from proxy.core.config import Config, EngineConfig, OutlierConfig
+from proxy.core.config import Config, OutlierConfig
 from proxy.core.costmodel import TYPICAL_PROMPT_TOKENS, expected_wait
 from proxy.core.engine_state import EngineState, Health
 from proxy.core.errors import ConfigError
+from proxy.core.fleet_config import EngineConfig
 from proxy.core.outlier import Ejection, OutlierDetector, Result
 from proxy.core.pressure import NO_PRESSURE, Pressure, PressureTracker
 from proxy.core.routing import EngineView

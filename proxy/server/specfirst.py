@@ -29,8 +29,8 @@ from typing import Any
 
 from aiohttp import web
 
-from proxy.core.config import AliasConfig
 from proxy.core.errors import ConfigError, KvproxyError
+from proxy.core.fleet_config import AliasConfig
 from proxy.core.inbound import Inbound
 from proxy.core.specfirst import AcceptanceHistory, HistoryConfig, TokenFacts, eligibility
 from proxy.observe.specmetrics import SpecFirstMetrics

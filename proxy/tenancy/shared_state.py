@@ -28,8 +28,8 @@ from typing import Protocol
 import orjson
 
 from proxy.core.breaker import Breaker, BreakerState, Outcome
-from proxy.core.config import EngineConfig
 from proxy.core.errors import ConfigError
+from proxy.core.fleet_config import EngineConfig
 from proxy.fleet.periodic import every
 from proxy.tenancy.redis_link import RedisClient, RedisLink, RedisUnavailable
 

@@ -15,8 +15,9 @@ import pytest_asyncio
 
 from contract.client import Backend, metric, wait_until
 from proxy.core.cache_key import CacheConfig
-from proxy.core.config import Config, EngineConfig, PoolConfig, ServerConfig
+from proxy.core.config import Config, ServerConfig
 from proxy.core.door_config import AuthConfig, TenantConfig
+from proxy.core.fleet_config import EngineConfig, PoolConfig
 from proxy.server.lifecycle import ProxyServer
 
 HITS = "vllm:prefix_cache_hits_total"

@@ -19,14 +19,8 @@ import pytest_asyncio
 from sim.kv_subscriber import Subscriber, replay, reported_blocks
 
 from contract.client import Backend, post_json
-from proxy.core.config import (
-    Config,
-    EngineConfig,
-    PoolConfig,
-    RoutingConfig,
-    ServerConfig,
-    TelemetryConfig,
-)
+from proxy.core.config import Config, RoutingConfig, ServerConfig, TelemetryConfig
+from proxy.core.fleet_config import EngineConfig, PoolConfig
 from proxy.core.kv_config import EngineEvents
 from proxy.fleet.tokenizer import load_tokenizer
 from proxy.server.keys import SHELL

@@ -28,14 +28,8 @@ import orjson
 import pytest
 
 from contract.conftest import STARTUP_TIMEOUT_S, free_port, require_vllm, tiny_models
-from proxy.core.config import (
-    AliasConfig,
-    Config,
-    EngineConfig,
-    PoolConfig,
-    ServerConfig,
-    TelemetryConfig,
-)
+from proxy.core.config import Config, ServerConfig, TelemetryConfig
+from proxy.core.fleet_config import AliasConfig, EngineConfig, PoolConfig
 from proxy.server.lifecycle import ProxyServer
 
 BACKENDS = ("vllm",)

@@ -19,16 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine_sidecar.sim.cluster import SimCluster
 from engine_sidecar.sim.config import SimEngineConfig
-from proxy.core.config import (
-    AliasConfig,
-    BreakerConfig,
-    Config,
-    EngineConfig,
-    PoolConfig,
-    ServerConfig,
-    TelemetryConfig,
-    UpstreamConfig,
-)
+from proxy.core.config import BreakerConfig, Config, ServerConfig, TelemetryConfig, UpstreamConfig
+from proxy.core.fleet_config import AliasConfig, EngineConfig, PoolConfig
 from proxy.server.lifecycle import ProxyServer
 
 TARGET_MODEL = "target-model"

@@ -12,7 +12,8 @@ import openai
 import pytest
 
 from engine_sidecar.sim.cluster import start_cluster
-from proxy.core.config import AliasConfig, Config, EngineConfig, PoolConfig, PressureConfig
+from proxy.core.config import Config, PressureConfig
+from proxy.core.fleet_config import AliasConfig, EngineConfig, PoolConfig
 from proxy.server.lifecycle import ProxyServer
 
 from .stack import Stack, proxy_config, sim

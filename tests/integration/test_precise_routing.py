@@ -23,7 +23,7 @@ from tokenizer_files import make_tokenizer_dir
 
 from engine_sidecar.sim.cluster import SimCluster, start_cluster
 from engine_sidecar.sim.kvevents import KvEventsSettings
-from proxy.core.config import EngineConfig, PoolConfig
+from proxy.core.fleet_config import EngineConfig, PoolConfig
 from proxy.core.kv_config import EngineEvents
 from proxy.fleet.precise import INLINE_CHARS, PreciseRouting
 from proxy.server.keys import SHELL

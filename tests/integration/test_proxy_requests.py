@@ -13,9 +13,10 @@ import orjson
 import pytest
 from aiohttp import web
 
-from proxy.core.config import Config, EngineConfig, PoolConfig, ServerConfig
+from proxy.core.config import Config, ServerConfig
 from proxy.core.door_config import AuthConfig, TenantConfig
 from proxy.core.errors import ConfigError
+from proxy.core.fleet_config import EngineConfig, PoolConfig
 from proxy.server.lifecycle import ProxyServer
 
 from .stack import TARGET_MODEL, Stack, StackFactory, chat_body

@@ -19,8 +19,9 @@ from aiohttp import web
 
 from engine_sidecar.sim.cluster import SimCluster, start_cluster
 from engine_sidecar.sim.config import SimEngineConfig
-from proxy.core.config import AliasConfig, Config, EngineConfig, PoolConfig
+from proxy.core.config import Config
 from proxy.core.errors import ConfigError
+from proxy.core.fleet_config import AliasConfig, EngineConfig, PoolConfig
 from proxy.server.lifecycle import ProxyServer
 
 from .stack import FAST, proxy_config

@@ -23,16 +23,9 @@ from redisproc import SLOW_OK
 from engine_sidecar.sim.cluster import SimCluster
 from engine_sidecar.sim.config import SimEngineConfig
 from proxy.core.cache_key import CacheConfig
-from proxy.core.config import (
-    BreakerConfig,
-    Config,
-    EngineConfig,
-    PoolConfig,
-    ServerConfig,
-    TelemetryConfig,
-    UpstreamConfig,
-)
+from proxy.core.config import BreakerConfig, Config, ServerConfig, TelemetryConfig, UpstreamConfig
 from proxy.core.door_config import AuthConfig, DoorConfig, LimitsConfig, RedisConfig, TenantConfig
+from proxy.core.fleet_config import EngineConfig, PoolConfig
 from proxy.server.app import build_app
 from proxy.server.lifecycle import ProxyServer
 

@@ -7,8 +7,9 @@ import asyncio
 from redisproc import SLOW_OK, RedisServer
 
 from proxy.core.admission import Admission, Admit, Priority, Shed
-from proxy.core.config import Config, EngineConfig, PoolConfig
+from proxy.core.config import Config
 from proxy.core.door_config import RedisConfig
+from proxy.core.fleet_config import EngineConfig, PoolConfig
 from proxy.core.pressure import Level
 from proxy.core.telemetry import EngineSnapshot
 from proxy.fleet.engines import Fleet

@@ -9,8 +9,9 @@ import orjson
 from redisproc import SLOW_OK, RedisServer
 
 from proxy.core.breaker import Breaker, BreakerState, Outcome
-from proxy.core.config import BreakerConfig, EngineConfig
+from proxy.core.config import BreakerConfig
 from proxy.core.door_config import RedisConfig
+from proxy.core.fleet_config import EngineConfig
 from proxy.tenancy.redis_link import RedisLink
 from proxy.tenancy.shared_state import (
     EngineRecord,

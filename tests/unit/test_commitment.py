@@ -11,7 +11,8 @@ from proxy.core.commitment import (
     owed,
     projected_usage,
 )
-from proxy.core.config import AdmissionConfig, Config, EngineConfig, PoolConfig, PressureConfig
+from proxy.core.config import AdmissionConfig, Config, PressureConfig
+from proxy.core.fleet_config import EngineConfig, PoolConfig
 from proxy.core.pressure import REASON_COMMITTED, Level, PressureTracker
 from proxy.core.telemetry import EngineSnapshot
 from proxy.fleet.engines import Fleet

@@ -1,6 +1,7 @@
 import pytest
 
-from proxy.core.config import Config, EngineConfig, PoolConfig
+from proxy.core.config import Config
+from proxy.core.fleet_config import EngineConfig, PoolConfig
 from proxy.fleet.engines import Fleet
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from proxy.core.config import EngineConfig, PoolConfig
 from proxy.core.errors import BadRequest, ConfigError
+from proxy.core.fleet_config import EngineConfig, PoolConfig
 from proxy.core.inbound import rewrite
 from proxy.core.isolation import TenantSalts, client_salt
 from proxy.core.prefix import prefix_chain

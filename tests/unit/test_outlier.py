@@ -7,8 +7,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from proxy.core.breaker import Breaker, Outcome
-from proxy.core.config import BreakerConfig, Config, EngineConfig, OutlierConfig, PoolConfig
+from proxy.core.config import BreakerConfig, Config, OutlierConfig
 from proxy.core.errors import ConfigError
+from proxy.core.fleet_config import EngineConfig, PoolConfig
 from proxy.core.outlier import (
     FAILURES,
     REASON_CONSECUTIVE,

@@ -1,7 +1,8 @@
 import pytest
 
-from proxy.core.config import AdmissionConfig, AliasConfig, Config, EngineConfig, PoolConfig
+from proxy.core.config import AdmissionConfig, Config
 from proxy.core.errors import NotFound
+from proxy.core.fleet_config import AliasConfig, EngineConfig, PoolConfig
 from proxy.core.pools import (
     ModelEntry,
     PoolPlan,

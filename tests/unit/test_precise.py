@@ -17,9 +17,10 @@ from tokenizer_files import make_tokenizer_dir
 
 from engine_sidecar.sim.kvevents import AllBlocksCleared, BlockRemoved, BlockStored, encode_batch
 from proxy.core.blockhash import chain_keys, hash_block_tokens, int_hash, root_for
-from proxy.core.config import Config, EngineConfig, PoolConfig, RoutingConfig
+from proxy.core.config import Config, RoutingConfig
 from proxy.core.errors import ConfigError
 from proxy.core.exact_holdings import PreciseHoldings
+from proxy.core.fleet_config import EngineConfig, PoolConfig
 from proxy.core.kv_config import EngineEvents
 from proxy.core.kvindex import BadBatch, Batch, ExactIndex, Removed, Stored, parse_batch
 from proxy.core.kvstate import IllegalMove, Listening, Mode, Seq, Sequencer

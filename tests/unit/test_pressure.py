@@ -2,8 +2,9 @@
 
 import pytest
 
-from proxy.core.config import AdmissionConfig, Config, EngineConfig, PoolConfig, PressureConfig
+from proxy.core.config import AdmissionConfig, Config, PressureConfig
 from proxy.core.errors import ConfigError
+from proxy.core.fleet_config import EngineConfig, PoolConfig
 from proxy.core.pressure import (
     REASON_OVERCOMMIT,
     REASON_PREEMPTING,

@@ -7,8 +7,9 @@ import orjson
 import pytest
 from prometheus_client import generate_latest
 
-from proxy.core.config import Config, EngineConfig, PoolConfig
+from proxy.core.config import Config
 from proxy.core.engine_state import Health
+from proxy.core.fleet_config import EngineConfig, PoolConfig
 from proxy.core.scrape_relay import (
     MAX_OUTCOMES,
     BadRelay,

@@ -7,8 +7,9 @@ from typing import Any
 
 import pytest
 
-from proxy.core.config import AliasConfig, Config, EngineConfig, PoolConfig
+from proxy.core.config import Config
 from proxy.core.errors import ConfigError, UpstreamError
+from proxy.core.fleet_config import AliasConfig, EngineConfig, PoolConfig
 from proxy.core.specbatch import eta, hold
 from proxy.core.specfirst import (
     AcceptanceHistory,

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from proxy.core.breaker import Outcome
 from proxy.core.commitment import Flight
-from proxy.core.config import Config, EngineConfig, PoolConfig
+from proxy.core.config import Config
+from proxy.core.fleet_config import EngineConfig, PoolConfig
 from proxy.core.routing import EngineView
 from proxy.core.telemetry import EngineSnapshot
 from proxy.fleet.engines import Engine, Fleet
