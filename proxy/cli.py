@@ -19,7 +19,8 @@ from typing import Any
 
 import uvloop
 
-from proxy.core.config import Config, load_config
+from proxy.core.config import Config
+from proxy.core.configload import load_config
 from proxy.core.errors import ConfigError
 from proxy.demo import run_demo
 from proxy.observe import accesslog

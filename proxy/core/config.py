@@ -1,39 +1,28 @@
-"""Configuration: one TOML file, then environment variables, then ``--set`` overrides.
+"""Configuration: the settings' sections and the root ``Config`` that holds them all.
 
 Rules:
-- Every setting lives in a frozen, typed dataclass; ``Config()`` / ``Config.default()`` is a working
+- Every setting lives in a frozen, typed dataclass that checks itself in ``__post_init__`` and
+  raises ``ConfigError`` naming the field; ``Config()`` / ``Config.default()`` is a working
   configuration without pools (the demo adds its own).
-- Sources apply in order: TOML file, ``KVPROXY_<SECTION>_<KEY>`` environment variables, then
-  ``--set section.key=value`` overrides. Environment variables and overrides reach scalar settings
-  of the sections (nested tables included, e.g. ``admission.sheddable.shed_above``); pools and
-  aliases are lists and are set in TOML only.
-- Unknown keys are errors, so a typo never passes silently. Every error is a ``ConfigError`` whose
-  ``field`` is the dotted path of the bad setting, e.g. ``pools[0].engines[1].url``.
-- This module reads the file it is given and nothing else; it never looks at ``os.environ`` itself.
 - The behaviour sections are defined here; the fleet's shape (engines, pools, aliases) and its
   cross-checks in ``fleet_config``, the front door's sections in ``door_config``, precise
   routing's in ``kv_config``. ``Config`` runs the fleet's cross-checks once it holds them all.
+- Reading a file, environment variables and ``--set`` overrides is ``configload.load_config``.
 """
 
 from __future__ import annotations
 
-import tomllib
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from proxy.core.cache_key import CacheConfig
 from proxy.core.config_checks import positive as _positive
 from proxy.core.config_checks import require as _require
-from proxy.core.configload import build, parse_scalar, scalar_paths, set_path
 from proxy.core.door_config import AuthConfig, LimitsConfig, RedisConfig
-from proxy.core.errors import ConfigError
 from proxy.core.fleet_config import AliasConfig, PoolConfig, check_aliases, check_pools
 from proxy.core.kv_config import KvEventsConfig
 
 POLICIES: tuple[str, ...] = ("round_robin", "least_load", "prefix_affinity", "expected_ttft")
 PLACE_NEW: tuple[str, ...] = ("least_load", "prefill", "rendezvous")
-ENV_PREFIX = "KVPROXY_"
 
 
 @dataclass(frozen=True)
@@ -377,69 +366,3 @@ class Config:
     def pool(self, name: str) -> PoolConfig | None:
         """The pool called ``name``, if configured."""
         return next((p for p in self.pools if p.name == name), None)
-
-
-# --- loading -------------------------------------------------------------------------------------
-
-SCALAR_SECTIONS: tuple[str, ...] = (
-    "server",
-    "telemetry",
-    "routing",
-    "admission",
-    "pressure",
-    "upstream",
-    "breaker",
-    "outlier",
-    "auth",
-    "cache",
-    "redis",
-    "limits",
-    "log",
-    "sharing",
-    "kv_events",
-)
-
-
-def load_config(path: str | None, env: Mapping[str, str], overrides: Sequence[str]) -> Config:
-    """Read ``path`` (if any), apply ``env`` and ``overrides`` and validate the result."""
-    data: dict[str, Any] = _read_toml(path) if path else {}
-    paths = scalar_paths(Config, SCALAR_SECTIONS)
-    for dotted, raw in _env_settings(env, paths):
-        set_path(data, dotted, parse_scalar(raw, paths[dotted], dotted))
-    for item in overrides:
-        dotted, raw = _split_override(item)
-        if dotted not in paths:
-            raise ConfigError(dotted, "unknown setting (use --set section.key=value)")
-        set_path(data, dotted, parse_scalar(raw, paths[dotted], dotted))
-    return build(Config, data, "")
-
-
-def _read_toml(path: str) -> dict[str, Any]:
-    try:
-        with open(path, "rb") as fh:
-            return tomllib.load(fh)
-    except FileNotFoundError:
-        raise ConfigError("", f"config file not found: {path}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError("", f"{path}: invalid TOML: {exc}") from None
-
-
-def _env_settings(env: Mapping[str, str], paths: Mapping[str, type]) -> list[tuple[str, str]]:
-    by_env = {ENV_PREFIX + p.replace(".", "_").upper(): p for p in paths}
-    sections = {ENV_PREFIX + s.upper() + "_" for s in SCALAR_SECTIONS}
-    found: list[tuple[str, str]] = []
-    for name in sorted(env):
-        if name in by_env:
-            found.append((by_env[name], env[name]))
-        elif any(name.startswith(s) for s in sections):
-            # KVPROXY_<SECTION>_... with a section we own: a typo, not someone else's variable.
-            raise ConfigError(name, "unknown environment setting")
-    return found
-
-
-def _split_override(item: str) -> tuple[str, str]:
-    key, sep, value = item.partition("=")
-    key = key.strip()
-    if not sep or not key:
-        raise ConfigError(item, "override must look like section.key=value")
-    return key, value.strip()

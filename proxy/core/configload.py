@@ -1,24 +1,35 @@
-"""Turning plain TOML-shaped data into the frozen config dataclasses, with dotted error paths.
+"""Loading the configuration: one TOML file, then environment variables, then ``--set`` overrides,
+turned into the frozen config dataclasses with dotted error paths.
 
 Rules:
+- Sources apply in order: TOML file, ``KVPROXY_<SECTION>_<KEY>`` environment variables, then
+  ``--set section.key=value`` overrides. Environment variables and overrides reach scalar settings
+  of the sections (nested tables included, e.g. ``admission.sheddable.shed_above``); pools and
+  aliases are lists and are set in TOML only.
+- Unknown keys are errors, so a typo never passes silently. Every error is a ``ConfigError`` whose
+  ``field`` is the dotted path of the bad setting, e.g. ``pools[0].engines[1].url``.
+- This module reads the file it is given and nothing else; it never looks at ``os.environ`` itself.
 - Types come from the dataclasses' annotations: ``bool``, ``int``, ``float``, ``str``, ``X | None``,
   ``tuple[X, ...]`` and nested dataclasses. Anything else in an annotation is a programming error.
 - An ``int`` is accepted where a ``float`` is expected; a ``bool`` is never accepted as a number.
 - A nested table that is given only in part keeps the defaults of the keys it leaves out.
-- Unknown keys and missing required keys are ``ConfigError`` naming the dotted field.
+- Missing required keys are ``ConfigError`` naming the dotted field too.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import tomllib
 import types
 import typing
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
+from proxy.core.config import Config
 from proxy.core.errors import ConfigError
 
 T = TypeVar("T")
+ENV_PREFIX = "KVPROXY_"
 
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
@@ -161,3 +172,69 @@ def set_path(data: dict[str, Any], dotted: str, value: object) -> None:
         if not isinstance(node, Mapping):
             raise ConfigError(walked, "must be a table")
     node[last] = value
+
+
+# --- loading -------------------------------------------------------------------------------------
+
+SCALAR_SECTIONS: tuple[str, ...] = (
+    "server",
+    "telemetry",
+    "routing",
+    "admission",
+    "pressure",
+    "upstream",
+    "breaker",
+    "outlier",
+    "auth",
+    "cache",
+    "redis",
+    "limits",
+    "log",
+    "sharing",
+    "kv_events",
+)
+
+
+def load_config(path: str | None, env: Mapping[str, str], overrides: Sequence[str]) -> Config:
+    """Read ``path`` (if any), apply ``env`` and ``overrides`` and validate the result."""
+    data: dict[str, Any] = _read_toml(path) if path else {}
+    paths = scalar_paths(Config, SCALAR_SECTIONS)
+    for dotted, raw in _env_settings(env, paths):
+        set_path(data, dotted, parse_scalar(raw, paths[dotted], dotted))
+    for item in overrides:
+        dotted, raw = _split_override(item)
+        if dotted not in paths:
+            raise ConfigError(dotted, "unknown setting (use --set section.key=value)")
+        set_path(data, dotted, parse_scalar(raw, paths[dotted], dotted))
+    return build(Config, data, "")
+
+
+def _read_toml(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as fh:
+            return tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError("", f"config file not found: {path}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError("", f"{path}: invalid TOML: {exc}") from None
+
+
+def _env_settings(env: Mapping[str, str], paths: Mapping[str, type]) -> list[tuple[str, str]]:
+    by_env = {ENV_PREFIX + p.replace(".", "_").upper(): p for p in paths}
+    sections = {ENV_PREFIX + s.upper() + "_" for s in SCALAR_SECTIONS}
+    found: list[tuple[str, str]] = []
+    for name in sorted(env):
+        if name in by_env:
+            found.append((by_env[name], env[name]))
+        elif any(name.startswith(s) for s in sections):
+            # KVPROXY_<SECTION>_... with a section we own: a typo, not someone else's variable.
+            raise ConfigError(name, "unknown environment setting")
+    return found
+
+
+def _split_override(item: str) -> tuple[str, str]:
+    key, sep, value = item.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(item, "override must look like section.key=value")
+    return key, value.strip()

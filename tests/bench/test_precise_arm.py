@@ -11,7 +11,7 @@ from bench.peers import Router, _kvproxy, parse_router_list
 from bench.prompts import random_tokens, token_count
 from bench.routing import precise_fleet
 from bench.wordtok import make_word_tokenizer
-from proxy.core.config import load_config
+from proxy.core.configload import load_config
 from proxy.fleet.tokenizer import load_tokenizer
 
 

@@ -15,7 +15,7 @@ from tiers import missing
 from bench.front import HAPROXY, Arm, haproxy_config, haproxy_requests, parse_arms, replica_config
 from bench.machine import read_json
 from bench.report_replicas import replicas_markdown
-from proxy.core.config import load_config
+from proxy.core.configload import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 MACHINE = {"nproc": 2, "cpu_model": "Test CPU", "kernel": "6", "python": "3.11",

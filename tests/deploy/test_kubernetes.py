@@ -40,7 +40,8 @@ from deploy.kube import (
     rule_file_text,
 )
 from engine_sidecar.vllm.profile import describe, load_profile, with_overrides
-from proxy.core.config import Config, load_config
+from proxy.core.config import Config
+from proxy.core.configload import load_config
 from proxy.tenancy.shared_state import EngineRecord
 
 Obj = dict[str, Any]

@@ -9,7 +9,8 @@ from collections.abc import Iterator
 import orjson
 import pytest
 
-from proxy.core.config import LogConfig, load_config
+from proxy.core.config import LogConfig
+from proxy.core.configload import load_config
 from proxy.core.errors import ConfigError
 from proxy.core.usage import Usage
 from proxy.observe import accesslog

@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 
 from proxy.core.admission import Admission, Priority
-from proxy.core.config import AdmissionConfig, ClassThreshold, PressureConfig, load_config
+from proxy.core.config import AdmissionConfig, ClassThreshold, PressureConfig
+from proxy.core.configload import load_config
 from proxy.core.errors import ConfigError
 from proxy.core.pressure import REASON_COMMITTED, Level, PressureTracker
 from proxy.core.routing import EngineView

@@ -3,8 +3,8 @@ from pathlib import Path
 
 import pytest
 
-from proxy.core.config import ENV_PREFIX, SCALAR_SECTIONS, ClassThreshold, Config, load_config
-from proxy.core.configload import scalar_paths
+from proxy.core.config import ClassThreshold, Config
+from proxy.core.configload import ENV_PREFIX, SCALAR_SECTIONS, load_config, scalar_paths
 from proxy.core.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -4,7 +4,8 @@ the Retry-After of one that waited in vain (pure: no sockets, no clock)."""
 import pytest
 
 from proxy.core.admission import REASON_KV, Priority
-from proxy.core.config import ClassThreshold, PressureConfig, load_config
+from proxy.core.config import ClassThreshold, PressureConfig
+from proxy.core.configload import load_config
 from proxy.core.errors import ConfigError
 from proxy.core.holding import (
     DEADLINE_MARGIN_S,

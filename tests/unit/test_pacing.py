@@ -5,7 +5,8 @@ leave room; anything else keeps today's refusal (pure: no sockets, no clock)."""
 import pytest
 
 from proxy.core.admission import Admission, Decision, Priority, Shed
-from proxy.core.config import AdmissionConfig, PressureConfig, load_config
+from proxy.core.config import AdmissionConfig, PressureConfig
+from proxy.core.configload import load_config
 from proxy.core.holding import paced
 from proxy.core.pressure import (
     REASON_COMMITTED,
