@@ -29,6 +29,10 @@ KVPROXY_POLICIES = ("round_robin", "least_load", "prefix_affinity", "expected_tt
 # kvproxy's prefix-aware policies also run in precise mode when named ``kvproxy/<policy>+precise``.
 PRECISE = "+precise"
 PRECISE_POLICIES = ("prefix_affinity", "expected_ttft")
+# ``kvproxy/expected_ttft+abandon``: the cost model with ``routing.charge_abandoned = true``
+# (off by default), so the rule is measured live against the default beside it.
+ABANDON = "+abandon"
+ABANDON_POLICIES = ("expected_ttft",)
 # ... and as ``kvproxy serve --workers N`` when named ``kvproxy/<policy>+wN``.
 WORKER_COUNTS = (2, 3, 4)
 PEER_POLICIES = {
@@ -58,6 +62,11 @@ class Router:
         """kvproxy in precise mode (``<policy>+precise``): the engines publish KV events and
         tokenize with ``bench.wordtok``; the proxy subscribes and tokenizes the same way."""
         return self.router == "kvproxy" and self.policy.endswith(PRECISE)
+
+    @property
+    def abandon(self) -> bool:
+        """kvproxy with ``routing.charge_abandoned`` on (``<policy>+abandon``)."""
+        return self.router == "kvproxy" and self.policy.endswith(ABANDON)
 
     @property
     def venv(self) -> Path:
@@ -137,9 +146,12 @@ def _kvproxy(r: Router, urls: Sequence[str], model: str, port: int, work: Path,
              events: Sequence[str] = ()) -> Built:
     """kvproxy's command; with ``events`` (precise mode) the pool's tokenizer is
     ``work/tokenizer`` and the proxy binds each engine's KV-event endpoint (loopback only)."""
+    policy = r.policy.removesuffix(PRECISE).removesuffix(ABANDON)
     lines = ["[server]", 'host = "127.0.0.1"', f"port = {port}", "",
-             "[routing]", f'policy = "{r.policy.removesuffix(PRECISE)}"', "",
-             "[[pools]]", 'name = "target"', f'model = "{model}"']
+             "[routing]", f'policy = "{policy}"']
+    if r.abandon:
+        lines.append("charge_abandoned = true")
+    lines += ["", "[[pools]]", 'name = "target"', f'model = "{model}"']
     if events:
         lines.append(f'tokenizer = "{work / "tokenizer"}"')
     for i, url in enumerate(urls):
@@ -224,6 +236,8 @@ def parse_router_list(text: str) -> list[Router]:
     known.update({(r := Router("floor", p)).name: r for p in FLOOR_POLICIES})
     known.update({f"kvproxy/{p}{PRECISE}": Router("kvproxy", p + PRECISE)
                   for p in PRECISE_POLICIES})
+    known.update({f"kvproxy/{p}{ABANDON}": Router("kvproxy", p + ABANDON)
+                  for p in ABANDON_POLICIES})
     known.update({(r := Router("kvproxy", p, n)).name: r
                   for p in KVPROXY_POLICIES for n in WORKER_COUNTS})
     out: list[Router] = []
