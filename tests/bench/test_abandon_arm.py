@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from bench.peers import Router, _kvproxy, parse_router_list
-from proxy.core.config import RoutingConfig, load_config
+from proxy.core.config import RoutingConfig
+from proxy.core.configload import load_config
 
 URLS = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
 
