@@ -33,7 +33,7 @@ from pathlib import Path
 
 import aiohttp
 
-from bench import fit, machine, proxywatch, report
+from bench import fit, gcwatch, machine, proxywatch, report
 from bench.fleet import Fleet, FleetSpec
 from bench.loadgen import Endpoint, closed_loop, make_session, request_body, run_async
 from bench.peers import Router, launch_ready, parse_router_list
@@ -223,11 +223,12 @@ async def measure_level(session: aiohttp.ClientSession, paths: Paths,
     round_p50: dict[str, list[float]] = {n: [] for n in names}
     watches = {n: proxywatch.Watch() for n in names if n.startswith("kvproxy/")}
     lag: dict[str, dict[float, float]] = {}
+    gcs = {n: gcwatch.Tally() for n in watches}
     start = time.perf_counter()
     for _ in range(rounds):
         for name in names:
             recs, span, used = await _slice(session, paths, started, name, conc, slice_s, start,
-                                            ramp_s, watches.get(name), lag)
+                                            ramp_s, watches.get(name), lag, gcs.get(name))
             records[name] += recs
             spans[name] += span
             cpu[name] += used
@@ -247,6 +248,7 @@ async def measure_level(session: aiohttp.ClientSession, paths: Paths,
                 **watches[name].summary(),
                 "loop_lag_p99_s": proxywatch.histogram_quantile(0.99, {}, lag.get(name, {})),
                 "loop_lag_p50_s": proxywatch.histogram_quantile(0.5, {}, lag.get(name, {})),
+                "gc": gcs[name].summary(spans[name]),
             }
         level[name] = entry
     return level
@@ -257,6 +259,7 @@ async def _slice(session: aiohttp.ClientSession, paths: Paths,
                  slice_s: float, start: float, ramp_s: float = RAMP_S,
                  watch: proxywatch.Watch | None = None,
                  lag: dict[str, dict[float, float]] | None = None,
+                 gcs: gcwatch.Tally | None = None,
                  ) -> tuple[list[RequestRecord], float, float]:
     proc = next((p for r, p, _ in started if r.name == name), None)
     endpoint = next((e for r, _, e in started if r.name == name), None)
@@ -269,7 +272,8 @@ async def _slice(session: aiohttp.ClientSession, paths: Paths,
     stop = asyncio.Event()
     if watching:
         assert endpoint is not None and watch is not None and lag is not None
-        before = proxywatch.lag_buckets(await proxywatch.metrics_text(session, endpoint.base_url))
+        text_before = await proxywatch.metrics_text(session, endpoint.base_url)
+        before = proxywatch.lag_buckets(text_before)
         sampler = asyncio.create_task(proxywatch.watch(session, endpoint.base_url, watch, stop),
                                       name="proxy-watch")
     cpu0 = proc.cpu_seconds() if proc else 0.0
@@ -280,7 +284,10 @@ async def _slice(session: aiohttp.ClientSession, paths: Paths,
         assert endpoint is not None and lag is not None
         stop.set()
         await sampler
-        after = proxywatch.lag_buckets(await proxywatch.metrics_text(session, endpoint.base_url))
+        text_after = await proxywatch.metrics_text(session, endpoint.base_url)
+        after = proxywatch.lag_buckets(text_after)
+        if gcs is not None:
+            gcs.add(text_before, text_after)
         total = lag.setdefault(name, {})
         for bound, count in after.items():  # only this slice's observations, summed over slices
             total[bound] = total.get(bound, 0.0) + count - before.get(bound, 0.0)

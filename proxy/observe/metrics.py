@@ -31,6 +31,8 @@ _LATENCY_BUCKETS = (
 )  # fmt: skip
 _SCRAPE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 _LAG_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+# A young collection takes tens of microseconds to a few milliseconds, an old one tens of them.
+_GC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
 
 BREAKER_VALUES = {"closed": 0.0, "half_open": 1.0, "open": 2.0}
 OUTLIER_VALUES = {"active": 0.0, "probation": 1.0, "ejected": 2.0}
@@ -185,6 +187,11 @@ class ProxyMetrics:
             "kvproxy_event_loop_lag_seconds",
             "How late the event loop ran a periodic probe (time it could not attend to anything)",
             buckets=_LAG_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.gc_pause = Histogram(
+            "kvproxy_gc_pause_seconds",
+            "How long each garbage collection stopped the process, by generation",
+            ["generation"], buckets=_GC_BUCKETS, registry=r,
         )  # fmt: skip
         self.relay_pauses = Counter(
             "kvproxy_relay_pauses",

@@ -3,8 +3,9 @@
 Rules:
 - ``build_app`` wires pure-core objects into a ``ShellContext`` reachable only via typed keys.
 - The upstream sessions, the named scraper task and the named event-loop lag probe
-  (``kvproxy-loop-lag``) are created and destroyed by ``cleanup_ctx``; nothing outlives the
-  application. A worker's scraper shares its scrapes with its siblings over the parent's hub
+  (``kvproxy-loop-lag``) are created and destroyed by ``cleanup_ctx``, and so is the garbage
+  collector's pause callback (``proxy.observe.gcpause``); nothing outlives the application. A
+  worker's scraper shares its scrapes with its siblings over the parent's hub
   (``proxy.fleet.scrape_share``).
 - One middleware turns every exception into a response: ``KvproxyError`` renders itself,
   aiohttp's own HTTP errors (unknown route, wrong method) become OpenAI-shaped errors, anything else
@@ -40,6 +41,7 @@ from proxy.fleet.precise import PreciseRouting
 from proxy.fleet.scrape_share import ScrapeShare
 from proxy.fleet.scraper import Scraper
 from proxy.fleet.upstream import make_data_session, make_scrape_session
+from proxy.observe.gcpause import GcPauses
 from proxy.observe.looplag import LoopLag
 from proxy.observe.metrics import ProxyMetrics
 from proxy.server import handlers, specfirst
@@ -151,6 +153,8 @@ async def _scraper(app: web.Application) -> AsyncIterator[None]:
     ctx = app[SHELL]
     assert ctx.scrape_session is not None
     lag = LoopLag(ctx.metrics.loop_lag)
+    pauses = GcPauses(ctx.metrics.gc_pause)
+    pauses.install()
     probe = asyncio.create_task(lag.run(), name="kvproxy-loop-lag")
     scraper = Scraper(ctx.fleet, ctx.scrape_session, ctx.cfg.telemetry, ctx.metrics, ctx.clock,
                       lag=lag, share=_scrape_share(app))
@@ -159,6 +163,7 @@ async def _scraper(app: web.Application) -> AsyncIterator[None]:
     try:
         yield
     finally:
+        pauses.remove()
         for owned in (task, probe):
             owned.cancel()
             with contextlib.suppress(asyncio.CancelledError):

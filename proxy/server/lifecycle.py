@@ -13,9 +13,9 @@ Rules:
   listener, cancel what is left, and run the app's cleanup (sessions, scraper task).
 - A served process tunes its garbage collector once started (``settle_heap``): what start-up built
   lives as long as the process, so it is frozen out of every collection, and the youngest
-  generation is collected per ``_GC_YOUNG`` allocations instead of 700, because a request allocates
-  hundreds of short-lived containers and a collection per request is time the relay does not move
-  bytes. Tests' in-process servers keep the interpreter's defaults.
+  generation is collected per ``server.gc_young_threshold`` allocations instead of 700, because a
+  request allocates hundreds of short-lived containers and a collection per request is time the
+  relay does not move bytes. Tests' in-process servers keep the interpreter's defaults.
 """
 
 from __future__ import annotations
@@ -39,8 +39,9 @@ log = logging.getLogger(__name__)
 
 # After the drain, whatever is still open gets this long before it is cancelled.
 _FINAL_GRACE_S = 0.5
-# Garbage collector thresholds once serving: youngest generation, then the two older ones.
-_GC_YOUNG, _GC_MIDDLE, _GC_OLD = 20_000, 20, 20
+# Garbage collector thresholds once serving for the two older generations (young collections
+# between two of the middle one, middle ones between two of the oldest).
+_GC_MIDDLE, _GC_OLD = 20, 20
 
 
 class ProxyServer:
@@ -116,7 +117,7 @@ async def run_server(
     workers of ``kvproxy serve --workers N`` (shared port; see ``proxy.server.workers``)."""
     server = ProxyServer(cfg, build_app(cfg, worker=worker), reuse_port=worker is not None)
     await server.start()
-    settle_heap()
+    settle_heap(cfg.server.gc_young_threshold)
     stop = stop_event()
     link = server.app.get(WORKER)
     try:
@@ -134,11 +135,11 @@ async def run_server(
             await link.close()
 
 
-def settle_heap() -> None:
+def settle_heap(young_threshold: int) -> None:
     """Freeze what start-up built out of the collector's work and space collections out."""
     gc.collect()
     gc.freeze()
-    gc.set_threshold(_GC_YOUNG, _GC_MIDDLE, _GC_OLD)
+    gc.set_threshold(young_threshold, _GC_MIDDLE, _GC_OLD)
 
 
 def stop_event() -> asyncio.Event:
