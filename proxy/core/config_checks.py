@@ -1,8 +1,8 @@
 """The small checks every configuration section makes of its own fields.
 
-Rules: pure and shared by the modules that define sections (``config``, ``fleet_config``); a failed
-check raises ``ConfigError`` naming the field as its section knows it, and the loader places that
-name under its dotted path (``pools[0].engines[1].url``).
+Rules: pure and shared by the modules that define sections (``config``, ``fleet_config``,
+``kv_config``); a failed check raises ``ConfigError`` naming the field as its section knows it,
+and the loader places that name under its dotted path (``pools[0].engines[1].url``).
 """
 
 from __future__ import annotations

@@ -19,14 +19,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from proxy.core.errors import ConfigError
+from proxy.core.config_checks import require as _require
 
 _SCHEMES = ("tcp://", "ipc://")
-
-
-def _require(ok: bool, name: str, message: str) -> None:
-    if not ok:
-        raise ConfigError(name, message)
 
 
 def endpoint_problem(endpoint: str, *, bind: bool) -> str | None:
