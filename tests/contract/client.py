@@ -117,3 +117,18 @@ async def wait_until(check: Callable[[], Any], timeout_s: float = 30.0, what: st
     """Poll the async ``check`` until it returns truthy; fail with ``what`` after the timeout."""
     if not await poll(check, timeout_s):
         raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+async def settled_metric(url: str, name: str, quiet_s: float = 1.0,
+                         timeout_s: float = 30.0) -> float:
+    """The metric's value once it has stayed unchanged for ``quiet_s``: a request the engine keeps
+    running moves its token counter on, so a settled value is one no request is still adding to."""
+    deadline = time.monotonic() + timeout_s
+    last = await metric(url, name)
+    while time.monotonic() < deadline:
+        await asyncio.sleep(quiet_s)
+        now = await metric(url, name)
+        if now == last:
+            return now
+        last = now
+    raise AssertionError(f"{name} still moving after {timeout_s:.0f} s")

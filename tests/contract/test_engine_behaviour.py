@@ -12,7 +12,17 @@ from typing import Any
 import aiohttp
 import pytest
 
-from contract.client import Backend, Engine, metric, poll, post_json, scrape, value, wait_until
+from contract.client import (
+    Backend,
+    Engine,
+    metric,
+    poll,
+    post_json,
+    scrape,
+    settled_metric,
+    value,
+    wait_until,
+)
 
 # Where the simulator does not (yet) behave like vLLM 0.32 (test name -> gap); its [sim] variants
 # are expected to fail until the simulator matches. The [vllm] variants are the reference.
@@ -229,14 +239,11 @@ async def test_client_disconnect_aborts_the_request(backend: Backend) -> None:
         async with open_stream(s, engine, long_body(backend, "abort me")) as resp:
             for _ in range(5):
                 await resp.content.readline()
-            # vLLM sets the gauge when its front end handles a step's outputs, which on a
-            # loaded machine can trail the streamed tokens: poll rather than read once.
-            await wait_until(lambda: _at_least(engine, RUNNING, 1), timeout_s=10,
-                             what="the engine to report the request running")
-        # The connection is closed: the engine must drop the request, not finish it.
+        # Closed as soon as tokens flow: every moment it stays open lets the engine run on toward
+        # LONG. vLLM's running gauge can trail the streamed tokens on a loaded machine, so the
+        # verdict rests on the token counter: it must settle short of the whole request.
         await wait_until(lambda: _at_most(engine, RUNNING, 0), timeout_s=20,
                          what="running count to drop after disconnect")
-    settled = await metric(engine.metrics_url, GENERATED)
-    await asyncio.sleep(1.0)
-    assert await metric(engine.metrics_url, GENERATED) == settled, "tokens after the abort"
-    assert settled - before < LONG, "the request was cut short"
+    settled = await settled_metric(engine.metrics_url, GENERATED)
+    assert settled - before > 0, "the request never ran"
+    assert settled - before < LONG, "the request ran to its end after the client left"

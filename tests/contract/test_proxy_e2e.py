@@ -18,7 +18,7 @@ import openai
 import pytest
 import pytest_asyncio
 
-from contract.client import Backend, Engine, metric, scrape, value, wait_until
+from contract.client import Backend, Engine, metric, scrape, settled_metric, value, wait_until
 from contract.conftest import free_port
 
 HITS = "vllm:prefix_cache_hits_total"
@@ -165,20 +165,14 @@ async def test_client_disconnect_through_the_proxy_aborts_in_the_engine(
         before = await metric(engine.metrics_url, GENERATED)
         for _ in range(5):
             await resp.content.readline()
-
-        async def running() -> bool:
-            return await metric(engine.metrics_url, RUNNING) >= 1
-
-        # vLLM's gauge is set when the front end handles a step's outputs, which on a loaded
-        # machine can trail the tokens already relayed: poll rather than read once.
-        await wait_until(running, timeout_s=10, what="the engine to report the request running")
+        # Closed as soon as tokens flow: every moment it stays open lets the engine run on toward
+        # LONG. vLLM's running gauge can trail the relayed tokens on a loaded machine, so the
+        # verdict rests on the token counter: it must settle short of the whole request.
         resp.close()
 
     async def idle() -> bool:
         return await metric(engine.metrics_url, RUNNING) == 0
 
     await wait_until(idle, timeout_s=20, what="the engine to drop the request")
-    settled = await metric(engine.metrics_url, GENERATED)
-    await asyncio.sleep(1.0)
-    assert await metric(engine.metrics_url, GENERATED) == settled, "tokens after the abort"
-    assert settled - before < LONG, "the request was cut short"
+    settled = await settled_metric(engine.metrics_url, GENERATED)
+    assert settled - before < LONG, "the request ran to its end after the client left"
