@@ -6,8 +6,8 @@ Usage: ``python -m bench.replay --workloads chat [--quick] [--policies expected_
 (engine seconds), the engines' hit rate, requests per engine (busiest / mean) and what the
 decisions cost in cache: how often the pick held less of the prompt than the engine holding
 the most of it really did (from the engines' own block pools), and why, and the hit rate over
-``bench.traces.oracle_hit_rate``. A policy may carry variants: ``expected_ttft+abandon``,
-``expected_ttft+drain`` (``VARIANTS``).
+``bench.traces.oracle_hit_rate``. A policy may carry variants: ``expected_ttft+plain``,
+``expected_ttft+unbounded``, ``expected_ttft+drain`` (``VARIANTS``).
 
 Rules:
 - Engines are ``bench.calibrate``'s discrete-event model: the simulator's own scheduler, KV block
@@ -45,7 +45,7 @@ from bench.workloads import by_name
 from proxy.core.config import RoutingConfig
 from proxy.core.costmodel import ExpectedTTFT
 from proxy.core.engine_state import EngineState
-from proxy.core.holdings import held_depth
+from proxy.core.holdings import ApproxHoldings, held_depth
 from proxy.core.prefix import canonical_chat, prefix_chain
 from proxy.core.routeview import EngineView, RouteKey
 from proxy.core.routing import Policy, make_policy
@@ -63,11 +63,27 @@ class Router(Protocol):
     def scrape(self, engines: Sequence[Any], now: float) -> None: ...
 
 
-# Variants of a kvproxy policy (``--policies expected_ttft+abandon``): ``abandon`` sets
-# ``routing.charge_abandoned``; ``drain`` counts each engine's queued prompt work as draining at
-# the profile's prefill rate since its dispatch (the views' ``prefill`` capped at that backlog;
-# an experiment of the replay only: the proxy's engine state has no such rule).
-VARIANTS = ("abandon", "drain")
+# Variants of a kvproxy policy (``--policies expected_ttft+abandon``): ``abandon`` turns
+# ``routing.charge_abandoned`` on and ``plain`` off (else the config's default stands);
+# ``unbounded`` charges provisional holdings too (the rule before its bound: every holding counts
+# as settled at dispatch; an experiment of the replay only); ``drain`` counts each engine's
+# queued prompt work as draining at the profile's prefill rate since its dispatch (the views'
+# ``prefill`` capped at that backlog; an experiment of the replay only: the proxy's engine state
+# has no such rule).
+VARIANTS = ("abandon", "plain", "unbounded", "drain")
+
+
+class UnboundedHoldings(ApproxHoldings):
+    """Every recorded holding counts as settled: the abandoned charge without its bound."""
+
+    def settled_tokens(self, key: RouteKey, engines: Sequence[str]) -> dict[str, float]:
+        return self.held_tokens(key, engines)
+
+
+def _policy(cfg: RoutingConfig, unbounded: bool) -> Policy:
+    if unbounded:
+        return ExpectedTTFT(cfg, UnboundedHoldings(cfg.index_blocks))
+    return make_policy(cfg)
 
 
 class KvproxyRouter:
@@ -79,10 +95,11 @@ class KvproxyRouter:
         unknown = set(variants) - set(VARIANTS)
         if unknown:
             raise ValueError(f"unknown variants {sorted(unknown)}; known: {', '.join(VARIANTS)}")
+        charge = cfg.charge_abandoned or bool({"abandon", "unbounded"} & set(variants))
         self.cfg = cfg = RoutingConfig(**{**cfg.__dict__, "policy": base,
-                                          "charge_abandoned": "abandon" in variants})
+                                          "charge_abandoned": charge and "plain" not in variants})
         self.drain = "drain" in variants
-        self.policy: Policy = make_policy(cfg)
+        self.policy: Policy = _policy(cfg, "unbounded" in variants)
         self.states = [EngineState(f"e{i}", "target", "", stale_after_s=1e9) for i in range(n)]
         self.tickets: dict[int, tuple[int, int]] = {}
         self.backlog = [(0.0, 0.0)] * n  # per engine: (prompt tokens left, as of when)
@@ -128,6 +145,8 @@ class KvproxyRouter:
         prefill = self.policy.uncached_tokens(key, name)
         info["believed_held"] = key.tokens - prefill
         self.policy.observe(key, name)
+        if isinstance(self.policy, ExpectedTTFT):
+            self.policy.dispatched(rid, key)
         e = int(name[1:])
         self.backlog[e] = (self._left(e, now) + prefill, now)
         self.tickets[rid] = (e, self.states[e].on_dispatch(now, prefill))
@@ -136,6 +155,8 @@ class KvproxyRouter:
     def first_token(self, rid: int, now: float) -> None:
         e, ticket = self.tickets[rid]
         self.states[e].on_first_byte(ticket)
+        if isinstance(self.policy, ExpectedTTFT):
+            self.policy.first_byte(rid, f"e{e}")
 
     def done(self, rid: int, now: float) -> None:
         e, ticket = self.tickets.pop(rid)

@@ -113,9 +113,10 @@ class RoutingConfig:
     chunk_tokens: int = 8192
     # Expected TTFTs within this fraction of the lowest are equal; the most cached engine wins.
     cost_tolerance: float = 0.1
-    # expected_ttft: charge a pick the prefill of what another engine holds of the prompt once
-    # more (the cache the move abandons, recomputed later); off keeps the plain model.
-    charge_abandoned: bool = False
+    # expected_ttft: charge a pick the prefill of what another engine is known to have computed
+    # of the prompt once more (the cache the move abandons, recomputed later; settled holdings
+    # only, never provisional ones); off keeps the plain model.
+    charge_abandoned: bool = True
 
     def __post_init__(self) -> None:
         _require(self.policy in POLICIES, "policy", f"must be one of {', '.join(POLICIES)}")

@@ -28,11 +28,16 @@ Rules:
   for the requests that recompute delays, so a conversation is not moved off the engine holding
   its history for a small gain of its own. ``L`` is the average before this decision, so the
   views of one decision enter only through the estimates (monotone in each engine's queue).
-- With ``charge_abandoned`` (off by default) a pick holding less of the prompt than the engine
-  holding the most pays the difference's prefill once more, at the same ``1 + L``: the move
-  writes a second copy of that history into the pick's block pool, which in a pool at capacity
-  evicts as much of another conversation's cached prefix, and that conversation's next turn
-  recomputes it (an upper bound: it counts every evicted token as one that would be reused).
+- With ``charge_abandoned`` (on by default) a pick holding less of the prompt than an engine
+  known to have computed it pays the difference's prefill once more, at the same ``1 + L``:
+  the move writes a second copy of that history into the pick's block pool, which in a pool at
+  capacity evicts as much of another conversation's cached prefix, and that conversation's next
+  turn recomputes it (an upper bound: it counts every evicted token as one that would be
+  reused). The charge is ``max(0, top_settled - held(pick))``: only *settled* holdings
+  (``PrefixHoldings.settled_tokens``: confirmed by a first byte, or reported by the engine's
+  KV events) count, never provisional ones, so a burst of one new prompt is not charged twice
+  for spreading before its first request has been computed anywhere. The shell reports first
+  bytes with ``first_byte`` for the requests it announced with ``dispatched``.
 - The lowest cost wins. Costs within ``cost_tolerance`` (relative) of the lowest are equal
   within the model's accuracy; among them the engine holding the most of the prompt wins (it saves
   the fleet that prefill), then the least expected wait (ties and new prefixes), then a
@@ -53,18 +58,29 @@ Rules:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections import OrderedDict
+from collections.abc import Hashable, Mapping, Sequence
 from typing import NamedTuple
 
 from proxy.core.claims import Claimable, claimables
 from proxy.core.config import RoutingConfig
 from proxy.core.holdings import ApproxHoldings, PrefixHoldings
 from proxy.core.rendezvous import Rendezvous
-from proxy.core.routeview import EngineView, RouteKey, candidates, least_loaded, with_exact
+from proxy.core.routeview import (
+    EngineView,
+    RouteKey,
+    candidates,
+    least_loaded,
+    overlay,
+    with_exact,
+)
 from proxy.core.spread import spread_pick
 
 # Weight of one decision in the pool's moving averages (mean prompt size, mean queue length).
 _MEAN_WEIGHT = 1.0 / 32
+# Requests dispatched and awaiting their first byte that are remembered for ``first_byte``: far
+# more than a pool has open at once; past it the oldest (never answered) are dropped.
+MAX_UNCONFIRMED = 1 << 16
 
 
 class Estimate(NamedTuple):
@@ -192,15 +208,21 @@ class ExpectedTTFT:
         self._rendezvous = Rendezvous(cfg.seed)
         self.mean_prompt = 0.0  # tokens; 0 until the first request
         self.mean_queue = 0.0  # requests waiting for prefill per engine, moving average
+        self._unconfirmed: OrderedDict[Hashable, RouteKey] = OrderedDict()
 
     def estimates(self, key: RouteKey, engines: Sequence[EngineView]) -> list[Estimate]:
         names = [e.name for e in engines]
         held = with_exact(self.holdings.held_tokens(key, names), key, names)
         mean, delayed = self.mean_prompt or key.tokens, 1.0 + self.mean_queue
-        top = max(held.values(), default=0.0) if self.cfg.charge_abandoned else 0.0
+        top = self.top_settled(key, names) if self.cfg.charge_abandoned and held else 0.0
         return [estimate(e, held.get(e.name, 0.0), key, mean, self.cfg, delayed=delayed,
                          abandoned=top - held.get(e.name, 0.0))
                 for e in engines]
+
+    def top_settled(self, key: RouteKey, names: Sequence[str]) -> float:
+        """The most of ``key``'s prompt any of ``names`` is known to have computed."""
+        settled = overlay(self.holdings.settled_tokens(key, names), key.settled, names)
+        return max(settled.values(), default=0.0)
 
     def rank(self, key: RouteKey, engines: Sequence[EngineView]) -> tuple[str, ...]:
         return self.decide(key, engines).ranked
@@ -250,6 +272,25 @@ class ExpectedTTFT:
         tokens = key.tokens
         self.mean_prompt = tokens if not self.mean_prompt else (
             self.mean_prompt + _MEAN_WEIGHT * (tokens - self.mean_prompt))
+
+    def dispatched(self, token: Hashable, key: RouteKey) -> None:
+        """The request known by ``token`` (unique among those open) was sent with ``key``; its
+        ``first_byte`` settles the prompt where it was answered. Kept only while the charge
+        that reads settled holdings is on."""
+        if not self.cfg.charge_abandoned:
+            return
+        pending = self._unconfirmed
+        pending[token] = key
+        pending.move_to_end(token)
+        if len(pending) > MAX_UNCONFIRMED:
+            pending.popitem(last=False)
+
+    def first_byte(self, token: Hashable, engine: str) -> None:
+        """The request known by ``token`` had its first byte from ``engine``: it computed the
+        prompt (a retry's engine, when the first one failed)."""
+        key = self._unconfirmed.pop(token, None)
+        if key is not None:
+            self.holdings.confirm(key, engine)
 
     def uncached_tokens(self, key: RouteKey, engine: str) -> float:
         held = with_exact(self.holdings.held_tokens(key, [engine]), key, [engine]).get(engine, 0.0)

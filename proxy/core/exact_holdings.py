@@ -9,7 +9,9 @@ Rules:
   the request's ``cache_salt`` on the first block) in each engine's block size, and the longest
   prefix the engine holds counts ``blocks x block_size`` tokens. Engines out of sync are unknown.
 - ``known`` gives the held tokens of the engines in sync; routing lays them over the approximate
-  index's guess (``proxy.core.routeview.with_exact``).
+  index's guess (``proxy.core.routeview.with_exact``). ``known_settled`` gives, of those, what
+  the engines' events reported (the provisional blocks of recent dispatches left out): the
+  settled holdings the cost model's abandoned charge reads (``RouteKey.settled``).
 - Pure: no I/O; the clock is passed in.
 """
 
@@ -37,6 +39,7 @@ class PreciseHoldings:
     root: ChainRoot
     max_blocks: int
     held: dict[str, int] = field(default_factory=dict)  # engine -> blocks held
+    settled: dict[str, int] = field(default_factory=dict)  # engine -> blocks its events reported
     block_sizes: dict[str, int] = field(default_factory=dict)
     _keys: dict[int, list[int]] = field(default_factory=dict)  # block size -> chain keys
 
@@ -51,7 +54,10 @@ class PreciseHoldings:
     def add(self, engine: str, index: ExactIndex, block_size: int, now: float) -> None:
         """Count ``engine`` as known: it holds what its index says."""
         self.block_sizes[engine] = block_size
-        self.held[engine] = index.held_blocks(self.keys(block_size), now)
+        keys = self.keys(block_size)
+        self.held[engine] = held = index.held_blocks(keys, now)
+        # Settled blocks are a prefix of the held ones: only the provisional tail needs a look.
+        self.settled[engine] = index.settled_blocks(keys[:held]) if held else 0
 
     def held_tokens(self, engine: str) -> int | None:
         blocks = self.held.get(engine)
@@ -60,6 +66,11 @@ class PreciseHoldings:
     def known(self, engines: Sequence[str]) -> dict[str, float]:
         """Held tokens of those ``engines`` this source knows (the rest: the approximate index)."""
         return {e: float(t) for e in engines if (t := self.held_tokens(e)) is not None}
+
+    def known_settled(self, engines: Sequence[str]) -> dict[str, float]:
+        """Like ``known``, counting only the blocks the engines' events reported."""
+        return {e: float(self.settled.get(e, 0) * self.block_sizes[e])
+                for e in engines if e in self.held}
 
     def new_blocks(self, engine: str) -> list[int]:
         """The prompt's block keys that ``engine`` does not hold (it will store them)."""

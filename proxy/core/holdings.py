@@ -9,6 +9,15 @@ Rules:
   requests sharing a new prefix can follow the first one before any engine reports it. An exact
   index keeps such entries on the side for a few seconds and lets the engine's events confirm or
   drop them; the approximate index has nothing else and keeps them until evicted.
+- ``settled_tokens`` asks only what an engine is known to have computed: in the approximate
+  index a chain is settled once ``confirm`` reports that the request that recorded it had its
+  first byte there (the engine has prefilled the prompt); an exact index settles blocks when the
+  engine's events report them (``confirm`` has nothing to do). Settled never exceeds held: the
+  settled blocks are a second bounded ``BlockIndex``, and an engine's settled depth is capped
+  at its held depth (the held index may have evicted a chain the settled one still keeps).
+  Confirming a chain never recorded there is harmless: it cannot raise settled above held.
+- Other proxy processes' dispatches (``proxy.tenancy.shared_routing``) are recorded, never
+  confirmed: this process does not see their first bytes, so they stay provisional here.
 - Pure: no I/O, no clock. Work per question is O(engines x chain length), never O(history);
   memory is bounded per engine.
 """
@@ -28,8 +37,17 @@ class PrefixHoldings(Protocol):
         (a prefix of the prompt; absent engines hold nothing)."""
         ...
 
+    def settled_tokens(self, key: RouteKey, engines: Sequence[str]) -> dict[str, float]:
+        """Like ``held_tokens``, counting only what each engine is known to have computed
+        (never more than ``held_tokens``)."""
+        ...
+
     def record(self, key: RouteKey, engine: str) -> None:
         """``key``'s prompt was just sent to ``engine`` (provisional: computed soon)."""
+        ...
+
+    def confirm(self, key: RouteKey, engine: str) -> None:
+        """``engine`` has computed ``key``'s prompt (the request's first byte arrived)."""
         ...
 
     def forget(self, engine: str) -> None:
@@ -82,21 +100,40 @@ class BlockIndex:
 
 class ApproxHoldings:
     """Holdings guessed from routing alone: an engine holds the longest prefix of a request's
-    chain that was routed to it recently (``BlockIndex``), counted in tokens."""
+    chain that was routed to it recently (``BlockIndex``), counted in tokens; of that, the
+    chains confirmed computed there (a second ``BlockIndex``) are settled."""
 
     def __init__(self, capacity: int) -> None:
         self.index = BlockIndex(capacity)
+        self.settled = BlockIndex(capacity)
 
     def held_tokens(self, key: RouteKey, engines: Sequence[str]) -> dict[str, float]:
-        depths = self.index.match_depths(key.chain, engines)
-        tokens = key.tokens
-        return {name: min(tokens, d * key.block_tokens) for name, d in depths.items()}
+        return _tokens(key, self.index.match_depths(key.chain, engines))
+
+    def settled_tokens(self, key: RouteKey, engines: Sequence[str]) -> dict[str, float]:
+        if not key.chain:
+            return {}
+        settled = self.settled.match_depths(key.chain, engines)
+        if not settled:
+            return {}
+        held = self.index.match_depths(key.chain, list(settled))
+        return _tokens(key, {e: min(d, held[e]) for e, d in settled.items() if e in held})
 
     def record(self, key: RouteKey, engine: str) -> None:
         self.index.add(engine, key.chain)
 
+    def confirm(self, key: RouteKey, engine: str) -> None:
+        if key.chain:
+            self.settled.add(engine, key.chain)
+
     def forget(self, engine: str) -> None:
         self.index.forget(engine)
+        self.settled.forget(engine)
+
+
+def _tokens(key: RouteKey, depths: dict[str, int]) -> dict[str, float]:
+    tokens = key.tokens
+    return {name: min(tokens, d * key.block_tokens) for name, d in depths.items()}
 
 
 def held_depth(held: Container[int], chain: Sequence[int]) -> int:

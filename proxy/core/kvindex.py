@@ -14,7 +14,8 @@ Rules:
 - ``held_blocks`` is the longest prefix of a request's block keys the engine holds, walking from
   the first block as vLLM's cache lookup does; blocks the proxy just sent there count too for
   ``provisional_s`` (so a burst sharing a new prefix follows its first request before the engine
-  has reported the blocks).
+  has reported the blocks). ``settled_blocks`` counts only the reported blocks (what the
+  engine is known to have computed).
 - Pure: no I/O; the clock is passed in.
 """
 
@@ -208,5 +209,13 @@ class ExactIndex:
         blocks, pending = self._blocks, self._pending
         for depth, key in enumerate(keys):
             if key not in blocks and key not in pending:
+                return depth
+        return len(keys)
+
+    def settled_blocks(self, keys: Sequence[int]) -> int:
+        """Like ``held_blocks``, counting only the blocks the engine's events reported."""
+        blocks = self._blocks
+        for depth, key in enumerate(keys):
+            if key not in blocks:
                 return depth
         return len(keys)

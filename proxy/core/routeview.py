@@ -64,6 +64,8 @@ class RouteKey:
     # Exact holdings (``proxy.core.exact_holdings``), in prompt tokens, of the engines whose KV
     # events are in sync: for those engines they replace the approximate index's guess.
     held: Mapping[str, float] | None = field(default=None, compare=False)
+    # Of ``held``, what those engines' events have reported (computed, not just sent there).
+    settled: Mapping[str, float] | None = field(default=None, compare=False)
     # Requests other proxy processes are expected to have sent to the pool that this one has not
     # merged yet (``proxy.core.spread``), and a uniform draw in [0, 1) to spread the pick among
     # the places they could have taken; 0: this process routes alone, the pick is unchanged.
@@ -101,8 +103,14 @@ def with_exact(
     approx: Mapping[str, float], key: RouteKey, engines: Sequence[str]
 ) -> dict[str, float]:
     """Held tokens per engine: the exact figure where ``key`` carries one, else ``approx``'s."""
-    if not key.held:
+    return overlay(approx, key.held, engines)
+
+
+def overlay(approx: Mapping[str, float], exact: Mapping[str, float] | None,
+            engines: Sequence[str]) -> dict[str, float]:
+    """Tokens per engine: ``exact``'s for the engines it knows, else ``approx``'s."""
+    if not exact:
         return dict(approx)
-    out = {e: t for e, t in approx.items() if e not in key.held}
-    out.update((e, t) for e, t in key.held.items() if t > 0 and e in engines)
+    out = {e: t for e, t in approx.items() if e not in exact}
+    out.update((e, t) for e, t in exact.items() if t > 0 and e in engines)
     return out

@@ -4,10 +4,12 @@ Rules: the pure core decides (``proxy.core.admission`` for eligibility, the pool
 order, ``proxy.core.prefix`` for the prompt's chain); this shell gathers the inputs (the pool's
 views, this proxy's open connections per engine, precise holdings, what peer replicas may have
 sent unseen) and records the outcome (the policy's index, the sharing outbox, the precise index,
-the prompt tokens each candidate would compute). While a peer replica is live and Redis carries
-the sharing, the pick among the candidates the cost model leaves open is made in Redis, one
-decision after another across replicas (``proxy.tenancy.shared_decision``); otherwise, and
-whenever Redis does not answer in time, the local ranking stands. A pool whose routable engines
+the prompt tokens each candidate would compute). The cost model is told of the dispatch under the
+job's identity (unique among open requests, and every relayed job is ranked here first), so that
+the relay's first byte settles the prompt where it was answered. While a peer replica is live and
+Redis carries the sharing, the pick among the candidates the cost model leaves open is made in
+Redis, one decision after another across replicas (``proxy.tenancy.shared_decision``); otherwise,
+and whenever Redis does not answer in time, the local ranking stands. A pool whose routable engines
 all hold ``upstream.max_connections_per_engine`` requests from this proxy sheds at once.
 """
 
@@ -54,10 +56,12 @@ async def rank(
     need = need_tokens(ctx, pool, inbound, job.max_tokens)
     views = ctx.admission.eligible(priority, with_room(ctx, pool, pool_views), need)
     holdings = None if ctx.precise is None else ctx.precise.holdings(prepared, views)
-    held = None if holdings is None else holdings.known([v.name for v in views])
+    names = [v.name for v in views]
+    held = None if holdings is None else holdings.known(names)
+    settled = None if holdings is None else holdings.known_settled(names)
     blind = ctx.blindness.get(pool)
     unseen = 0.0 if blind is None else blind.unseen()
-    key = RouteKey(chain=chain, tenant=tenant, model=model, held=held,
+    key = RouteKey(chain=chain, tenant=tenant, model=model, held=held, settled=settled,
                    prompt_tokens=len(inbound.prompt_text) / routing.chars_per_token,
                    block_tokens=routing.block_chars / routing.chars_per_token,
                    unseen=unseen, draw=ctx.rng.random() if unseen else 0.0)
@@ -71,6 +75,9 @@ async def rank(
     }
     job.prompt_tokens = dict(job.prefill)
     policy.observe(key, ranked[0])
+    if isinstance(policy, ExpectedTTFT):
+        # The relay's first byte settles the prompt where it is answered (``Relay._answered``).
+        policy.dispatched(id(job), key)
     ctx.outbox.dispatched(pool, ranked[0], chain)
     if holdings is not None and ctx.precise is not None:
         ctx.precise.dispatched(ranked[0], holdings)

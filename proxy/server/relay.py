@@ -65,6 +65,7 @@ from aiohttp.streams import StreamReader
 from proxy.core.admission import REASON_NO_ENGINE
 from proxy.core.breaker import Outcome, classify_status
 from proxy.core.commitment import Flight
+from proxy.core.costmodel import ExpectedTTFT
 from proxy.core.errors import KvproxyError, NoCapacity, UpstreamError
 from proxy.core.outlier import Result
 from proxy.core.usage import UsageStrip, usage_of_body
@@ -211,6 +212,9 @@ class Relay:
         self._job.first_byte_at = self._ctx.clock()
         engine.state.on_first_byte(self._ticket)
         engine.commitments.first_byte(self._ticket)
+        policy = self._ctx.policies.get(self._job.pool)
+        if isinstance(policy, ExpectedTTFT):  # announced by ``pick.rank`` under this token
+            policy.first_byte(id(self._job), engine.name)
 
     async def _open(self, engine: Engine) -> aiohttp.ClientResponse:
         """Send the request and wait for the response head; raise ``_Retry`` where allowed."""

@@ -3,9 +3,10 @@ the simulator's scheduler (catches API drift in either), and its audit sees what
 
 import pytest
 
-from bench.replay import CacheAware, KvproxyRouter, replay, summarise
+from bench.replay import CacheAware, KvproxyRouter, UnboundedHoldings, replay, summarise
 from bench.traces import TraceRequest
 from proxy.core.config import RoutingConfig
+from proxy.core.costmodel import ExpectedTTFT
 
 pytest.importorskip("engine_sidecar.sim.scheduler")
 
@@ -46,5 +47,10 @@ def test_variants_set_their_rule_and_unknown_ones_are_refused() -> None:
     router = KvproxyRouter("expected_ttft+abandon", 2, RoutingConfig())
     assert router.cfg.charge_abandoned and not router.drain
     assert KvproxyRouter("expected_ttft+drain", 2, RoutingConfig()).drain
+    assert not KvproxyRouter("expected_ttft+plain", 2, RoutingConfig()).cfg.charge_abandoned
+    unbounded = KvproxyRouter("expected_ttft+unbounded", 2, RoutingConfig())
+    assert unbounded.cfg.charge_abandoned
+    assert isinstance(unbounded.policy, ExpectedTTFT)
+    assert isinstance(unbounded.policy.holdings, UnboundedHoldings)
     with pytest.raises(ValueError, match="unknown variants"):
         KvproxyRouter("expected_ttft+faster", 2, RoutingConfig())

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import replace
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -171,19 +172,32 @@ def burst(policy: ExpectedTTFT, n_engines: int, n_requests: int, k: RouteKey) ->
     return picks
 
 
-def test_a_burst_sharing_a_new_prefix_follows_its_first_request() -> None:
+# The cost model with and without the abandoned charge (its default is on).
+BOTH = pytest.mark.parametrize("charge", [True, False], ids=["charge", "plain"])
+
+
+@BOTH
+def test_a_burst_sharing_a_new_prefix_follows_its_first_request(charge: bool) -> None:
     # 8 requests, one new prefix of 1.5k words (~9000 characters, ~2250 tokens), 4 idle engines:
     # the first one's provisional entry draws the rest while the queue there stays within the
     # cost model's tolerance; then a second home opens, never all four.
     k = key(*range(1, 36), tokens=2260.0)
-    picks = burst(ExpectedTTFT(CFG), 4, 8, k)
+    picks = burst(ExpectedTTFT(replace(CFG, charge_abandoned=charge)), 4, 8, k)
     assert len(picks) <= 2, picks
 
 
-def test_a_large_burst_spreads_over_the_fleet() -> None:
-    picks = burst(ExpectedTTFT(CFG), 4, 64, key(*range(1, 36), tokens=2260.0))
+@BOTH
+def test_a_large_burst_spreads_over_the_fleet(charge: bool) -> None:
+    # With the charge on, what the first request recorded is provisional (no first byte yet):
+    # spreading is not charged for abandoning it, so the burst does not pile onto one engine.
+    policy = ExpectedTTFT(replace(CFG, charge_abandoned=charge))
+    picks = burst(policy, 4, 64, key(*range(1, 36), tokens=2260.0))
     assert set(picks) == {"e0", "e1", "e2", "e3"}
     assert max(picks.values()) <= 2 * min(picks.values()), picks
+
+
+def test_the_abandoned_charge_is_on_by_default() -> None:
+    assert RoutingConfig().charge_abandoned
 
 
 def test_unknown_waiting_requests_count_at_the_mean_prompt() -> None:
@@ -287,20 +301,37 @@ def test_a_document_longer_than_32k_tokens_stays_on_the_engine_holding_it() -> N
 
 
 def test_charging_the_abandoned_cache_keeps_a_conversation_home_longer() -> None:
-    # e0 holds a 3000-token history and has 5000 tokens of prompt work queued, e1 none, on a pool
-    # that reports no queues. The plain model moves the turn (0.46 s against 0.29 s); charged the
-    # history's prefill once more, e1 costs 0.55 s and the turn stays. A queue at home longer
-    # than twice the history still moves it.
+    # e0 holds a 3000-token history it has computed (its request had its first byte) and has
+    # 5000 tokens of prompt work queued, e1 none, on a pool that reports no queues. The plain
+    # model moves the turn for a small gain (0.46 s against 0.29 s); charged the history's
+    # prefill once more, e1 costs 0.55 s and the turn stays. A queue at home longer than twice
+    # the history still moves it.
     history = key(*range(1, 48), tokens=3000.0)
     turn = key(*range(1, 50), tokens=3150.0)
     for queued, plain, charged in ((5000.0, "e1", "e0"), (20_000.0, "e1", "e1")):
         fleet = [idle("e0", prefill=queued, pending=1, load=1.0), idle("e1")]
         picks = []
-        for cfg in (CFG, replace(CFG, charge_abandoned=True)):
+        for cfg in (replace(CFG, charge_abandoned=False), replace(CFG, charge_abandoned=True)):
             policy = ExpectedTTFT(cfg)
             policy.observe(history, "e0")
+            policy.dispatched("history", history)
+            policy.first_byte("history", "e0")
             picks.append(policy.rank(turn, fleet)[0])
         assert picks == [plain, charged]
+
+
+def test_only_a_settled_history_is_charged_for_leaving() -> None:
+    # The same history only sent to e0 (no first byte yet: provisional) is not charged: the
+    # turn moves as in the plain model. Once its first byte has come, it stays.
+    history = key(*range(1, 48), tokens=3000.0)
+    turn = key(*range(1, 50), tokens=3150.0)
+    fleet = [idle("e0", prefill=5000.0, pending=1, load=1.0), idle("e1")]
+    policy = ExpectedTTFT(replace(CFG, charge_abandoned=True))
+    policy.observe(history, "e0")
+    policy.dispatched(1, history)
+    assert policy.rank(turn, fleet)[0] == "e1"
+    policy.first_byte(1, "e0")
+    assert policy.rank(turn, fleet)[0] == "e0"
 
 
 @given(engine("e"), st.floats(0.0, 50_000.0))
