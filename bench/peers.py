@@ -30,7 +30,8 @@ KVPROXY_POLICIES = ("round_robin", "least_load", "prefix_affinity", "expected_tt
 PRECISE = "+precise"
 PRECISE_POLICIES = ("prefix_affinity", "expected_ttft")
 # ``kvproxy/expected_ttft+abandon``: the cost model with ``routing.charge_abandoned = true``
-# (off by default), so the rule is measured live against the default beside it.
+# written out (the default since the charge was bounded to settled holdings; the arm was how the
+# rule was measured live before that).
 ABANDON = "+abandon"
 ABANDON_POLICIES = ("expected_ttft",)
 # ... and as ``kvproxy serve --workers N`` when named ``kvproxy/<policy>+wN``.
