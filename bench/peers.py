@@ -34,6 +34,9 @@ PRECISE_POLICIES = ("prefix_affinity", "expected_ttft")
 # rule was measured live before that).
 ABANDON = "+abandon"
 ABANDON_POLICIES = ("expected_ttft",)
+# ``kvproxy/expected_ttft+plain``: the same with the rule off (the model before the charge), to
+# measure the default against it live and interleaved.
+PLAIN = "+plain"
 # ... and as ``kvproxy serve --workers N`` when named ``kvproxy/<policy>+wN``.
 WORKER_COUNTS = (2, 3, 4)
 PEER_POLICIES = {
@@ -68,6 +71,11 @@ class Router:
     def abandon(self) -> bool:
         """kvproxy with ``routing.charge_abandoned`` on (``<policy>+abandon``)."""
         return self.router == "kvproxy" and self.policy.endswith(ABANDON)
+
+    @property
+    def plain(self) -> bool:
+        """kvproxy with ``routing.charge_abandoned`` off (``<policy>+plain``)."""
+        return self.router == "kvproxy" and self.policy.endswith(PLAIN)
 
     @property
     def venv(self) -> Path:
@@ -147,11 +155,11 @@ def _kvproxy(r: Router, urls: Sequence[str], model: str, port: int, work: Path,
              events: Sequence[str] = ()) -> Built:
     """kvproxy's command; with ``events`` (precise mode) the pool's tokenizer is
     ``work/tokenizer`` and the proxy binds each engine's KV-event endpoint (loopback only)."""
-    policy = r.policy.removesuffix(PRECISE).removesuffix(ABANDON)
+    policy = r.policy.removesuffix(PRECISE).removesuffix(ABANDON).removesuffix(PLAIN)
     lines = ["[server]", 'host = "127.0.0.1"', f"port = {port}", "",
              "[routing]", f'policy = "{policy}"']
-    if r.abandon:
-        lines.append("charge_abandoned = true")
+    if r.abandon or r.plain:
+        lines.append(f"charge_abandoned = {'true' if r.abandon else 'false'}")
     lines += ["", "[[pools]]", 'name = "target"', f'model = "{model}"']
     if events:
         lines.append(f'tokenizer = "{work / "tokenizer"}"')
@@ -239,6 +247,7 @@ def parse_router_list(text: str) -> list[Router]:
                   for p in PRECISE_POLICIES})
     known.update({f"kvproxy/{p}{ABANDON}": Router("kvproxy", p + ABANDON)
                   for p in ABANDON_POLICIES})
+    known.update({f"kvproxy/{p}{PLAIN}": Router("kvproxy", p + PLAIN) for p in ABANDON_POLICIES})
     known.update({(r := Router("kvproxy", p, n)).name: r
                   for p in KVPROXY_POLICIES for n in WORKER_COUNTS})
     out: list[Router] = []

@@ -1,5 +1,6 @@
-"""The routing suite's ``+abandon`` arm: kvproxy started with ``routing.charge_abandoned`` on,
-everything else as the default arm beside it (same policy, no precise mode)."""
+"""The routing suite's ``+abandon`` and ``+plain`` arms: kvproxy started with
+``routing.charge_abandoned`` on or off, everything else as the default arm beside them (same
+policy, no precise mode)."""
 
 from __future__ import annotations
 
@@ -32,8 +33,18 @@ def test_the_abandon_arm_turns_the_rule_on_and_nothing_else(tmp_path: Path) -> N
     assert off.charge_abandoned == RoutingConfig().charge_abandoned
 
 
-def test_the_arm_exists_for_the_cost_model_only() -> None:
-    every = parse_router_list("kvproxy/*")
-    assert "kvproxy/expected_ttft+abandon" in {r.name for r in every}
-    with pytest.raises(ValueError, match="unknown router"):
-        parse_router_list("kvproxy/round_robin+abandon")
+def test_the_plain_arm_turns_the_rule_off_and_nothing_else(tmp_path: Path) -> None:
+    [arm] = parse_router_list("kvproxy/expected_ttft+plain")
+    assert arm.plain and not arm.abandon and not arm.precise
+    plain = _routing(arm, tmp_path / "plain")
+    assert plain.policy == "expected_ttft"
+    assert not plain.charge_abandoned
+    assert RoutingConfig().charge_abandoned  # so the plain arm differs from the default
+
+
+def test_the_arms_exist_for_the_cost_model_only() -> None:
+    every = {r.name for r in parse_router_list("kvproxy/*")}
+    assert {"kvproxy/expected_ttft+abandon", "kvproxy/expected_ttft+plain"} <= every
+    for name in ("kvproxy/round_robin+abandon", "kvproxy/round_robin+plain"):
+        with pytest.raises(ValueError, match="unknown router"):
+            parse_router_list(name)
