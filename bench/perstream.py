@@ -279,6 +279,8 @@ async def _level(url: str, n: int, args: argparse.Namespace, base_ids: set[int])
         return found
 
     found = await _hold(url, n, args, at_open)
+    await asyncio.sleep(args.settle_s)  # the aborted streams' ends have run
+    found["abort_garbage"] = sum(_saved_garbage().values())
     return _summary(n, found, args.top)
 
 
@@ -289,6 +291,9 @@ def _summary(n: int, found: dict[str, Any], top: int) -> dict[str, Any]:
     return {"streams": n, "objects_per_stream": round(found["new"] / n, 1),
             "tracked_total": found["total"], "gen1_ms": found["gen1_ms"],
             "gen2_ms": found["gen2_ms"],
+            # Cyclic garbage found right after the client dropped its N streams (scrapes' own
+            # garbage over that time included: see the idle figure of ``garbage``).
+            "abort_garbage_per_stream": round(found["abort_garbage"] / n, 2),
             "by_origin": {k: round(v / n, 1) for k, v in found["by_origin"].items()},
             "charged_by_origin": _by_prefix(found["charged"], n),
             "top_types": per(found["by_type"]), "top_charged": per(found["charged"])}
@@ -305,15 +310,17 @@ def report(rows: list[dict[str, Any]]) -> str:
     garbage_rows = [r for r in rows if "garbage_per_stream" in r]
     rows = [r for r in rows if "streams" in r]
     lines = ["| streams | tracked objects per stream | aiohttp / kvproxy / other (by type) | "
-             "charged to: aiohttp / kvproxy / other | gc.collect(1) ms | gc.collect(2) ms |",
-             "|---|---|---|---|---|---|"]
+             "charged to: aiohttp / kvproxy / other | gc.collect(1) ms | gc.collect(2) ms | "
+             "cyclic garbage per aborted stream |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
         o, c = r["by_origin"], r["charged_by_origin"]
         lines.append(
             f"| {r['streams']} | {r['objects_per_stream']} | "
             f"{o.get('aiohttp', 0)} / {o.get('kvproxy', 0)} / {o.get('other', 0)} | "
             f"{c.get('aiohttp', 0)} / {c.get('kvproxy', 0)} / {c.get('other', 0)} | "
-            f"{', '.join(map(str, r['gen1_ms']))} | {', '.join(map(str, r['gen2_ms']))} |")
+            f"{', '.join(map(str, r['gen1_ms']))} | {', '.join(map(str, r['gen2_ms']))} | "
+            f"{r['abort_garbage_per_stream']} |")
     for g in garbage_rows:
         lines += ["", f"Cyclic garbage per completed stream ({g['requests']} streams, "
                   f"{g['span_s']} s, idle garbage {g['idle_garbage']} subtracted): "
