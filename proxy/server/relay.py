@@ -128,10 +128,11 @@ class Relay:
         """Try ranked engines in order (at most ``1 + retries``), first good one answers."""
         attempts = ranked[: 1 + self._up.retries]
         error: KvproxyError | None = None  # built only when needed: most requests never fail
-        for i, name in enumerate(attempts):
-            self._job.engine, self._job.retries = name, i
+        # By index: an enumerate and its tuple iterator would live as long as the stream.
+        for i in range(len(attempts)):
+            self._job.engine, self._job.retries = attempts[i], i
             try:
-                return await self._exchange(self._ctx.fleet.get(name))
+                return await self._exchange(self._ctx.fleet.get(attempts[i]))
             except _Retry as retry:
                 error = retry.error
                 if i + 1 < len(attempts):
