@@ -184,7 +184,7 @@ async def measure(args: argparse.Namespace, fleet: Fleet,
     await server.start()
     try:
         await _hold(server.url, 16, args)  # warm-up: every code path once, caches filled
-        settle_heap(cfg.server.gc_young_threshold)
+        settle_heap(cfg.server.gc_young_threshold, cfg.server.gc_middle_threshold)
         await asyncio.sleep(1.0)
         gc.collect()
         base_ids = {id(o) for o in gc.get_objects()}

@@ -43,12 +43,17 @@ class ServerConfig:
     # Allocations between two collections of the collector's youngest generation once serving
     # (the interpreter's default is 700, which under load is hundreds of collections a second).
     gc_young_threshold: int = 20_000
+    # Young collections between two collections of the middle generation. A middle collection
+    # scans everything that survived a young one since the last: every open stream's state.
+    gc_middle_threshold: int = 20
 
     def __post_init__(self) -> None:
         _require(0 <= self.port <= 65535, "port", "must be in 0..65535")
         # 0 would turn the collector off: reference cycles would then never be freed.
         young = self.gc_young_threshold
         _require(100 <= young <= 1_000_000, "gc_young_threshold", "must be in 100..1000000")
+        middle = self.gc_middle_threshold
+        _require(1 <= middle <= 10_000, "gc_middle_threshold", "must be in 1..10000")
         _require(bool(self.host), "host", "must not be empty")
         _positive(
             self, "max_body_bytes", "header_timeout_s", "body_timeout_s", "keepalive_timeout_s"
