@@ -27,7 +27,8 @@ Rules:
   usage event the proxy asked for on the client's behalf.
 - The tap ends once: at the engine's EOF, its failure, an idle or deadline timeout, the client
   going away, or ``cut`` (drain). After that no byte is written by the tap; the relay writes the
-  ending (error event or the last chunk) through the response object.
+  ending (error event or the last chunk) through the response object. The engine connection's
+  reader then reports to an inert stand-in, so a pooled connection keeps nothing of the stream.
 """
 
 from __future__ import annotations
@@ -98,6 +99,28 @@ class _TappedReader(StreamReader):
         cast("Splice", self._protocol).end(exc)
 
 
+class _Spent:
+    """What an engine connection's body reader reports to once its tap has ended: nothing. The
+    pooled connection keeps its last reader until it is reused; pointing that reader here lets
+    the ended stream's state (splice, client connection, captured bytes) go at once instead of
+    living on, and being scanned by the collector, for as long as the connection idles."""
+
+    __slots__ = ()
+
+    def feed(self, data: bytes) -> None:
+        pass
+
+    def end(self, failure: BaseException | None) -> None:
+        pass
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self, resume_parser: bool = True) -> None:
+        pass
+
+
+_SPENT = _Spent()
 _PENDING: Any = object()
 # The context the tap's own callbacks (its timers, the held write) run in. They read and set no
 # context variable, and a callback scheduled without one copies the current context: one more
@@ -321,6 +344,9 @@ class Splice:
                 timer.cancel()
         self._idle_timer = self._deadline_timer = None
         self._upstream = None
+        if self._reader is not None:
+            self._reader._protocol = cast(BaseProtocol, _SPENT)
+            self._reader = None
 
 
 @dataclass

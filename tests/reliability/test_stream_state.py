@@ -45,3 +45,8 @@ async def test_an_open_stream_keeps_no_request_parse_nor_routing_state(rogue: Ro
         assert "_relay" in _frames()  # and the relay's own frames are seen by this check
         async with asyncio.timeout(10):
             await resp.read()
+        await asyncio.sleep(0.05)  # the relay's own ending has run
+        gc.collect()
+        # The engine connection is back in the pool, holding its last body reader: that reader
+        # must not keep the ended stream's splice (and through it the client's connection) alive.
+        assert _alive(Splice) == []
