@@ -12,11 +12,11 @@ Rules:
   error event (their engine connections closed), and get a short grace to write it; then close the
   listener, cancel what is left, and run the app's cleanup (sessions, scraper task).
 - A served process tunes its garbage collector once started (``settle_heap``): what start-up built
-  lives as long as the process, so it is frozen out of every collection, and the youngest
-  generation is collected per ``server.gc_young_threshold`` allocations instead of 700 (the middle
-  one every ``server.gc_middle_threshold`` young collections), because a
-  request allocates hundreds of short-lived containers and a collection per request is time the
-  relay does not move bytes. Tests' in-process servers keep the interpreter's defaults.
+  lives as long as the process, so it is frozen out of every collection. The youngest generation
+  is collected per ``server.gc_young_threshold`` allocations (a young pause is about proportional
+  to it) and the middle one per ``server.gc_middle_threshold`` young collections; a middle
+  collection scans every open stream's state, so their product, not the young threshold alone,
+  sets how often the long pauses come. Tests' in-process servers keep the interpreter's defaults.
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ async def run_server(
             await link.close()
 
 
-def settle_heap(young_threshold: int, middle_threshold: int = 20) -> None:
+def settle_heap(young_threshold: int, middle_threshold: int) -> None:
     """Freeze what start-up built out of the collector's work and space collections out."""
     gc.collect()
     gc.freeze()
