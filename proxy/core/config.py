@@ -40,15 +40,22 @@ class ServerConfig:
     body_timeout_s: float = 30.0
     # How long an idle kept-alive client connection is kept open between requests.
     keepalive_timeout_s: float = 75.0
-    # Allocations between two collections of the collector's youngest generation once serving
-    # (the interpreter's default is 700, which under load is hundreds of collections a second).
-    gc_young_threshold: int = 20_000
+    # Allocations between two collections of the collector's youngest generation once serving.
+    # A young pause is about proportional to it (2000: under 5 ms at p99 at 1024-2048 streams,
+    # 20000: about 50 ms); see overhead-notes.md, 2026-11-24 evening.
+    gc_young_threshold: int = 2_000
+    # Young collections between two collections of the middle generation. A middle collection
+    # scans everything that survived a young one since the last: every open stream's state. The
+    # product with the young threshold (400,000 allocations) sets how often that happens.
+    gc_middle_threshold: int = 200
 
     def __post_init__(self) -> None:
         _require(0 <= self.port <= 65535, "port", "must be in 0..65535")
         # 0 would turn the collector off: reference cycles would then never be freed.
         young = self.gc_young_threshold
         _require(100 <= young <= 1_000_000, "gc_young_threshold", "must be in 100..1000000")
+        middle = self.gc_middle_threshold
+        _require(1 <= middle <= 10_000, "gc_middle_threshold", "must be in 1..10000")
         _require(bool(self.host), "host", "must not be empty")
         _positive(
             self, "max_body_bytes", "header_timeout_s", "body_timeout_s", "keepalive_timeout_s"

@@ -259,7 +259,10 @@ class Recording:
 
     def __init__(self, *, chat: bool, max_bytes: int) -> None:
         self._max_bytes = max_bytes
-        self._assembler = StreamAssembler(chat=chat, max_bytes=max_bytes)
+        self._chat = chat
+        # Made when the stream's bytes come (once, at its end): until then an open stream holds
+        # one object fewer for the garbage collector to scan.
+        self._assembler: StreamAssembler | None = None
         self._body = bytearray()
         self.status = 0
         self.streamed: bool | None = None
@@ -282,7 +285,7 @@ class Recording:
         if self.status != 200 or self.streamed is None:
             return
         if self.streamed:
-            self._assembler.feed(data)
+            self._assembled().feed(data)
         elif len(self._body) <= self._max_bytes:
             self._body += data
 
@@ -295,4 +298,9 @@ class Recording:
         """The complete answer in the non-streamed shape, or None."""
         if self.status != 200 or self.streamed is None or self._skipped:
             return None
-        return self._assembler.result() if self.streamed else complete_json(bytes(self._body))
+        return self._assembled().result() if self.streamed else complete_json(bytes(self._body))
+
+    def _assembled(self) -> StreamAssembler:
+        if self._assembler is None:
+            self._assembler = StreamAssembler(chat=self._chat, max_bytes=self._max_bytes)
+        return self._assembler

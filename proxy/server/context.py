@@ -41,9 +41,12 @@ class Drain:
         self._idle.set()
         self._cuts: set[Callable[[], None]] = set()
 
-    @contextmanager
-    def track(self, retry_after_s: int) -> Iterator[None]:
-        """Count one proxied request; refuse it outright while draining."""
+    def enter(self, retry_after_s: int) -> None:
+        """Count one proxied request (``leave`` once it ends, always); refuse it while draining.
+
+        A pair of calls in the handler's try/finally, not a context manager: a generator-based
+        one is three more objects per open request for the collector to scan (``bench.perstream``).
+        """
         if self.draining:
             raise NoCapacity(
                 "the proxy is shutting down", reason="draining", retry_after_s=retry_after_s
@@ -51,17 +54,23 @@ class Drain:
         self.open += 1
         self._idle.clear()
         self._metrics.inflight_total.inc()
-        try:
-            yield
-        finally:
-            self.open -= 1
-            self._metrics.inflight_total.dec()
-            if self.open == 0:
-                self._idle.set()
+
+    def leave(self) -> None:
+        self.open -= 1
+        self._metrics.inflight_total.dec()
+        if self.open == 0:
+            self._idle.set()
+
+    def add_cut(self, cut: Callable[[], None]) -> None:
+        """Until ``discard_cut``, ``cut_all`` calls ``cut`` (which must end the stream promptly)."""
+        self._cuts.add(cut)
+
+    def discard_cut(self, cut: Callable[[], None]) -> None:
+        self._cuts.discard(cut)
 
     @contextmanager
     def cuttable(self, cut: Callable[[], None]) -> Iterator[None]:
-        """While inside, ``cut_all`` calls ``cut`` (which must end the stream promptly)."""
+        """``add_cut`` while inside (for code where three objects per stream do not matter)."""
         self._cuts.add(cut)
         try:
             yield

@@ -12,10 +12,11 @@ Rules:
   error event (their engine connections closed), and get a short grace to write it; then close the
   listener, cancel what is left, and run the app's cleanup (sessions, scraper task).
 - A served process tunes its garbage collector once started (``settle_heap``): what start-up built
-  lives as long as the process, so it is frozen out of every collection, and the youngest
-  generation is collected per ``server.gc_young_threshold`` allocations instead of 700, because a
-  request allocates hundreds of short-lived containers and a collection per request is time the
-  relay does not move bytes. Tests' in-process servers keep the interpreter's defaults.
+  lives as long as the process, so it is frozen out of every collection. The youngest generation
+  is collected per ``server.gc_young_threshold`` allocations (a young pause is about proportional
+  to it) and the middle one per ``server.gc_middle_threshold`` young collections; a middle
+  collection scans every open stream's state, so their product, not the young threshold alone,
+  sets how often the long pauses come. Tests' in-process servers keep the interpreter's defaults.
 """
 
 from __future__ import annotations
@@ -39,9 +40,9 @@ log = logging.getLogger(__name__)
 
 # After the drain, whatever is still open gets this long before it is cancelled.
 _FINAL_GRACE_S = 0.5
-# Garbage collector thresholds once serving for the two older generations (young collections
-# between two of the middle one, middle ones between two of the oldest).
-_GC_MIDDLE, _GC_OLD = 20, 20
+# Garbage collector threshold once serving for the oldest generation (middle collections between
+# two of the oldest; the interpreter also waits until a quarter of the old heap is new).
+_GC_OLD = 20
 
 
 class ProxyServer:
@@ -117,7 +118,7 @@ async def run_server(
     workers of ``kvproxy serve --workers N`` (shared port; see ``proxy.server.workers``)."""
     server = ProxyServer(cfg, build_app(cfg, worker=worker), reuse_port=worker is not None)
     await server.start()
-    settle_heap(cfg.server.gc_young_threshold)
+    settle_heap(cfg.server.gc_young_threshold, cfg.server.gc_middle_threshold)
     stop = stop_event()
     link = server.app.get(WORKER)
     try:
@@ -135,11 +136,11 @@ async def run_server(
             await link.close()
 
 
-def settle_heap(young_threshold: int) -> None:
+def settle_heap(young_threshold: int, middle_threshold: int) -> None:
     """Freeze what start-up built out of the collector's work and space collections out."""
     gc.collect()
     gc.freeze()
-    gc.set_threshold(young_threshold, _GC_MIDDLE, _GC_OLD)
+    gc.set_threshold(young_threshold, middle_threshold, _GC_OLD)
 
 
 def stop_event() -> asyncio.Event:

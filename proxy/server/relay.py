@@ -56,7 +56,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -128,10 +129,11 @@ class Relay:
         """Try ranked engines in order (at most ``1 + retries``), first good one answers."""
         attempts = ranked[: 1 + self._up.retries]
         error: KvproxyError | None = None  # built only when needed: most requests never fail
-        for i, name in enumerate(attempts):
-            self._job.engine, self._job.retries = name, i
+        # By index: an enumerate and its tuple iterator would live as long as the stream.
+        for i in range(len(attempts)):
+            self._job.engine, self._job.retries = attempts[i], i
             try:
-                return await self._exchange(self._ctx.fleet.get(name))
+                return await self._exchange(self._ctx.fleet.get(attempts[i]))
             except _Retry as retry:
                 error = retry.error
                 if i + 1 < len(attempts):
@@ -304,11 +306,15 @@ class Relay:
         if kind is not None and outcome is not Outcome.SUCCESS:
             metrics.upstream_errors.labels(engine.name, kind).inc()
 
-    async def _answer(self, engine: Engine, resp: aiohttp.ClientResponse) -> web.StreamResponse:
+    def _answer(
+        self, engine: Engine, resp: aiohttp.ClientResponse
+    ) -> Coroutine[Any, Any, web.StreamResponse]:
+        # Not a coroutine itself: the one it returns is awaited in its place, so an open stream
+        # holds one coroutine fewer.
         content_type = resp.headers.get("Content-Type", "")
         if resp.status == 200 and self._job.stream and content_type.startswith("text/event-stream"):
-            return await self._stream(engine, resp)
-        return await self._whole(engine, resp)
+            return self._stream(engine, resp)
+        return self._whole(engine, resp)
 
     async def _whole(self, engine: Engine, resp: aiohttp.ClientResponse) -> web.Response:
         """A plain answer (JSON, or an engine's 4xx): read it all, then pass it on as it is."""
@@ -379,8 +385,12 @@ class Relay:
         sent = first if strip is None else strip(first)
         if sent and not await ending.send(sent):
             return StreamEnd(client_gone=True)
-        with self._ctx.drain.cuttable(splice.cut):
+        cut = splice.cut
+        self._ctx.drain.add_cut(cut)
+        try:
             failure = await splice.run(reader)
+        finally:
+            self._ctx.drain.discard_cut(cut)
         outcome = StreamEnd(splice.client_gone, splice.was_cut, failure, splice.tail)
         if splice.client_gone:
             return outcome

@@ -27,12 +27,14 @@ Rules:
   usage event the proxy asked for on the client's behalf.
 - The tap ends once: at the engine's EOF, its failure, an idle or deadline timeout, the client
   going away, or ``cut`` (drain). After that no byte is written by the tap; the relay writes the
-  ending (error event or the last chunk) through the response object.
+  ending (error event or the last chunk) through the response object. The engine connection's
+  reader then reports to an inert stand-in, so a pooled connection keeps nothing of the stream.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -97,7 +99,33 @@ class _TappedReader(StreamReader):
         cast("Splice", self._protocol).end(exc)
 
 
+class _Spent:
+    """What an engine connection's body reader reports to once its tap has ended: nothing. The
+    pooled connection keeps its last reader until it is reused; pointing that reader here lets
+    the ended stream's state (splice, client connection, captured bytes) go at once instead of
+    living on, and being scanned by the collector, for as long as the connection idles."""
+
+    __slots__ = ()
+
+    def feed(self, data: bytes) -> None:
+        pass
+
+    def end(self, failure: BaseException | None) -> None:
+        pass
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self, resume_parser: bool = True) -> None:
+        pass
+
+
+_SPENT = _Spent()
 _PENDING: Any = object()
+# The context the tap's own callbacks (its timers, the held write) run in. They read and set no
+# context variable, and a callback scheduled without one copies the current context: one more
+# object per timer for the collector to track, as long as the stream is open.
+_QUIET = contextvars.Context()
 
 
 class Splice:
@@ -194,9 +222,11 @@ class Splice:
         self._upstream = reader._protocol
         reader.__class__ = _TappedReader
         reader._protocol = cast(BaseProtocol, self)
-        self._idle_timer = self._loop.call_at(self._time() + self._idle, self._check_idle)
+        self._idle_timer = self._loop.call_at(self._time() + self._idle, self._check_idle,
+                                              context=_QUIET)
         if self._deadline is not None:
-            self._deadline_timer = self._loop.call_at(self._deadline, self._deadline_passed)
+            self._deadline_timer = self._loop.call_at(self._deadline, self._deadline_passed,
+                                                      context=_QUIET)
 
     def feed(self, data: bytes) -> None:
         """One piece of body, decoded by the engine connection's parser (hot path)."""
@@ -221,7 +251,7 @@ class Splice:
             self._write(framed)
         else:
             self._held = [framed]
-            self._loop.call_soon(self._flush)
+            self._loop.call_soon(self._flush, context=_QUIET)
         self._last = now
 
     def _write(self, framed: bytes) -> None:
@@ -301,7 +331,7 @@ class Splice:
         now = self._time()
         due = (now if self._paused else self._last) + self._idle
         if due > now:
-            self._idle_timer = self._loop.call_at(due, self._check_idle)
+            self._idle_timer = self._loop.call_at(due, self._check_idle, context=_QUIET)
             return
         self.end(TimeoutError())
 
@@ -314,6 +344,9 @@ class Splice:
                 timer.cancel()
         self._idle_timer = self._deadline_timer = None
         self._upstream = None
+        if self._reader is not None:
+            self._reader._protocol = cast(BaseProtocol, _SPENT)
+            self._reader = None
 
 
 @dataclass

@@ -23,7 +23,7 @@ import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Protocol
 
@@ -165,9 +165,25 @@ class Lookup:
 
 @dataclass
 class _Flight:
+    """A miss being answered; requests for the same key wait for it. The event is made only when
+    one does: a flight lives as long as its stream, and most have no waiter."""
+
     started: float
-    done: asyncio.Event = field(default_factory=asyncio.Event)
     entry: CachedResponse | None = None
+    finished: bool = False
+    _event: asyncio.Event | None = None
+
+    def finish(self, entry: CachedResponse | None) -> None:
+        self.entry, self.finished = entry, True
+        if self._event is not None:
+            self._event.set()
+
+    async def wait(self) -> None:
+        if self._event is None:
+            self._event = asyncio.Event()
+            if self.finished:
+                self._event.set()
+        await self._event.wait()
 
 
 class ResponseCache:
@@ -209,7 +225,7 @@ class ResponseCache:
         waited = False
         while True:
             flight = self._flights.get(key)
-            if flight is not None and flight.done.is_set():
+            if flight is not None and flight.finished:
                 entry = _usable(req, flight.entry)
                 if entry is not None:
                     return self._hit(entry, waited)
@@ -255,14 +271,14 @@ class ResponseCache:
     def _live(self, flight: _Flight | None) -> bool:
         """A flight still running; one older than the timeout counts as abandoned, so a leader
         that never finished cannot make every later request wait."""
-        if flight is None or flight.done.is_set():
+        if flight is None or flight.finished:
             return False
         return self._clock() - flight.started <= self.cfg.single_flight_timeout_s
 
     async def _wait(self, flight: _Flight, deadline: float) -> bool:
         try:
             async with asyncio.timeout(max(0.0, deadline - self._clock())):
-                await flight.done.wait()
+                await flight.wait()
         except TimeoutError:
             return False
         return True
@@ -288,8 +304,7 @@ class ResponseCache:
 
     def _wake(self, flight: _Flight | None, entry: CachedResponse | None) -> None:
         if flight is not None:
-            flight.entry = entry
-            flight.done.set()
+            flight.finish(entry)
 
     def _land(self, key: str, flight: _Flight | None) -> None:
         # Removed only after the store, so a request arriving meanwhile still finds the answer here.

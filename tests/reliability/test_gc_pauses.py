@@ -43,11 +43,11 @@ async def test_a_stopped_proxy_leaves_no_collector_callback(rogue: RogueEngine) 
     assert gc.callbacks == callbacks
 
 
-def test_settle_heap_freezes_start_up_and_sets_the_young_threshold() -> None:
+def test_settle_heap_freezes_start_up_and_sets_the_young_and_middle_thresholds() -> None:
     thresholds = gc.get_threshold()
     try:
-        settle_heap(1234)
-        assert gc.get_threshold()[0] == 1234
+        settle_heap(1234, 56)
+        assert gc.get_threshold()[:2] == (1234, 56)
         assert gc.get_freeze_count() > 0
     finally:
         gc.unfreeze()

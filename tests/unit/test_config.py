@@ -122,6 +122,7 @@ def test_env_then_cli(tmp_path: Path) -> None:
         ({}, ["server.port=70000"], "server.port"),
         ({}, ["server.gc_young_threshold=0"], "server.gc_young_threshold"),
         ({"KVPROXY_SERVER_GC_YOUNG_THRESHOLD": "2000000"}, [], "server.gc_young_threshold"),
+        ({}, ["server.gc_middle_threshold=0"], "server.gc_middle_threshold"),
     ],
 )
 def test_env_and_cli_errors(env: dict[str, str], overrides: list[str], field: str) -> None:
