@@ -125,6 +125,11 @@ class SegmentCache:
     def __len__(self) -> int:
         return len(self._ids)
 
+    def clear(self) -> None:
+        with self._lock:
+            self._ids.clear()
+            self.chars = 0
+
 
 def _splitter(tokenizer: Tokenizer) -> tuple[re.Pattern[str], dict[str, int]] | None:
     """The added tokens matched on the raw text, as one pattern (longest first, as the library
