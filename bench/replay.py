@@ -70,7 +70,12 @@ class Router(Protocol):
 # queued prompt work as draining at the profile's prefill rate since its dispatch (the views'
 # ``prefill`` capped at that backlog; an experiment of the replay only: the proxy's engine state
 # has no such rule).
-VARIANTS = ("abandon", "plain", "unbounded", "drain")
+# ``precise`` models precise mode with events that arrive at once: the policy's held and
+# settled tokens of every engine come from the engine's own block pool (what its KV events
+# would report), with the blocks of recent dispatches counted as held for ``provisional_s``
+# (engine seconds) as ``proxy.core.kvindex`` counts them; ``provisional_s`` from the replay's
+# ``--provisional-s``.
+VARIANTS = ("abandon", "plain", "unbounded", "drain", "precise")
 
 
 class UnboundedHoldings(ApproxHoldings):
@@ -104,6 +109,21 @@ class KvproxyRouter:
         self.tickets: dict[int, tuple[int, int]] = {}
         self.backlog = [(0.0, 0.0)] * n  # per engine: (prompt tokens left, as of when)
         self.last_chain: tuple[int, ...] = ()  # the last pick's prefix chain
+        self.precise = "precise" in variants
+        self.provisional_s = 15.0
+        self.pending: list[dict[bytes, float]] = [{} for _ in range(n)]
+        self.exact: tuple[list[bytes], list[int]] | None = None  # (hashes, settled blocks)
+
+    def see(self, hashes: list[bytes], settled: list[int]) -> None:
+        """Precise variant: the request's block hashes and each engine's settled blocks."""
+        self.exact = (hashes, settled)
+
+    def _held(self, e: int, hashes: list[bytes], settled: int, now: float) -> int:
+        pending = self.pending[e]
+        depth = settled
+        while depth < len(hashes) and pending.get(hashes[depth], -1.0) > now:
+            depth += 1
+        return depth
 
     def _left(self, e: int, now: float) -> float:
         tokens, since = self.backlog[e]
@@ -124,8 +144,14 @@ class KvproxyRouter:
             st.on_scrape_ok(snap, now)
 
     def route_key(self, chain: tuple[int, ...], tokens: float, now: float) -> RouteKey:
-        return RouteKey(chain=chain, prompt_tokens=tokens,
-                        block_tokens=self.cfg.block_chars / self.cfg.chars_per_token)
+        key = RouteKey(chain=chain, prompt_tokens=tokens,
+                       block_tokens=self.cfg.block_chars / self.cfg.chars_per_token)
+        if not self.precise or self.exact is None:
+            return key
+        hashes, settled = self.exact
+        held = {f"e{e}": 16.0 * self._held(e, hashes, s, now) for e, s in enumerate(settled)}
+        return replace(key, held=held,
+                       settled={f"e{e}": 16.0 * s for e, s in enumerate(settled)})
 
     def pick(self, rid: int, text: str, now: float) -> tuple[int, dict[str, Any]]:
         cfg = self.cfg
@@ -148,6 +174,10 @@ class KvproxyRouter:
         if isinstance(self.policy, ExpectedTTFT):
             self.policy.dispatched(rid, key)
         e = int(name[1:])
+        if self.precise and self.exact is not None:
+            hashes, settled = self.exact
+            for h in hashes[settled[e]:]:
+                self.pending[e][h] = now + self.provisional_s
         self.backlog[e] = (self._left(e, now) + prefill, now)
         self.tickets[rid] = (e, self.states[e].on_dispatch(now, prefill))
         return e, info
@@ -257,6 +287,9 @@ def replay(reqs: Sequence[TraceRequest], router: Router, *, engines: int, profil
             req = reqs[x]
             content = mapper.prompt(req)
             ids = encode(chat_prompt([{"role": "user", "content": content}]))
+            if isinstance(router, KvproxyRouter) and router.precise:
+                sim0 = scheds[0].pool.chain(array("I", ids))
+                router.see(sim0, [len(s.pool.lookup(sim0)) for s in scheds])
             e, info = router.pick(x, canonical_chat([{"role": "user", "content": content}]), now)
             sim = SimRequest(request_id=str(x), token_ids=array("I", ids), prompt_len=len(ids),
                              target_len=req.output_tokens, finish_reason="length", priority=0,
@@ -329,6 +362,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--engines", type=int, default=8)
     p.add_argument("--profile", default="llama70b-h100x4-kv8")
     p.add_argument("--scrape-s", type=float, default=0.6, help="engine seconds between scrapes")
+    p.add_argument("--provisional-s", type=float, default=15.0,
+                   help="engine seconds a dispatch's blocks count as held (+precise)")
     p.add_argument("--log", type=Path, default=None, help="write every decision here (jsonl)")
     args = p.parse_args(argv)
     from bench.suite import calibrate  # noqa: PLC0415
@@ -348,6 +383,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for pol in args.policies.split(","):
             router: Router = (CacheAware(args.engines) if pol == "cache_aware"
                               else KvproxyRouter(pol, args.engines, RoutingConfig()))
+            if isinstance(router, KvproxyRouter):
+                router.provisional_s = args.provisional_s
             out = replay(reqs, router, engines=args.engines, profile=args.profile,
                          rate_scale=scale, scrape_s=args.scrape_s)
             s = summarise(router.name, out, reqs)

@@ -69,10 +69,18 @@ def measure(tokenizer: PromptTokenizer, bodies: list[dict[str, object]], engines
     held = tuple(shared.keys(BLOCK_SIZE)[:SYSTEM_BLOCKS])
     for index in indexes[::2]:
         index.apply(Batch(0.0, (Stored(held, BLOCK_SIZE),), 0))
-    best = {"tokenize_us": float("inf"), "hash_us": float("inf"), "lookup_us": float("inf")}
+    best = {"tokenize_us": float("inf"), "hash_us": float("inf"), "lookup_us": float("inf"),
+            "resent_us": float("inf")}
     for _ in range(reps):
+        # Each repetition starts with nothing kept: only the shared system prompt is seen again
+        # (after the first body); the second pass is every body resent (a conversation's history).
+        tokenizer.cache.clear()
         t0 = time.perf_counter()
         ids = [tokenizer.request_ids(True, body) or [] for body in bodies]
+        t1 = time.perf_counter()
+        for body in bodies:
+            tokenizer.request_ids(True, body)
+        best["resent_us"] = min(best["resent_us"], 1e6 * (time.perf_counter() - t1) / len(bodies))
         t1 = time.perf_counter()
         found = [PreciseHoldings(i, PLAIN_ROOT, MAX_BLOCKS) for i in ids]
         for f in found:
@@ -120,13 +128,17 @@ def markdown(rows: list[dict[str, float]]) -> list[str]:
         "one exact-index lookup per engine. Precise mode pays these on top of the "
         "character-based chain above (the approximate index still answers for engines whose "
         "events are not in sync); long prompts are tokenized on a thread pool, off the event "
-        "loop, so the figure is CPU spent, not a pause of other streams.", "",
-        "| engines | prompt tokens | tokenize µs | block hashing µs | index lookups µs | "
-        "total µs |", "|---|---|---|---|---|---|"]
+        "loop, so the figure is CPU spent, not a pause of other streams. The template puts "
+        "special tokens between messages, so each message is encoded once and kept "
+        "(`SegmentCache`): *tokenize* is a new user message after a shared system prompt, "
+        "*resent* the same request again (a conversation resending its history).", "",
+        "| engines | prompt tokens | tokenize µs | resent µs | block hashing µs | "
+        "index lookups µs | total µs |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         total = r["tokenize_us"] + r["hash_us"] + r["lookup_us"]
         lines.append(f"| {int(r['engines'])} | {int(r['prompt_tokens']):,} | "
-                     f"{r['tokenize_us']:.1f} | {r['hash_us']:.1f} | {r['lookup_us']:.1f} | "
+                     f"{r['tokenize_us']:.1f} | {r.get('resent_us', float('nan')):.1f} | "
+                     f"{r['hash_us']:.1f} | {r['lookup_us']:.1f} | "
                      f"{total:.1f} |")
     return lines
 

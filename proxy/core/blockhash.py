@@ -152,6 +152,16 @@ def chain_keys(ids: Sequence[int], block_size: int, root: ChainRoot = PLAIN_ROOT
     count = len(ids) // block_size
     if max_blocks is not None:
         count = min(count, max_blocks)
+    if not count:
+        return []
+    covered = ids[: count * block_size]
+    if max(covered) >= _TABLE_SIZE or min(covered) < 0:
+        return _chain_keys_slow(covered, block_size, count, root)
+    return _chain_keys_fast(covered, block_size, count, root)
+
+
+def _chain_keys_slow(ids: Sequence[int], block_size: int, count: int,
+                     root: ChainRoot) -> list[int]:
     keys: list[int] = []
     parent: bytes | None = None
     extra = root.extra_keys
@@ -159,4 +169,25 @@ def chain_keys(ids: Sequence[int], block_size: int, root: ChainRoot = PLAIN_ROOT
         parent = hash_block_tokens(parent, ids[i * block_size:(i + 1) * block_size], extra)
         extra = None
         keys.append(int_hash(parent))
+    return keys
+
+
+def _chain_keys_fast(ids: Sequence[int], block_size: int, count: int,
+                     root: ChainRoot) -> list[int]:
+    """``_chain_keys_slow``'s keys with the per-block work cut to one join and one sha256
+    (about 1.5 us a block instead of 4): every id is CBOR-encoded once from the table, and the
+    CBOR bytes around a block (the array heads, the parent's byte-string head, the extra keys)
+    are constants."""
+    encoded = list(map(_table().__getitem__, ids))
+    head = b"\x83" + _head(2, len(NONE_HASH))  # [parent, tokens, extra_keys]
+    array = _head(4, block_size)
+    tail = cbor_dumps(root.extra_keys)
+    sha256, join = hashlib.sha256, b"".join
+    parent = NONE_HASH
+    keys: list[int] = []
+    for start in range(0, count * block_size, block_size):
+        parent = sha256(join((head, parent, array, join(encoded[start:start + block_size]),
+                              tail))).digest()
+        tail = _NULL
+        keys.append(int.from_bytes(parent[-8:], "big"))
     return keys

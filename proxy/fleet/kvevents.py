@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 END_SEQ = b"\xff" * 8
 _POLL_MS = 500
 _REOPEN_S = 5.0
+_DRAIN = 256  # batches taken per wake-up at most, so one busy engine cannot hold the loop
 _FALLBACKS = (Mode.REFUSED, Mode.DISCONNECTED, Mode.SILENT)
 
 
@@ -107,7 +108,7 @@ class EngineListener:
                     if r.monitor in ready:
                         await self._on_monitor(r)
                     if r.sub in ready:
-                        await self._on_message(r)
+                        await self._drain(r)
                 if self.listening.tick(self._clock()):
                     self._moved(Mode.SILENT)
         finally:
@@ -179,9 +180,19 @@ class EngineListener:
             self._metrics.bad.labels(self.engine).inc()
             return None
 
-    async def _on_message(self, r: _Rank) -> None:
+    async def _drain(self, r: _Rank) -> None:
+        """Every batch already queued on the rank's socket, up to ``_DRAIN``: one wake-up of
+        the poller per burst rather than per batch (an engine publishes one batch a step)."""
         assert r.sub is not None
-        decoded = self._decode(await r.sub.recv_multipart())
+        for _ in range(_DRAIN):
+            try:
+                frames = await r.sub.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            await self._on_message(r, frames)
+
+    async def _on_message(self, r: _Rank, frames: list[bytes]) -> None:
+        decoded = self._decode(frames)
         if decoded is None:
             return
         seq, batch = decoded

@@ -7,10 +7,11 @@ Rules:
   listener; ``close`` cancels them and closes the context. Nothing outlives the application.
 - ``prepare`` tokenizes a request's prompt and hashes its blocks, once, before routing; only
   for a pool with a tokenizer and at least one engine in sync. Encoding costs about a
-  millisecond per thousand tokens, so a prompt longer than ``INLINE_CHARS`` is prepared on a
+  millisecond per thousand tokens, so a prompt longer than ``INLINE_CHARS`` is encoded on a
   small thread pool (the ``tokenizers`` library releases the GIL while it encodes) and the event
-  loop keeps relaying other streams meanwhile; a short one is prepared inline, where the thread
-  hop would cost more than it saves.
+  loop keeps relaying other streams meanwhile; a short one is encoded inline, where the thread
+  hop would cost more than it saves. Hashing the blocks (Python, holding the GIL) is done on the
+  loop either way.
 - ``holdings`` answers, for one prepared request, what each in-sync engine holds of its prompt
   (``core.exact_holdings.PreciseHoldings``); engines out of sync, without a publisher, or of a
   pool without a tokenizer are left to the approximate index. A request that cannot be
@@ -93,21 +94,24 @@ class PreciseRouting:
         sizes = {x.index.block_size or 0 for x in self._by_pool.get(pool, ()) if x.precise}
         if tokenizer is None or not sizes:
             return None
-        work = (tokenizer, inbound, root_for(salt), sizes)
         if len(inbound.prompt_text) <= INLINE_CHARS or self._pool is None:
-            found = self._prepared(*work)
+            ids = self._encoded(tokenizer, inbound)
         else:
-            found = await asyncio.get_running_loop().run_in_executor(
-                self._pool, self._prepared, *work)
-        if found is None:
-            self._metrics.tokenize_failures.labels(pool).inc()
-        return found
-
-    def _prepared(self, tokenizer: PromptTokenizer, inbound: Inbound, root: ChainRoot,
-                  sizes: set[int]) -> PreciseHoldings | None:
-        ids = tokenizer.request_ids(inbound.endpoint is Endpoint.CHAT, inbound.body)
+            ids = await asyncio.get_running_loop().run_in_executor(
+                self._pool, self._encoded, tokenizer, inbound)
         if ids is None:
+            self._metrics.tokenize_failures.labels(pool).inc()
             return None
+        return self._hashed(ids, root_for(salt), sizes)
+
+    @staticmethod
+    def _encoded(tokenizer: PromptTokenizer, inbound: Inbound) -> list[int] | None:
+        return tokenizer.request_ids(inbound.endpoint is Endpoint.CHAT, inbound.body)
+
+    def _hashed(self, ids: list[int], root: ChainRoot, sizes: set[int]) -> PreciseHoldings:
+        # On the event loop: hashing is Python holding the GIL, and on a thread it would make
+        # the loop wait for the GIL after every system call (the GIL's switch interval) while
+        # the thread hashes; encoding on the thread releases it.
         found = PreciseHoldings(ids, root, self.cfg.max_prompt_blocks)
         for size in sizes:
             if size:  # 0: the engine has not said yet; its scraped block size is used later

@@ -14,6 +14,15 @@ Rules:
   chat). Completions are encoded with special tokens; token-id prompts are used as they are.
 - Work is bounded: at most ``max_chars`` characters are encoded; a longer text is cut and its
   last ``CUT_MARGIN`` tokens dropped (a cut can change only the tokens next to it).
+- A conversation resends its history, and a template puts special tokens between messages, so
+  a text encoded without special tokens added is split at the tokenizer's own added tokens and
+  each piece between them is encoded once and kept (``SegmentCache``: an LRU bounded in
+  characters, keyed by the piece itself). That is the library's own first step (added tokens
+  are matched before normalizing and pre-tokenizing, each piece between them is encoded alone),
+  so the ids are the same; it is used only where that holds: every added token matched on the
+  raw text strips nothing around it, and a probe of the loaded tokenizer gives the same ids both
+  ways (a pre-tokenizer that treats a text's start specially, such as a Metaspace prefix, fails
+  the probe). Otherwise every text is encoded whole.
 - Anything a request makes fail (a template that raises, content of the wrong type) gives
   ``None``: the request is routed without precise holdings, never refused for it.
 """
@@ -23,6 +32,8 @@ from __future__ import annotations
 import json
 import logging
 import re
+import threading
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -77,22 +88,118 @@ def _template(directory: Path, config: Mapping[str, Any]) -> str | None:
     return found if isinstance(found, str) else None
 
 
+# Pieces shorter than this are encoded each time (a lookup would cost about as much).
+MIN_CACHED_CHARS = 256
+_PROBES = ("{a}Hello there,  world!\n{b} x{a}\n\n  y {b}{a}", "{b}  {a}z", "a{a}b{b}c")
+
+
+class SegmentCache:
+    """Token ids of text pieces, most recently used kept, at most ``max_chars`` characters of
+    keys in all. Thread-safe: prompts are encoded on a small pool."""
+
+    def __init__(self, max_chars: int) -> None:
+        self.max_chars = max_chars
+        self.chars = 0
+        self._ids: OrderedDict[str, list[int]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, piece: str) -> list[int] | None:
+        with self._lock:
+            ids = self._ids.get(piece)
+            if ids is not None:
+                self._ids.move_to_end(piece)
+            return ids
+
+    def put(self, piece: str, ids: list[int]) -> None:
+        if len(piece) > self.max_chars:
+            return
+        with self._lock:
+            if piece in self._ids:
+                return
+            self._ids[piece] = ids
+            self.chars += len(piece)
+            while self.chars > self.max_chars:
+                old, _ = self._ids.popitem(last=False)
+                self.chars -= len(old)
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._ids.clear()
+            self.chars = 0
+
+
+def _splitter(tokenizer: Tokenizer) -> tuple[re.Pattern[str], dict[str, int]] | None:
+    """The added tokens matched on the raw text, as one pattern (longest first, as the library
+    matches them) and their ids; None when one of them strips around itself or there is none."""
+    raw = {i: t for i, t in tokenizer.get_added_tokens_decoder().items() if not t.normalized}
+    if not raw or any(t.lstrip or t.rstrip or t.single_word for t in raw.values()):
+        return None
+    ids = {t.content: i for i, t in raw.items()}
+    pattern = "|".join(re.escape(c) for c in sorted(ids, key=len, reverse=True))
+    return re.compile(f"({pattern})"), ids
+
+
 class PromptTokenizer:
     """Token ids of OpenAI requests, as the pool's engines compute them."""
 
     def __init__(self, tokenizer: Tokenizer, template: str | None, *, bos_token: str = "",
-                 eos_token: str = "", max_chars: int = 262_144) -> None:
+                 eos_token: str = "", max_chars: int = 262_144,
+                 cache_chars: int = 8 * 1024 * 1024) -> None:
         self._tok = tokenizer
         self._template = _environment().from_string(template) if template else None
         self._openai_format = bool(template and _CONTENT_LOOP.search(template))
         self._specials = {"bos_token": bos_token, "eos_token": eos_token}
         self.max_chars = max_chars
+        self.cache = SegmentCache(cache_chars)
+        self._split = _splitter(tokenizer)
+        if self._split is not None and not self._probe_agrees():
+            self._split = None
+
+    @property
+    def segmented(self) -> bool:
+        """Whether texts are encoded piece by piece between added tokens (module rules)."""
+        return self._split is not None
+
+    def _whole(self, text: str, special: bool) -> list[int]:
+        # The batch form skips the character offsets ``encode`` computes and nothing here reads.
+        ids: list[int] = self._tok.encode_batch_fast([text], add_special_tokens=special)[0].ids
+        return ids
+
+    def _probe_agrees(self) -> bool:
+        assert self._split is not None
+        tokens = sorted(self._split[1])
+        a, b = tokens[0], tokens[-1]
+        probes = [p.format(a=a, b=b) for p in _PROBES]
+        return all(self._segmented(p, cache=False) == self._whole(p, False) for p in probes)
+
+    def _segmented(self, text: str, *, cache: bool = True) -> list[int]:
+        assert self._split is not None
+        pattern, token_ids = self._split
+        ids: list[int] = []
+        for n, piece in enumerate(pattern.split(text)):
+            if n % 2:  # the captured added tokens sit at the odd places
+                ids.append(token_ids[piece])
+            elif piece:
+                ids += self._piece(piece, cache)
+        return ids
+
+    def _piece(self, piece: str, cache: bool) -> list[int]:
+        if not cache or len(piece) < MIN_CACHED_CHARS:
+            return self._whole(piece, False)
+        found = self.cache.get(piece)
+        if found is None:
+            found = self._whole(piece, False)
+            self.cache.put(piece, found)
+        return found
 
     def encode(self, text: str, *, special: bool) -> list[int]:
         cut = len(text) > self.max_chars
-        # The batch form skips the character offsets ``encode`` computes and nothing here reads.
-        ids: list[int] = self._tok.encode_batch_fast(
-            [text[: self.max_chars]], add_special_tokens=special)[0].ids
+        text = text[: self.max_chars]
+        ids = (self._segmented(text) if self._split is not None and not special
+               else self._whole(text, special))
         return ids[:-CUT_MARGIN] if cut else ids
 
     def request_ids(self, chat: bool, body: Mapping[str, Any]) -> list[int] | None:

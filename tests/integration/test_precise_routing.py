@@ -113,13 +113,13 @@ def _chat(prefix: str, question: str) -> dict[str, Any]:
 async def test_the_index_is_what_engines_reported_and_shared_prefixes_follow_it(
         precise: Precise, repeats: int, monkeypatch: pytest.MonkeyPatch) -> None:
     threads: list[str] = []
-    prepared = PreciseRouting._prepared
+    encoded = PreciseRouting._encoded
 
-    def spy(self: PreciseRouting, *args: Any) -> Any:
+    def spy(*args: Any) -> Any:
         threads.append(threading.current_thread().name)
-        return prepared(self, *args)
+        return encoded(*args)
 
-    monkeypatch.setattr(PreciseRouting, "_prepared", spy)
+    monkeypatch.setattr(PreciseRouting, "_encoded", staticmethod(spy))
 
     async def all_precise() -> bool:
         return all(r["kv_events"]["mode"] == "precise" for r in (await precise.admin()).values())
@@ -127,7 +127,7 @@ async def test_the_index_is_what_engines_reported_and_shared_prefixes_follow_it(
     await precise.until(all_precise, "both engines precise")
     sentence = "the proxy keeps an exact index of what engines hold. "
     prefixes = [f"{uuid.uuid4().hex} " + sentence * repeats for _ in range(6)]
-    # Prompts past INLINE_CHARS are tokenized off the event loop; shorter ones on it.
+    # Prompts past INLINE_CHARS are encoded off the event loop; shorter ones on it.
     assert (len(prefixes[0]) > INLINE_CHARS) == (repeats == 60)
     homes = [NAMES[k % 2] for k in range(len(prefixes))]
     for prefix, home in zip(prefixes, homes, strict=True):

@@ -52,6 +52,17 @@ def test_block_keys_agree_with_the_independent_hasher_for_ids_of_every_size(
     assert chain_keys(ids, block_size) == prompt_keys(ids, block_size)
 
 
+@given(st.lists(st.integers(0, 1 << 17), max_size=80), st.sampled_from([1, 3, 16]),
+       st.sampled_from([None, "s", "ü-salt"]), st.sampled_from([None, 0, 2]))
+@settings(max_examples=200, deadline=None)
+def test_the_fast_chain_gives_the_independent_hashers_keys(
+        ids: list[int], block_size: int, salt: str | None, max_blocks: int | None) -> None:
+    # The whole-prompt encoding path (ids within the table), salted or not, cut or not.
+    want = prompt_keys(ids, block_size, salt) if salt else prompt_keys(ids, block_size)
+    got = chain_keys(ids, block_size, root_for(salt), max_blocks)
+    assert got == want[:max_blocks] if max_blocks is not None else got == want
+
+
 @pytest.mark.parametrize("int_hashes", [True, False])
 def test_a_batch_as_vllm_sends_it_parses_to_the_same_keys(int_hashes: bool) -> None:
     h1 = hash_block_tokens(None, IDS[:8])
