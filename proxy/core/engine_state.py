@@ -9,6 +9,11 @@ Rules (pure, no I/O; no clock is read here: callers pass ``now``):
   only when a request dispatched after the previous text was fetched completed before this scrape
   began (the engine counted it in between); ``body_is_news`` says so, and the caller treats it as
   a failed scrape, so the engine recovers by itself on the next scrape not proven frozen.
+- A scrape that timed out is not a failing engine's answer but a missing one: a busy engine (or
+  the busy process hosting it) answers late, alive. Timeouts alone call an engine UNHEALTHY only
+  once it has answered nothing for ``unhealthy_after_failures`` stale periods (``silent_limit_s``);
+  before that it is STALE, still routable. Errors it answers (5xx, garbage, frozen text, refused
+  connections) count at once: a whole fleet that is merely slow never reads as down.
 - Health moves only along the transition table; any other move raises ``IllegalTransition``;
   ``health_reason`` says why an engine is not HEALTHY.
 - Load between scrapes is ``running + waiting`` of the last snapshot plus the requests dispatched
@@ -149,14 +154,27 @@ class EngineState:
         self._move(HealthEvent.SCRAPED_DRAINING if draining else HealthEvent.SCRAPED)
         self.tick(now, self.stale_after_s)
 
-    def on_scrape_failed(self, now: float, error: str | None = None) -> None:
-        """A scrape failed; after enough failures in a row the engine is unhealthy."""
+    def on_scrape_failed(
+        self, now: float, error: str | None = None, *, unanswered: bool = False
+    ) -> None:
+        """A scrape failed; after enough failures in a row the engine is unhealthy.
+
+        ``unanswered``: the engine said nothing wrong, it only did not answer in time (a
+        timeout). That proves it slow, not broken: it counts toward unhealthy only once the
+        engine has been silent for ``silent_limit_s`` too; until then it ages into STALE."""
         self.consecutive_failures += 1
         self.last_error = error
-        if self.consecutive_failures >= self.unhealthy_after_failures:
+        failed = self.consecutive_failures >= self.unhealthy_after_failures
+        if failed and not (unanswered and self.snapshot_age(now) < self.silent_limit_s):
             self._move(HealthEvent.FAILED)
         else:
             self.tick(now, self.stale_after_s)
+
+    @property
+    def silent_limit_s(self) -> float:
+        """How long an engine may answer no scrape at all before it counts as gone: as many
+        stale periods as the failures in a row that call an engine unhealthy."""
+        return self.stale_after_s * self.unhealthy_after_failures
 
     def tick(self, now: float, stale_after_s: float) -> None:
         """Age the snapshot: a HEALTHY engine whose snapshot is too old becomes STALE, once a

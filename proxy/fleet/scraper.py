@@ -22,7 +22,9 @@ Rules:
   more), the answer may be sitting unread in the socket, so the scrape gets one more timeout's
   worth of time. Still unanswered with the loop still lagging, it is counted as ``proxy_busy``
   and not charged to the engine: an engine is never failed or aged because the proxy was busy
-  (staleness itself needs a failed scrape, ``EngineState.tick``).
+  (staleness itself needs a failed scrape, ``EngineState.tick``). A timeout that is the engine's
+  (the loop was on time) is counted as ``timeout`` but marks the engine unanswered, not broken:
+  it goes STALE, and UNHEALTHY only after a long silence (``EngineState.on_scrape_failed``).
 - Frozen metrics: a repeated text is news unless a request dispatched after the previous text was
   fetched completed at least half an interval before this scrape began
   (``EngineState.body_is_news``; the margin lets an exporter that counts a request just after
@@ -135,7 +137,7 @@ class Scraper:
         except _Failed as exc:
             return self._failed(engine, started, exc.reason, exc.detail)
         except TimeoutError:
-            return self._failed(engine, started, "timeout", "scrape timed out")
+            return self._failed(engine, started, "timeout", "scrape timed out", unanswered=True)
         except aiohttp.ClientError as exc:
             reason, detail = _transport(exc)
             return self._failed(engine, started, reason, detail, str(exc) or type(exc).__name__)
@@ -216,16 +218,18 @@ class Scraper:
             return await _read_capped(resp, self._cfg.max_metrics_bytes)
 
     def _failed(self, engine: Engine, started: float, reason: str, detail: str,
-                logged: str = "") -> Outcome:
-        """Count a failed scrape; log the first of a run (``logged``: a more detailed text)."""
+                logged: str = "", *, unanswered: bool = False) -> Outcome:
+        """Count a failed scrape; log the first of a run (``logged``: a more detailed text;
+        ``unanswered``: no answer in time, see ``EngineState.on_scrape_failed``)."""
         if engine.state.consecutive_failures == 0:
             log.warning("scrape of %s failed (%s): %s", engine.name, reason, logged or detail)
-        self._count(engine, reason, detail)
+        self._count(engine, reason, detail, unanswered=unanswered)
         return failed_outcome(engine, started, self._clock(), reason, detail)
 
-    def _count(self, engine: Engine, reason: str, detail: str) -> None:
+    def _count(self, engine: Engine, reason: str, detail: str, *,
+               unanswered: bool = False) -> None:
         self._metrics.scrape_failures.labels(engine.name, reason).inc()
-        engine.state.on_scrape_failed(self._clock(), detail)
+        engine.state.on_scrape_failed(self._clock(), detail, unanswered=unanswered)
 
     def _log_transitions(self) -> None:
         """Log each engine's health once per change, with the reason for it."""
