@@ -117,7 +117,8 @@ class ScrapeShare:
             return "ignored"
         state = engine.state
         if o.snapshot is None:
-            state.on_scrape_failed(now, o.detail)
+            # A sibling's timeout proves the engine slow, not broken, as the worker's own does.
+            state.on_scrape_failed(now, o.detail, unanswered=o.reason == "timeout")
         elif not state.body_is_news(o.digest, o.started, o.fetched_at, settle_s=self._settle_s):
             self._metrics.scrape_failures.labels(engine.name, "frozen").inc()
             state.on_scrape_failed(now, FROZEN)

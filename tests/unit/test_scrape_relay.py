@@ -187,6 +187,21 @@ def test_relayed_failures_make_the_engine_unhealthy_like_own_ones() -> None:
     assert engine.state.last_error == "metrics answered HTTP 500"
 
 
+def test_relayed_timeouts_prove_the_engine_slow_not_gone_like_own_ones() -> None:
+    rx = _Receiver()
+    engine = rx.fleet.get("e0")
+    rx.relay(_scraped(rx))
+    silent_limit = engine.state.stale_after_s * engine.state.unhealthy_after_failures
+    for _ in range(3):  # as many failures as fail an engine, well within the silence limit
+        rx.now += 0.1
+        rx.relay(failed_outcome(engine, rx.now, rx.now, "timeout", "scrape timed out"))
+    assert engine.state.consecutive_failures == 3
+    assert engine.state.health is not Health.UNHEALTHY
+    rx.now = 10.0 + silent_limit + 0.1  # answered nothing for longer: now it is failed
+    rx.relay(failed_outcome(engine, rx.now, rx.now, "timeout", "scrape timed out"))
+    assert engine.state.health is Health.UNHEALTHY
+
+
 def test_a_repeat_this_worker_proves_frozen_is_a_failed_scrape_here() -> None:
     rx = _Receiver()
     engine = rx.fleet.get("e0")
