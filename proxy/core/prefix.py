@@ -90,10 +90,12 @@ def prefix_chain(
     chain: list[int] = []
     # Full blocks only; a prompt shorter than one block is its own (short) block.
     full_end = end - end % block_chars if end >= block_chars else max(end, 1)
+    # One constructor call per block over ``prev + block`` (the same bytes, so the same hashes
+    # as an update after the seed): a long prompt has hundreds of blocks, and the separate
+    # ``update`` call was a tenth of this function's time.
     for start in range(0, full_end, block_chars):
         block = data[start : start + block_chars]
-        h = blake2b(prev, digest_size=8)
-        h.update(block if isinstance(block, bytes) else block.encode("utf-8", "surrogatepass"))
-        prev = h.digest()
+        raw = block if isinstance(block, bytes) else block.encode("utf-8", "surrogatepass")
+        prev = blake2b(prev + raw, digest_size=8).digest()
         chain.append(int.from_bytes(prev, "big"))
     return tuple(chain)

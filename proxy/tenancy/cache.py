@@ -329,7 +329,9 @@ class Fill:
         self, cache: ResponseCache, req: CacheRequest, key: str, flight: _Flight | None
     ) -> None:
         self._cache = cache
-        self._req = req
+        # Only what the stored entry names, not the request: its parsed body (the whole prompt)
+        # would otherwise live as long as the stream.
+        self._owner = (req.tenant, req.model, req.chat)
         self._key = key
         self._flight = flight
         self.recording = Recording(chat=req.chat, max_bytes=cache.cfg.max_entry_bytes)
@@ -358,7 +360,7 @@ class Fill:
         response = self.recording.response()
         if response is None:
             return None
-        return CachedResponse(self._req.tenant, self._req.model, self._req.chat, response)
+        return CachedResponse(*self._owner, response)
 
     async def finish(self, *, completed: bool = True) -> None:
         """Store the answer if it completed normally; always wake the waiters. Idempotent."""

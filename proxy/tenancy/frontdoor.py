@@ -140,6 +140,9 @@ class FrontDoor:
         visit = Visit(tenant, req.chat, prompt_chars)
         try:
             lookup = await self.cache.lookup(req)
+            # The parsed body (the whole prompt) is not needed past the lookup: this frame lives
+            # as long as the stream, and would keep it that long.
+            del req, body
             visit.entry, visit.x_cache = lookup.entry, lookup.status
             if lookup.fill is not None:
                 visit.recorder = lookup.fill
@@ -147,7 +150,8 @@ class FrontDoor:
                     yield visit
                 return
             if lookup.entry is None and self.cfg.limits.enabled:
-                visit.recorder = Recording(chat=req.chat, max_bytes=self.cfg.cache.max_entry_bytes)
+                limit = self.cfg.cache.max_entry_bytes
+                visit.recorder = Recording(chat=visit.chat, max_bytes=limit)
             yield visit
         finally:
             # Shielded, so a cancelled request still settles; a shield costs a task, and the

@@ -50,3 +50,39 @@ async def test_an_open_stream_keeps_no_request_parse_nor_routing_state(rogue: Ro
         # The engine connection is back in the pool, holding its last body reader: that reader
         # must not keep the ended stream's splice (and through it the client's connection) alive.
         assert _alive(Splice) == []
+
+
+def _bodies_with(content: str) -> list[dict[str, object]]:
+    """The proxy's parsed chat bodies alive whose first message is ``content`` (the message dicts
+    hold only strings, so the collector does not track them; the body and its list it does). The
+    rogue engine's own parse of what the proxy sent is left out: it has the ``stream_options``
+    the proxy adds to ask for usage, which the client's body has not."""
+    found = []
+    for o in gc.get_objects():
+        if type(o) is not dict or "stream_options" in o:
+            continue
+        if isinstance(messages := o.get("messages"), list) and messages:
+            first = messages[0]
+            if isinstance(first, dict) and first.get("content") == content:
+                found.append(o)
+    return found
+
+
+async def test_an_open_stream_keeps_no_parsed_body(rogue: RogueEngine) -> None:
+    """The front door's visit (and the cache fill it hands the relay) live as long as the stream;
+    neither keeps the parsed body, which holds the whole prompt."""
+    rogue.behaviour.tokens = 6
+    rogue.behaviour.chunk_delay_s = 0.5
+    prompt = "a prompt held by nobody once the bytes flow " * 50
+    async with proxy_for(rogue) as proxy, aiohttp.ClientSession() as http, http.post(
+        proxy.url + CHAT, json=chat(prompt, stream=True, temperature=0)
+    ) as resp:
+        assert resp.status == 200
+        assert resp.headers.get("X-Cache") == "MISS"  # a fill is recording this stream
+        async with asyncio.timeout(5):
+            await resp.content.readany()
+        gc.collect()
+        assert len(_alive(Splice)) == 1
+        assert _bodies_with(prompt) == []
+        async with asyncio.timeout(10):
+            await resp.read()
