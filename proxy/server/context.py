@@ -71,11 +71,11 @@ class Drain:
     @contextmanager
     def cuttable(self, cut: Callable[[], None]) -> Iterator[None]:
         """``add_cut`` while inside (for code where three objects per stream do not matter)."""
-        self._cuts.add(cut)
+        self.add_cut(cut)
         try:
             yield
         finally:
-            self._cuts.discard(cut)
+            self.discard_cut(cut)
 
     def cut_all(self) -> int:
         """Ask every open stream to end now; returns how many were asked."""
