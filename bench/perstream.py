@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import functools
 import gc
 import json
 import os
@@ -29,6 +30,7 @@ import random
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -170,6 +172,21 @@ def time_collect(generation: int) -> float:
 
 async def measure(args: argparse.Namespace, fleet: Fleet,
                   levels: list[int]) -> list[dict[str, Any]]:
+    """Each level against a proxy of its own, started, warmed and counted at rest just before:
+    a proxy that ran an earlier level keeps what that level grew (pooled engine connections,
+    filled caches), and counting a later level against the first level's baseline charged all
+    of it to the later level's streams."""
+    out = []
+    for n in levels:
+        level = functools.partial(_level, n=n, args=args)
+        out.append(await _with_proxy(fleet, args, level))
+    if args.garbage:
+        out.append(await _with_proxy(fleet, args, lambda url, base: garbage(url, args)))
+    return out
+
+
+async def _with_proxy(fleet: Fleet, args: argparse.Namespace,
+                      run: Callable[[str, set[int]], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
     from proxy.core.configload import load_config  # noqa: PLC0415
     from proxy.server.lifecycle import ProxyServer, settle_heap  # noqa: PLC0415
 
@@ -188,14 +205,10 @@ async def measure(args: argparse.Namespace, fleet: Fleet,
         await asyncio.sleep(1.0)
         gc.collect()
         base_ids = {id(o) for o in gc.get_objects()}
-        out = []
-        for n in levels:
-            out.append(await _level(server.url, n, args, base_ids))
-        if args.garbage:
-            out.append(await garbage(server.url, args))
-        return out
+        return await run(server.url, base_ids)
     finally:
         await server.drain_and_stop()
+        await asyncio.sleep(args.settle_s)  # the engines finish what the aborted streams left
 
 
 def _saved_garbage() -> collections.Counter[str]:
@@ -264,7 +277,8 @@ async def _hold(url: str, n: int, args: argparse.Namespace,
             await proc.wait()
 
 
-async def _level(url: str, n: int, args: argparse.Namespace, base_ids: set[int]) -> dict[str, Any]:
+async def _level(url: str, base_ids: set[int], *, n: int,
+                 args: argparse.Namespace) -> dict[str, Any]:
     async def at_open() -> dict[str, Any]:
         await asyncio.sleep(args.settle_s)  # the streams run a while: gen 1 fills as it would
         gen1 = [time_collect(1)]
