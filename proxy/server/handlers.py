@@ -109,42 +109,69 @@ async def _serve(
     server = ctx.cfg.server
     raw = await _read_body(request, server.max_body_bytes, server.body_timeout_s)
     inbound = accept(raw, endpoint, max_depth=server.max_json_depth)
-    _deadline(job, client_timeout(request.headers.get(TIMEOUT_HEADER), inbound.body))
-    salt = client_salt(inbound.body)
-    priority = parse_priority(request.headers.get("X-Priority"), inbound.body.get("priority"))
-    job.cls = priority.value
-    job.stream = inbound.stream
-    job.tenant, job.model = tenant, inbound.model
-    plan = resolve_model(ctx.cfg, inbound.model)
-    job.pool = plan.pool
-    job.asked_pool = plan.pool
-    async with door.visit(
+    del raw
+    priority, salt, plan = _classify(request, ctx, job, inbound)
+    visit = await door.enter(
         tenant,
         endpoint=endpoint.value,
         model=inbound.model,
         body=inbound.body,
         cache_control=request.headers.get("Cache-Control"),
         prompt_chars=len(inbound.prompt_text),
-    ) as visit:
-        if visit.entry is not None:
-            return await _from_cache(request, job, inbound, visit.entry)
-        job.recorder = visit.recorder
-        job.extra_headers["X-Cache"] = visit.x_cache
-        job.max_tokens = _max_tokens(inbound)
-        drafted = await _speculative(request, ctx, job, inbound, priority)
-        if drafted is not None:
-            visit.discard()  # assembled here, not relayed: the cache keeps engines' own answers
-            return drafted
-        ranked, expected = await _prepare(request, ctx, job, plan, priority=priority,
-                                          inbound=inbound, salt=salt, visit=visit)
-        # What routing needed is dropped before the relay: it would otherwise live, and be
-        # scanned by the collector, as long as the stream is open.
-        del inbound, plan, raw
-        holding = request.app[HOLDING]
-        try:
-            return await Relay(ctx, request, job).run(ranked)
-        finally:
-            holding.ended(job.pool, _freed(job, expected))
+    )
+    # Entered and left in this frame (no context manager, no nested coroutine per stream).
+    completed = False
+    try:
+        response = await _without_engine(request, ctx, job, visit, inbound=inbound,
+                                         priority=priority)
+        if response is None:
+            ranked, expected = await _prepare(request, ctx, job, plan, priority=priority,
+                                              inbound=inbound, salt=salt, visit=visit)
+            # What routing needed is dropped before the relay: it would otherwise live, and be
+            # scanned by the collector, as long as the stream is open.
+            del inbound, plan
+            holding = request.app[HOLDING]
+            try:
+                response = await Relay(ctx, request, job).run(ranked)
+            finally:
+                holding.ended(job.pool, _freed(job, expected))
+        completed = True
+    finally:
+        await door.leave(visit, completed=completed)
+    return response
+
+
+def _classify(
+    request: web.Request, ctx: ShellContext, job: Job, inbound: Inbound
+) -> tuple[Priority, str | None, PoolPlan]:
+    """The request's class, its client's salt and the pool plan of its model (noted in ``job``)."""
+    _deadline(job, client_timeout(request.headers.get(TIMEOUT_HEADER), inbound.body))
+    salt = client_salt(inbound.body)
+    priority = parse_priority(request.headers.get("X-Priority"), inbound.body.get("priority"))
+    job.cls = priority.value
+    job.stream = inbound.stream
+    job.model = inbound.model
+    plan = resolve_model(ctx.cfg, inbound.model)
+    job.pool = plan.pool
+    job.asked_pool = plan.pool
+    return priority, salt, plan
+
+
+async def _without_engine(
+    request: web.Request, ctx: ShellContext, job: Job, visit: Visit, *, inbound: Inbound,
+    priority: Priority,
+) -> web.StreamResponse | None:
+    """The answer when no engine is asked (a cache hit, or drafted for a speculative-first
+    alias); else None, with the job ready for the engine's answer."""
+    if visit.entry is not None:
+        return await _from_cache(request, job, inbound, visit.entry)
+    job.recorder = visit.recorder
+    job.extra_headers["X-Cache"] = visit.x_cache
+    job.max_tokens = _max_tokens(inbound)
+    drafted = await _speculative(request, ctx, job, inbound, priority)
+    if drafted is not None:
+        visit.discard()  # assembled here, not relayed: the cache keeps engines' own answers
+    return drafted
 
 
 async def _prepare(
