@@ -236,3 +236,17 @@ async def test_an_upstream_504_carries_x_cache(rogue: RogueEngine) -> None:
     assert status == 504
     assert headers["X-Cache"] == "MISS"
     assert headers["X-Request-Id"]
+
+
+async def test_an_engine_cookie_is_never_sent_back_to_it(rogue: RogueEngine) -> None:
+    # By name, not address: a cookie jar would keep a cookie set by ``localhost``.
+    rogue.url_host = "localhost"
+    rogue.behaviour.completion_headers = {"Set-Cookie": "engine-session=internal; Path=/"}
+    async with proxy_for(rogue) as proxy:
+        for _ in range(2):
+            status, headers, _ = await _post(proxy.url + CHAT, chat())
+            assert status == 200
+            assert "Set-Cookie" not in headers
+    sent = rogue.requests_to(CHAT)
+    assert len(sent) == 2
+    assert all("cookie" not in {k.lower() for k in s.headers} for s in sent)
