@@ -59,7 +59,7 @@ Rules:
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import NamedTuple
 
 from proxy.core.claims import Claimable, claimables
@@ -145,30 +145,17 @@ def queue_step(e: EngineView, tokens: float, cfg: RoutingConfig) -> float:
 
 
 def choose(estimates: Sequence[Estimate], tolerance: float,
-           order: Callable[[], Mapping[str, int]]) -> tuple[str, ...]:
+           order: Mapping[str, int]) -> tuple[str, ...]:
     """Engine names best first: the pick among the near-lowest, then the rest by estimate;
-    ``order()`` (lower first) breaks the remaining ties, asked for only when there is one."""
+    ``order`` (lower first) breaks the remaining ties."""
     if not estimates:
         return ()
     best = min(e.cost_s for e in estimates)
     near = [e for e in estimates if e.cost_s <= best * (1.0 + tolerance)]
-    # Under load every engine's figures differ and the tie-break is never consulted: the same
-    # pick and order without computing it (a hash per engine). Equal keys (an idle pool, a
-    # prompt held nowhere) take the full keys, as before.
-    if _distinct([(-e.held, e.wait_s, e.cost_s) for e in near]) and _distinct(
-            [(e.cost_s, e.wait_s) for e in estimates]):
-        pick = min(near, key=lambda e: (-e.held, e.wait_s, e.cost_s))
-        rest = sorted((e for e in estimates if e is not pick), key=lambda e: (e.cost_s, e.wait_s))
-        return (pick.name, *(e.name for e in rest))
-    ties = order()
-    pick = min(near, key=lambda e: (-e.held, e.wait_s, e.cost_s, ties[e.name]))
+    pick = min(near, key=lambda e: (-e.held, e.wait_s, e.cost_s, order[e.name]))
     rest = sorted((e for e in estimates if e is not pick),
-                  key=lambda e: (e.cost_s, e.wait_s, ties[e.name]))
+                  key=lambda e: (e.cost_s, e.wait_s, order[e.name]))
     return (pick.name, *(e.name for e in rest))
-
-
-def _distinct(keys: list[tuple[float, ...]]) -> bool:
-    return len(set(keys)) == len(keys)
 
 
 class Decision(NamedTuple):
@@ -248,10 +235,7 @@ class ExpectedTTFT:
         if stale_only:
             return Decision(tuple(e.name for e in least_loaded(cands)))
         at = key.chain[-1] if key.chain else 0
-
-        def order() -> dict[str, int]:
-            return {e.name: -self._rendezvous.weight(at, e.name) for e in cands}
-
+        order = {e.name: -self._rendezvous.weight(at, e.name) for e in cands}
         estimates = self.estimates(key, cands)
         plain = ranked = choose(estimates, self.cfg.cost_tolerance, order)
         if key.unseen > 0.0:
