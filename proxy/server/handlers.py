@@ -7,7 +7,8 @@ counted for drain, and observed in metrics exactly once, whatever way it ends. E
 proxied request, errors included, carries ``X-Cache`` (``BYPASS`` when the request never reached
 the cache) and ``X-Request-Id``. The body is read within ``server.max_body_bytes`` and
 ``server.body_timeout_s`` (else 413 / 408, and the connection is closed), its tenant's request and
-token counters included.
+token counters included (``proxy.server.body``). The front door's visit is entered and left in
+``_serve``'s own frame: no context manager and no nested coroutine live as long as a stream.
 """
 
 from __future__ import annotations
@@ -20,8 +21,6 @@ from typing import Any
 
 import orjson
 from aiohttp import web
-from aiohttp.streams import StreamReader
-from aiohttp.web_protocol import RequestPayloadError
 
 from proxy.core.admission import Priority, engine_priority, parse_priority
 from proxy.core.cache_entry import CachedResponse
@@ -29,14 +28,7 @@ from proxy.core.costmodel import typical_prompt
 from proxy.core.deadline import FIELD as TIMEOUT_FIELD
 from proxy.core.deadline import HEADER as TIMEOUT_HEADER
 from proxy.core.deadline import client_timeout
-from proxy.core.errors import (
-    BadRequest,
-    KvproxyError,
-    NoCapacity,
-    NotFound,
-    PayloadTooLarge,
-    RequestTimeout,
-)
+from proxy.core.errors import KvproxyError, NoCapacity, NotFound
 from proxy.core.inbound import Endpoint, Inbound, accept, rewrite
 from proxy.core.isolation import Salting, client_salt
 from proxy.core.pools import (
@@ -54,6 +46,7 @@ from proxy.observe import accesslog
 from proxy.observe.metrics import CONTENT_TYPE
 from proxy.server import specanswer
 from proxy.server.admit import HOLDING, need_tokens
+from proxy.server.body import read_body
 from proxy.server.context import ShellContext
 from proxy.server.job import Job
 from proxy.server.keys import MODELS, REQUEST_ID, SHELL, WORKER
@@ -107,7 +100,7 @@ async def _serve(
     tenant = await door.identify(request.headers)
     job.tenant = tenant
     server = ctx.cfg.server
-    raw = await _read_body(request, server.max_body_bytes, server.body_timeout_s)
+    raw = await read_body(request, server.max_body_bytes, server.body_timeout_s)
     inbound = accept(raw, endpoint, max_depth=server.max_json_depth)
     del raw
     priority, salt, plan = _classify(request, ctx, job, inbound)
@@ -249,38 +242,6 @@ async def _from_cache(
     out = await replay(request, entry, stream=inbound.stream, include_usage=usage, headers=headers)
     job.delivered = inbound.stream
     return out
-
-
-async def _read_body(request: web.Request, limit: int, timeout_s: float) -> bytes:
-    length = request.content_length
-    if length is not None and length > limit:
-        raise PayloadTooLarge(f"request body of {length} bytes exceeds the limit of {limit} bytes")
-    content = request.content
-    try:
-        if content.is_eof():
-            # The whole body came with the head (the usual case): nothing to wait for, so no
-            # timer; ``read_nowait`` raises what the parser found wrong, as a read would.
-            body = content.read_nowait()
-            if len(body) > limit:
-                raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
-            return body
-        return await _read_rest(content, limit, timeout_s)
-    except RequestPayloadError:
-        # Bad chunked framing or a body shorter than its Content-Length, as aiohttp parses it.
-        raise BadRequest("request body is malformed (framing or length)") from None
-
-
-async def _read_rest(content: StreamReader, limit: int, timeout_s: float) -> bytes:
-    body = bytearray()
-    try:
-        async with asyncio.timeout(timeout_s):
-            async for chunk in content.iter_any():
-                body += chunk
-                if len(body) > limit:
-                    raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
-    except TimeoutError:
-        raise RequestTimeout(f"request body not received within {timeout_s:g}s") from None
-    return bytes(body)
 
 
 def _max_tokens(inbound: Inbound) -> int | None:
