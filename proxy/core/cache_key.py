@@ -150,12 +150,36 @@ def _is_number(value: object) -> bool:
 
 def canonical_body(body: Mapping[str, Any]) -> bytes:
     """The request as the key sees it: transport fields dropped, numbers normalised, keys sorted."""
-    kept = {k: _normalise(v) for k, v in body.items() if k not in TRANSPORT_FIELDS}
+    kept = {k: _normalised(v) for k, v in body.items() if k not in TRANSPORT_FIELDS}
     try:
         return orjson.dumps(kept, option=orjson.OPT_SORT_KEYS)
     except TypeError:
         # Integers beyond 64 bits: orjson refuses them, the standard library does not.
         return json.dumps(kept, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _normalised(value: Any) -> Any:
+    """``value`` with integral floats as ints: the value itself when it holds none (the prompt's
+    containers, the bulk of a body, usually hold only strings), else a normalised copy."""
+    if isinstance(value, float):
+        return _number(value)
+    if isinstance(value, _CONTAINERS) and _holds_integral_float(value):
+        return _normalise(value)
+    return value
+
+
+def _holds_integral_float(value: dict[Any, Any] | list[Any]) -> bool:
+    """Whether ``_number`` would change anything inside ``value`` (iterative, as ``_normalise``)."""
+    todo: list[Any] = [value]
+    while todo:
+        source = todo.pop()
+        for item in source.values() if isinstance(source, dict) else source:
+            if isinstance(item, float):
+                if item.is_integer() and abs(item) < _EXACT_FLOAT_INTS:
+                    return True
+            elif isinstance(item, _CONTAINERS):
+                todo.append(item)
+    return False
 
 
 def _normalise(value: Any) -> Any:

@@ -237,9 +237,13 @@ class PressureTracker:
         if key != self._built:
             # An equal key builds an identical Pressure: its floats are sums with +0.0 (never
             # -0.0, which equals 0.0), and a NaN never equals itself, so it only ever rebuilds.
+            # Built field by field (``_judge`` sets only the two figures of ``_state``): the
+            # committed figure moves with the bytes relayed, so this runs for most engines on
+            # most admissions, and ``dataclasses.replace`` costs twice a plain construction.
             self._built = key
-            self._local = replace(self._state, level=level, reason=reason, committed_kv=shown,
-                                  capacity_tokens=capacity, evidence=evidence)
+            state = self._state
+            self._local = Pressure(level, reason, state.projected_kv, state.preemptions_per_s,
+                                   False, shown, capacity, evidence)
         return self._local
 
     def pressure(self, now: float) -> Pressure:

@@ -49,6 +49,8 @@ class Engine:
     # learned answer length (set by the fleet); None: commitments are not counted.
     commitments: Commitments = field(default_factory=Commitments, repr=False)
     estimate: OutputEstimate | None = field(default=None, repr=False)
+    # The last snapshot fed to ``pressure`` (``judge_pressure``).
+    _fed: object = field(default=None, repr=False, compare=False)
 
     @property
     def name(self) -> str:
@@ -64,13 +66,18 @@ class Engine:
 
     def judge_pressure(self, now: float) -> Pressure:
         """Feed the guard the latest snapshot (once each) and return the level in force."""
-        if self.pressure is None:
+        guard = self.pressure
+        if guard is None:
             return NO_PRESSURE
         snap = self.state.snapshot
         if snap is not None:
-            self.pressure.observe(snap.taken_at, snap.kv_usage, snap.preemptions)
-            self.pressure.commit(*self.committed())
-        return self.pressure.pressure(now)
+            # Asked for every engine of a pool on every admission: a snapshot already fed is
+            # not offered again (the guard would ignore it: not newer than its last).
+            if snap is not self._fed:
+                self._fed = snap
+                guard.observe(snap.taken_at, snap.kv_usage, snap.preemptions)
+            guard.commit(*self.committed())
+        return guard.pressure(now)
 
     def committed(self) -> tuple[float | None, int | None]:
         """(reported usage + what in-flight requests owe, capacity in tokens); None: unknown."""

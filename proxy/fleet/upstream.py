@@ -9,7 +9,8 @@ Rules:
 - Redirects are never followed on the data path (``DATA_POST``): an engine's 3xx would otherwise
   re-send a client's prompt to whatever address the engine names. A 3xx is an engine failure.
 - To engines: nothing hop-by-hop, no client credentials (``Authorization``, ``api-key``,
-  ``x-api-key``), no cookies, no ``Host``, and nothing that describes the client's network path
+  ``x-api-key``), no cookies (neither the client's nor any an engine set: the sessions keep no
+  cookie jar), no ``Host``, and nothing that describes the client's network path
   (``Forwarded``, ``X-Forwarded-*``, ``X-Real-IP``, ``Via`` and the CDN variants of them).
 - To clients, an allow-list: of an engine's response headers only ``Content-Type``,
   ``Cache-Control``, ``Retry-After``/``Retry-After-Ms`` and the ``openai-*`` and ``x-ratelimit-*``
@@ -86,12 +87,15 @@ def make_scrape_session() -> aiohttp.ClientSession:
 
 
 def _session(connector: aiohttp.TCPConnector) -> aiohttp.ClientSession:
-    # Timeouts are applied per phase by the caller, so the session-wide one is disabled.
+    # Timeouts are applied per phase by the caller, so the session-wide one is disabled. No
+    # cookie jar: an engine's ``Set-Cookie`` would otherwise be kept and sent back with every
+    # later client's request to it (and the jar is consulted on every request).
     return aiohttp.ClientSession(
         connector=connector,
         timeout=aiohttp.ClientTimeout(total=None),
         auto_decompress=False,
         skip_auto_headers=("Accept-Encoding", "User-Agent"),
+        cookie_jar=aiohttp.DummyCookieJar(),
     )
 
 

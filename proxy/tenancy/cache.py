@@ -203,17 +203,26 @@ class ResponseCache:
         self._clock = clock
 
     def policy(self, req: CacheRequest) -> CachePolicy:
-        return decide(req.body, req.cache_control, enabled=self.cfg.enabled)
+        return self.policy_for(req.body, req.cache_control)
+
+    def policy_for(self, body: Mapping[str, Any], cache_control: str | None) -> CachePolicy:
+        return decide(body, cache_control, enabled=self.cfg.enabled)
 
     def key(self, req: CacheRequest) -> str:
         return self._keys.key(tenant=req.tenant, model=req.model, endpoint=req.endpoint,
                               body=req.body)  # fmt: skip
 
-    async def lookup(self, req: CacheRequest) -> Lookup:
-        policy = self.policy(req)
+    def count_bypass(self, policy: CachePolicy) -> None:
+        """A request the cache does not answer (``policy``: its reason), counted."""
+        self.metrics.lookups_by("bypass").inc()
+        self.metrics.bypass_by(policy.reason).inc()
+
+    async def lookup(self, req: CacheRequest, policy: CachePolicy | None = None) -> Lookup:
+        """HIT, MISS or BYPASS for ``req``; ``policy``: its policy when the caller has it."""
+        if policy is None:
+            policy = self.policy(req)
         if policy.bypass or not policy.read:
-            self.metrics.lookups_by("bypass").inc()
-            self.metrics.bypass_by(policy.reason).inc()
+            self.count_bypass(policy)
             fill = Fill(self, req, self.key(req), None) if policy.write else None
             return Lookup("BYPASS", fill=fill)
         result = await self._lookup(req, self.key(req))
@@ -383,6 +392,13 @@ class Fill:
         finally:
             self._cache._land(self._key, self._flight)
 
+    async def close(self, *, completed: bool) -> None:
+        """``finish``, shielded from a cancelled request where the store may suspend."""
+        if self._cache.backend.suspends:
+            await asyncio.shield(self.finish(completed=completed))
+        else:  # no await inside suspends, so no cancellation can cut it short
+            await self.finish(completed=completed)
+
     async def __aenter__(self) -> Fill:
         return self
 
@@ -392,10 +408,7 @@ class Fill:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if self._cache.backend.suspends:
-            await asyncio.shield(self.finish(completed=exc_type is None))
-        else:  # no await inside suspends, so no cancellation can cut it short
-            await self.finish(completed=exc_type is None)
+        await self.close(completed=exc_type is None)
 
 
 def make_cache(

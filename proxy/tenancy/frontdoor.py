@@ -2,13 +2,17 @@
 response cache answers it. One object per application; the request path calls it in that order.
 
 Rules:
-- ``identify`` (401 / 503) comes first; ``visit`` then takes a limit lease (429) and looks the
+- ``identify`` (401 / 503) comes first; ``enter`` then takes a limit lease (429) and looks the
   request up in the cache. A hit is answered by ``replay`` in the shape the client asked for; a miss
-  or bypass goes to an engine with the visit's ``recorder`` seeing every byte relayed.
-- Leaving ``visit`` settles everything exactly once, however the request ended: the cache fill is
-  finished (stored only if the answer completed normally), and the lease is settled with the
-  tokens used (``usage`` when the answer carries it, else about four characters per token; a hit
-  uses none).
+  or bypass goes to an engine with the visit's ``recorder`` seeing every byte relayed. A request
+  the cache policy bypasses outright (every sampled one) costs no lookup: no request object, no
+  key, no fill.
+- ``leave`` (the caller's ``finally``) settles everything exactly once, however the request
+  ended: the cache fill is finished (stored only if the answer completed normally), and the lease
+  is settled with the tokens used (``usage`` when the answer carries it, else about four
+  characters per token; a hit uses none). A plain pair of calls, not a context manager: the
+  request path pays no generator, and nothing of the visit's lookup (the parsed body) outlives
+  it in a suspended frame.
 - Redis, when configured, is opened here and closed on shutdown; its background work (lease renewal,
   shared breakers) runs in named tasks owned by this object.
 """
@@ -18,8 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +33,7 @@ from proxy.core.cache_entry import CachedResponse, replay_sse, usage_tokens
 from proxy.core.door_config import DoorConfig
 from proxy.core.recording import Recording
 from proxy.tenancy.cache import CacheRequest, Fill, ResponseCache, make_cache
-from proxy.tenancy.ratelimit import RequestGate
+from proxy.tenancy.ratelimit import Lease, RequestGate
 from proxy.tenancy.redis_link import RedisLink
 from proxy.tenancy.shared_pressure import HasPressure, SharedPressure
 from proxy.tenancy.shared_state import EngineRecord, HasBreaker, RegistryWatcher, SharedBreakers
@@ -47,6 +50,8 @@ class Visit:
     entry: CachedResponse | None = None
     x_cache: str = "BYPASS"
     recorder: Recording | Fill | None = None
+    # The tenant's limits lease while it has something to settle (None: unlimited traffic).
+    lease: Lease | None = None
 
     @property
     def hit(self) -> bool:
@@ -123,8 +128,7 @@ class FrontDoor:
     async def identify(self, headers: Mapping[str, str]) -> str:
         return await self.tenants.identify(headers.get("Authorization"))
 
-    @asynccontextmanager
-    async def visit(
+    async def enter(
         self,
         tenant: str,
         *,
@@ -133,31 +137,44 @@ class FrontDoor:
         body: Mapping[str, Any],
         cache_control: str | None,
         prompt_chars: int,
-    ) -> AsyncIterator[Visit]:
-        """Admit (429 when over a limit), look up the cache, and settle both on the way out."""
-        lease = await self.gate.admit(tenant)
-        req = CacheRequest(tenant, model, endpoint, body, cache_control)
-        visit = Visit(tenant, req.chat, prompt_chars)
+    ) -> Visit:
+        """Admit (429 when over a limit) and look the request up in the cache. The caller must
+        ``leave`` the visit exactly once, however the request ends (``try``/``finally``)."""
+        lease = await self.gate.admit(tenant) if self.gate.cfg.enabled else None
+        visit = Visit(tenant, endpoint.endswith("chat/completions"), prompt_chars,
+                      lease=lease if lease is not None and lease.pending else None)
+        policy = self.cache.policy_for(body, cache_control)
+        if policy.bypass:
+            # Nothing to look up or store (every sampled request): no request object, no key.
+            self.cache.count_bypass(policy)
+        else:
+            req = CacheRequest(tenant, model, endpoint, body, cache_control)
+            try:
+                lookup = await self.cache.lookup(req, policy)
+            except BaseException:
+                await self._settle(visit)
+                raise
+            visit.entry, visit.x_cache, visit.recorder = lookup.entry, lookup.status, lookup.fill
+        if visit.recorder is None and visit.entry is None and self.cfg.limits.enabled:
+            limit = self.cfg.cache.max_entry_bytes
+            visit.recorder = Recording(chat=visit.chat, max_bytes=limit)
+        return visit
+
+    async def leave(self, visit: Visit, *, completed: bool) -> None:
+        """Settle a visit once: the cache fill finished (the answer stored only if the request
+        ``completed``), then the lease settled with the tokens used."""
         try:
-            lookup = await self.cache.lookup(req)
-            # The parsed body (the whole prompt) is not needed past the lookup: this frame lives
-            # as long as the stream, and would keep it that long.
-            del req, body
-            visit.entry, visit.x_cache = lookup.entry, lookup.status
-            if lookup.fill is not None:
-                visit.recorder = lookup.fill
-                async with lookup.fill:
-                    yield visit
-                return
-            if lookup.entry is None and self.cfg.limits.enabled:
-                limit = self.cfg.cache.max_entry_bytes
-                visit.recorder = Recording(chat=visit.chat, max_bytes=limit)
-            yield visit
+            if isinstance(visit.recorder, Fill):
+                await visit.recorder.close(completed=completed)
         finally:
-            # Shielded, so a cancelled request still settles; a shield costs a task, and the
-            # lease of unlimited traffic (limits off, the default) has nothing to settle.
-            if lease.pending:
-                await asyncio.shield(lease.settle(visit.tokens()))
+            await self._settle(visit)
+
+    async def _settle(self, visit: Visit) -> None:
+        # Shielded, so a cancelled request still settles; a shield costs a task, and unlimited
+        # traffic (limits off, the default) has no lease to settle.
+        lease, visit.lease = visit.lease, None
+        if lease is not None and lease.pending:
+            await asyncio.shield(lease.settle(visit.tokens()))
 
 
 DOOR = web.AppKey("front_door", FrontDoor)

@@ -82,10 +82,13 @@ class RogueEngine:
         self.stream_bytes_sent: list[int] = []
         self._runner: web.AppRunner | None = None
         self.port = 0
+        # The host the proxy is given in ``url`` (it always listens on 127.0.0.1): a name rather
+        # than an address where a test needs one (e.g. cookie jars take no cookies from an IP).
+        self.url_host = "127.0.0.1"
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.url_host}:{self.port}"
 
     async def start(self) -> None:
         app = web.Application()

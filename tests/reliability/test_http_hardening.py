@@ -236,3 +236,32 @@ async def test_an_upstream_504_carries_x_cache(rogue: RogueEngine) -> None:
     assert status == 504
     assert headers["X-Cache"] == "MISS"
     assert headers["X-Request-Id"]
+
+
+async def test_an_engine_cookie_is_never_sent_back_to_it(rogue: RogueEngine) -> None:
+    # By name, not address: a cookie jar would keep a cookie set by ``localhost``.
+    rogue.url_host = "localhost"
+    rogue.behaviour.completion_headers = {"Set-Cookie": "engine-session=internal; Path=/"}
+    async with proxy_for(rogue) as proxy:
+        for _ in range(2):
+            status, headers, _ = await _post(proxy.url + CHAT, chat())
+            assert status == 200
+            assert "Set-Cookie" not in headers
+    sent = rogue.requests_to(CHAT)
+    assert len(sent) == 2
+    assert all("cookie" not in {k.lower() for k in s.headers} for s in sent)
+
+
+async def test_a_request_without_an_id_gets_a_fresh_one_the_engine_sees_too(
+    rogue: RogueEngine,
+) -> None:
+    async with proxy_for(rogue) as proxy:
+        ids = []
+        for _ in range(2):
+            status, headers, _ = await _post(proxy.url + CHAT, chat())
+            assert status == 200
+            ids.append(headers["X-Request-Id"])
+    assert all(len(i) == 32 and all(c in "0123456789abcdef" for c in i) for i in ids)
+    assert ids[0] != ids[1]
+    sent = [{k.lower(): v for k, v in s.headers.items()} for s in rogue.requests_to(CHAT)]
+    assert [s.get("x-request-id") for s in sent] == ids, sent

@@ -4,8 +4,21 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
+from typing import Any
 
-from proxy.core.cache_key import _KEY_DOMAIN, KeyMaker, cache_key, canonical_body
+import orjson
+from hypothesis import given
+from hypothesis import strategies as st
+
+from proxy.core.cache_key import (
+    _KEY_DOMAIN,
+    TRANSPORT_FIELDS,
+    KeyMaker,
+    _normalise,
+    cache_key,
+    canonical_body,
+)
 
 SECRET = b"k" * 32
 
@@ -27,3 +40,22 @@ def test_the_key_is_the_hmac_of_the_fields_part_by_part() -> None:
                         body=body) == want
         assert cache_key(SECRET, tenant=tenant, model=model, endpoint="/v1/chat/completions",
                          body=body) == want
+
+
+_LEAVES = st.one_of(st.none(), st.booleans(), st.integers(-(2**60), 2**60), st.text(max_size=5),
+                    st.floats(allow_nan=False, allow_infinity=False),
+                    st.sampled_from([0.0, -0.0, 1.0, 2.0**53, 2.0**53 + 2, 1e300, 0.5]))
+_VALUES = st.recursive(_LEAVES, lambda inner: st.lists(inner, max_size=4)
+                       | st.dictionaries(st.text(max_size=3), inner, max_size=4), max_leaves=20)
+
+
+@given(st.dictionaries(st.sampled_from(["model", "messages", "temperature", "stream", "tools",
+                                        "seed", "x"]), _VALUES, max_size=6))
+def test_the_canonical_body_is_that_of_a_fully_normalised_copy(body: dict[str, Any]) -> None:
+    # Containers holding no integral float are taken as they are, not copied: the same bytes.
+    copied = {k: _normalise(v) for k, v in body.items() if k not in TRANSPORT_FIELDS}
+    try:
+        want = orjson.dumps(copied, option=orjson.OPT_SORT_KEYS)
+    except TypeError:
+        want = json.dumps(copied, sort_keys=True, separators=(",", ":")).encode()
+    assert canonical_body(body) == want

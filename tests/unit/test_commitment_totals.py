@@ -112,3 +112,18 @@ def test_the_guard_hands_back_the_same_pressure_until_something_changes() -> Non
     assert second.committed_kv == 0.6 and first.committed_kv == 0.5
     t.observe(0.2, 0.3, 0.0)  # a new snapshot: a new judgement
     assert t.pressure(0.25).projected_kv != second.projected_kv
+
+
+@given(st.lists(st.tuples(TOKENS, st.integers(0, 10**7)), max_size=20),
+       st.sampled_from([None, 0.0, 1.0, 7.5, 4096.0]))
+def test_answered_flights_sum_to_the_last_bit_as_the_per_flight_formula(
+    answered: list[tuple[float, int]], bytes_per_token: float | None
+) -> None:
+    # Flights past their expected output (relayed beyond it) owe nothing, never less than that.
+    book = Commitments()
+    want = 0.0
+    for ticket, (output, relayed) in enumerate(answered):
+        book.dispatch(ticket, Flight(0.0, output, answered=True, relayed=relayed))
+        produced = relayed / bytes_per_token if bytes_per_token else 0.0
+        want += max(0.0, output - produced)
+    assert book.owed_blocks(16, bytes_per_token) == want / 16

@@ -202,3 +202,17 @@ def test_fleet_views_carry_the_guard_and_admin_shows_why() -> None:
     assert fleet.gauge_rows(2 * DT)[0].pressure == 1
     off = Fleet(Config(pools=(pool,), pressure=PressureConfig(enabled=False)))
     assert off.get("e").pressure is None
+
+
+def test_the_local_judgement_carries_the_snapshot_figures_and_the_commitments() -> None:
+    # Built field by field rather than copied from the snapshot's judgement: nothing may be lost.
+    t = tracker()
+    at = feed(t, [0.60, 0.64, 0.68, 0.72, 0.76], preempt=[0, 0, 2, 2, 5])
+    t.commit(0.9712345, 64_000)
+    p = t.local(at)
+    judged = t._state
+    assert (p.projected_kv, p.preemptions_per_s) == (judged.projected_kv, judged.preemptions_per_s)
+    assert p.projected_kv is not None and p.projected_kv > 0.76 and p.preemptions_per_s > 0
+    assert (p.level, p.reason, p.evidence) == (Level.STANDARD, REASON_PREEMPTING, Level.STANDARD)
+    assert (p.committed_kv, p.capacity_tokens, p.remote) == (0.9712, 64_000, False)
+    assert t.local(at) is p  # nothing changed: the same object

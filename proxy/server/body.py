@@ -1,0 +1,49 @@
+"""Reading a proxied request's body, bounded.
+
+Rules: the body is read within ``limit`` bytes (else ``PayloadTooLarge``, refused from its
+``Content-Length`` before any byte is read when it declares one) and ``timeout_s`` for what did
+not come with the head (else ``RequestTimeout``); framing that aiohttp's parser finds wrong is a
+``BadRequest``. A body that came whole with the head is taken without a timer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+from aiohttp.streams import StreamReader
+from aiohttp.web_protocol import RequestPayloadError
+
+from proxy.core.errors import BadRequest, PayloadTooLarge, RequestTimeout
+
+
+async def read_body(request: web.Request, limit: int, timeout_s: float) -> bytes:
+    length = request.content_length
+    if length is not None and length > limit:
+        raise PayloadTooLarge(f"request body of {length} bytes exceeds the limit of {limit} bytes")
+    content = request.content
+    try:
+        if content.is_eof():
+            # The whole body came with the head (the usual case): nothing to wait for, so no
+            # timer; ``read_nowait`` raises what the parser found wrong, as a read would.
+            body = content.read_nowait()
+            if len(body) > limit:
+                raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+            return body
+        return await _read_rest(content, limit, timeout_s)
+    except RequestPayloadError:
+        # Bad chunked framing or a body shorter than its Content-Length, as aiohttp parses it.
+        raise BadRequest("request body is malformed (framing or length)") from None
+
+
+async def _read_rest(content: StreamReader, limit: int, timeout_s: float) -> bytes:
+    body = bytearray()
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in content.iter_any():
+                body += chunk
+                if len(body) > limit:
+                    raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+    except TimeoutError:
+        raise RequestTimeout(f"request body not received within {timeout_s:g}s") from None
+    return bytes(body)
