@@ -115,9 +115,12 @@ async def test_any_status_but_200_fails_by_its_status_and_is_never_followed(
     client.close()
 
 
+CHUNKS = (b"400\r\n" + b"x" * 1024 + b"\r\n") * 8
+
+
 @pytest.mark.parametrize("reply", [
     b"HTTP/1.1 200 OK\r\nContent-Length: 5000\r\n\r\n",
-    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + (b"400\r\n" + b"x" * 1024 + b"\r\n") * 8,
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + CHUNKS,
 ], ids=["declared", "chunked"])
 async def test_an_oversized_body_is_refused_and_its_connection_closed(
     server: tuple[RawServer, str], reply: bytes
