@@ -52,6 +52,7 @@ from dataclasses import replace
 from functools import partial
 
 import aiohttp
+from prometheus_client import Histogram
 
 from proxy.core.config import TelemetryConfig
 from proxy.core.engine_state import Health
@@ -98,6 +99,7 @@ class Scraper:
         # fleet: at most ``max_metrics_bytes`` per engine).
         self._parsed: dict[str, tuple[bytes, EngineSnapshot]] = {}
         self.parses = 0  # texts actually parsed (the rest were repeats)
+        self._durations: dict[str, Histogram] = {}
 
     async def run(self) -> None:
         """Scrape forever; cancel the task to stop."""
@@ -141,6 +143,9 @@ class Scraper:
         if len(self._parsed) > len(self._fleet):
             names = {e.name for e in self._fleet}
             self._parsed = {k: v for k, v in self._parsed.items() if k in names}
+        if len(self._durations) > len(self._fleet):
+            names = {e.name for e in self._fleet}
+            self._durations = {k: v for k, v in self._durations.items() if k in names}
         if self._client.idle_connections > len(self._fleet):
             self._client.forget({e.metrics_url for e in self._fleet})
         self._log_transitions()
@@ -203,7 +208,12 @@ class Scraper:
             self._observe_duration(engine, started)
 
     def _observe_duration(self, engine: Engine, started: float) -> None:
-        self._metrics.scrape_duration.labels(engine.name).observe(self._clock() - started)
+        # The labelled child looked up once per engine, not on every scrape.
+        child = self._durations.get(engine.name)
+        if child is None:
+            child = self._durations[engine.name] = self._metrics.scrape_duration.labels(
+                engine.name)
+        child.observe(self._clock() - started)
 
     def _attempt(self, engine: Engine, started: float,
                  fetch: asyncio.Future[bytes]) -> Outcome | None:
