@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
 from urllib.parse import urlsplit
@@ -65,15 +66,22 @@ def _target(url: str) -> _Target:
 
 
 class _Connection(asyncio.Protocol):
-    """One connection to one engine; at most one reply awaited on it at a time."""
+    """One connection to one engine; at most one reply awaited on it at a time. It hands itself
+    back (``release``) after a reply read in full that allows keep-alive; any other end closes
+    it. ``on_silent_close``: what to do when the server closes a kept connection before a byte
+    of the reply (instead of failing the waiter)."""
 
-    def __init__(self, max_body: int) -> None:
+    def __init__(self, max_body: int, release: Callable[[_Connection], None],
+                 on_silent_close: Callable[[asyncio.Future[bytes]], None]) -> None:
         self._max_body = max_body
+        self._release = release
+        self._on_silent_close = on_silent_close
         self.transport: asyncio.Transport | None = None
         self._reader: ReplyReader | None = None
         self._waiter: asyncio.Future[bytes] | None = None
         self.closed = False
-        self.answered = False  # some reply bytes arrived on this connection
+        self._exchanges = 0
+        self._answered = False  # some bytes of the current reply arrived
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's TCP transport does not derive from asyncio.Transport; it has its methods.
@@ -83,20 +91,21 @@ class _Connection(asyncio.Protocol):
         assert self.transport is not None
         self._reader = ReplyReader(max_head=MAX_HEAD, max_body=self._max_body)
         self._waiter = waiter
-        self.answered = False
+        self._answered = False
+        self._exchanges += 1
+        waiter.add_done_callback(self._waiter_done)
         self.transport.write(request)
 
-    @property
-    def reusable(self) -> bool:
-        reader = self._reader
-        return not self.closed and reader is not None and reader.done and reader.keep_alive
+    def _waiter_done(self, waiter: asyncio.Future[bytes]) -> None:
+        if waiter.cancelled() and waiter is self._waiter:
+            self.close()  # the caller gave up (its timeout): a half-read reply poisons the rest
 
     def data_received(self, data: bytes) -> None:
         reader, waiter = self._reader, self._waiter
         if reader is None or waiter is None or waiter.done():
             self.close()  # bytes nobody asked for: the framing can no longer be trusted
             return
-        self.answered = True
+        self._answered = True
         done, error = False, None
         try:
             done = reader.feed(data)
@@ -110,7 +119,12 @@ class _Connection(asyncio.Protocol):
         elif error is not None:
             self._fail(error)
         elif done:
+            self._waiter = None
             waiter.set_result(reader.body)
+            if reader.keep_alive:
+                self._release(self)
+            else:
+                self.close()
 
     def eof_received(self) -> bool | None:
         reader, waiter = self._reader, self._waiter
@@ -118,27 +132,34 @@ class _Connection(asyncio.Protocol):
             try:
                 reader.feed_eof()
             except BadReply:
-                self._fail(FetchError("transport", "metrics connection closed mid-reply"))
+                self._lost_mid_reply()
                 return None
-            self._settle(reader)
+            self._waiter = None
+            if reader.status != 200:
+                waiter.set_exception(_status_error(reader.status))
+            else:
+                waiter.set_result(reader.body)
         self.close()
         return None
 
-    def _settle(self, reader: ReplyReader) -> None:
-        assert self._waiter is not None
-        if reader.status != 200:
-            self._fail(_status_error(reader.status))
-        else:
-            self._waiter.set_result(reader.body)
-
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
+        self._lost_mid_reply()
+
+    def _lost_mid_reply(self) -> None:
+        waiter, self._waiter = self._waiter, None
+        self.close()
+        if waiter is None or waiter.done():
+            return
+        if self._exchanges > 1 and not self._answered:
+            # The server closed the kept connection just as we wrote on it: one more try on
+            # a fresh one, as HTTP clients do for a safe request.
+            self._on_silent_close(waiter)
+        else:
             waiter.set_exception(FetchError("transport", "metrics connection failed"))
 
     def _fail(self, error: FetchError) -> None:
-        waiter = self._waiter
+        waiter, self._waiter = self._waiter, None
         self.close()
         if waiter is not None and not waiter.done():
             waiter.set_exception(error)
@@ -160,43 +181,64 @@ class MetricsClient:
         self._max_body = max_body
         self._idle: dict[str, _Connection] = {}  # by URL
         self._targets: dict[str, _Target] = {}
+        self._resending: set[asyncio.Task[None]] = set()
 
     async def get(self, url: str) -> bytes:
         """The body of a 200 reply to ``GET url``; ``FetchError`` otherwise. Cancelling it
         closes the connection."""
+        return await self.start(url)
+
+    def start(self, url: str) -> asyncio.Future[bytes]:
+        """``get`` as a future: when a kept connection is idle, the reply's own future (no
+        task, no coroutine: a scrape is this, five times a second per engine)."""
         target = self._targets.get(url)
         if target is None:
             target = self._targets[url] = _target(url)
         conn = self._idle.pop(url, None)
-        if conn is not None and not conn.closed:
-            try:
-                return await self._exchange(url, target, conn)
-            except FetchError as exc:
-                # The server may have closed the kept connection just as we wrote on it: one
-                # more try on a fresh one, as any HTTP client does for a safe request.
-                if exc.reason != "transport" or conn.answered:
-                    raise
-        return await self._exchange(url, target, await self._connect(target))
+        if conn is None or conn.closed:
+            return asyncio.ensure_future(self._fresh(url, target))
+        reply: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        conn.send(target.request, reply)
+        return reply
 
-    async def _exchange(self, url: str, target: _Target, conn: _Connection) -> bytes:
-        waiter: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+    async def _fresh(self, url: str, target: _Target) -> bytes:
+        conn = await self._connect(url, target)
+        reply: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        conn.send(target.request, reply)
+        return await reply
+
+    def _resend(self, url: str, target: _Target, reply: asyncio.Future[bytes]) -> None:
+        task = asyncio.ensure_future(self._send_fresh(url, target, reply))
+        self._resending.add(task)
+        task.add_done_callback(self._resending.discard)
+
+    async def _send_fresh(self, url: str, target: _Target, reply: asyncio.Future[bytes]) -> None:
         try:
-            conn.send(target.request, waiter)
-            body = await waiter
-        except BaseException:
+            conn = await self._connect(url, target)
+        except FetchError as exc:
+            if not reply.done():
+                reply.set_exception(exc)
+            return
+        if reply.done():  # given up on meanwhile
             conn.close()
-            raise
-        if conn.reusable:
-            self._idle[url] = conn
-        else:
-            conn.close()
-        return body
+            return
+        conn.send(target.request, reply)
 
-    async def _connect(self, target: _Target) -> _Connection:
+    async def _connect(self, url: str, target: _Target) -> _Connection:
         loop = asyncio.get_running_loop()
+
+        def release(conn: _Connection) -> None:
+            old = self._idle.get(url)
+            if old is not None and old is not conn:
+                old.close()
+            self._idle[url] = conn
+
+        def resend(reply: asyncio.Future[bytes]) -> None:
+            self._resend(url, target, reply)
+
         try:
             _, conn = await loop.create_connection(
-                lambda: _Connection(self._max_body), target.host, target.port
+                lambda: _Connection(self._max_body, release, resend), target.host, target.port
             )
         except OSError:
             raise FetchError("connect", "cannot connect to the metrics endpoint") from None
@@ -217,3 +259,5 @@ class MetricsClient:
             with contextlib.suppress(Exception):
                 conn.close()
         self._idle.clear()
+        for task in self._resending:
+            task.cancel()

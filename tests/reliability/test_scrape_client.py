@@ -164,3 +164,32 @@ async def test_a_refused_connection_is_a_connect_failure() -> None:
 def test_only_plain_http_is_spoken_here() -> None:
     assert supports("http://e:8000/metrics")
     assert not supports("https://e:8000/metrics")
+
+
+async def test_a_kept_connection_closed_unanswered_is_retried_once_on_a_fresh_one(
+    server: tuple[RawServer, str],
+) -> None:
+    raw, url = server
+    raw.replies, raw.close_after = [OK, b"", OK], 2  # the 2nd request's connection just closes
+    client = MetricsClient(max_body=4096)
+    assert await client.get(url) == BODY
+    assert await client.get(url) == BODY
+    assert raw.connections == 2 and len(raw.requests) == 3
+    client.close()
+
+
+async def test_the_scrapers_future_needs_no_task_on_a_kept_connection(
+    server: tuple[RawServer, str],
+) -> None:
+    raw, url = server
+    client = MetricsClient(max_body=4096)
+    assert await client.get(url) == BODY
+    reply = client.start(url)
+    assert not isinstance(reply, asyncio.Task)
+    assert await reply == BODY
+    reply = client.start(url)
+    reply.cancel()  # the scraper's timeout: the connection goes with it
+    await asyncio.wait_for(raw.closed_by_peer.wait(), 5)
+    assert await client.get(url) == BODY
+    assert raw.connections == 2
+    client.close()
