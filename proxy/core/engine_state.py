@@ -202,10 +202,12 @@ class EngineState:
         if previous is None:
             return True
         since = previous[1]
-        # Completions dispatched before the previous text can prove nothing any more.
-        self._completions = deque(
-            (c for c in self._completions if c[0] > since), maxlen=_COMPLETIONS_KEPT
-        )
+        # Completions dispatched before the previous text can prove nothing any more (an idle
+        # engine has none: nothing to rebuild, five times a second).
+        if self._completions:
+            self._completions = deque(
+                (c for c in self._completions if c[0] > since), maxlen=_COMPLETIONS_KEPT
+            )
         if previous[0] != digest:
             return True
         return not any(done < started - settle_s for _, done in self._completions)

@@ -7,6 +7,10 @@ Rules:
   callbacks queued behind other work, a GC pause, a blocking call.
 - The probe costs one timer per interval, whatever the load (a plain callback, not a task that
   sleeps); it never allocates per request.
+- Its wake-ups fall on a grid of ``interval_s`` in the loop's time (``next_tick``), and the
+  scraper starts its rounds on the same grid: a round's start and a probe then share one wake-up
+  of the process (each costs about 0.1 ms of CPU when idle, most of it the kernel's) instead of
+  two. The lag measured is unchanged: how late the timer fired against when it was due.
 - ``worst_since`` answers "was this process too busy to read its sockets in time?" for timeouts
   measured on the same loop (the scraper's), from the last ``_KEPT`` wake-ups.
 """
@@ -23,6 +27,19 @@ DEFAULT_INTERVAL_S = 0.05
 _KEPT = 64  # 3.2 s of wake-ups at the default interval
 
 
+def next_tick(now: float, period_s: float) -> float:
+    """The first point after ``now`` of the grid of ``period_s`` (whole milliseconds, so that
+    grids whose periods divide each other meet at exactly equal times)."""
+    tick_ms = max(1, round(period_s * 1000))
+    return (int(now * 1000) // tick_ms + 1) * tick_ms / 1000
+
+
+def nearest_tick(when: float, period_s: float) -> float:
+    """The point of the grid of ``period_s`` (as ``next_tick``'s) nearest to ``when``."""
+    tick_ms = max(1, round(period_s * 1000))
+    return round(when * 1000 / tick_ms) * tick_ms / 1000
+
+
 class LoopLag:
     def __init__(self, histogram: Histogram, interval_s: float = DEFAULT_INTERVAL_S) -> None:
         self._histogram = histogram
@@ -34,7 +51,7 @@ class LoopLag:
         """Probe until cancelled: a bare timer callback re-armed each time it fires (no task
         wake-up, future or coroutine step per probe)."""
         loop = asyncio.get_running_loop()
-        due = loop.time() + self.interval_s
+        due = next_tick(loop.time(), self.interval_s)
         self._timer = loop.call_at(due, self._fire, loop, due)
         try:
             await loop.create_future()  # never set: the probe lives in its timer
@@ -45,7 +62,7 @@ class LoopLag:
     def _fire(self, loop: asyncio.AbstractEventLoop, due: float) -> None:
         woke = loop.time()
         self.observe(woke, max(0.0, woke - due))
-        due = woke + self.interval_s
+        due = next_tick(woke, self.interval_s)
         self._timer = loop.call_at(due, self._fire, loop, due)
 
     def observe(self, woke: float, lag: float) -> None:

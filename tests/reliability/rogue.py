@@ -37,6 +37,9 @@ class Behaviour:
     # since the rogue shares the test's event loop with the proxy, this stalls the proxy's loop in
     # the middle of a scrape (a GC pause, a blocking call).
     metrics_block_s: float = 0.0
+    # When set: ``/metrics`` answers only once ``RogueEngine.release`` is set (a slow engine whose
+    # answer the test lets out when it wants).
+    metrics_hold: bool = False
     # Completions: "ok" answers normally, "hang" never answers, "hold" answers normally once
     # ``RogueEngine.release`` is set, "status" answers ``completion_status`` with
     # ``completion_headers`` and an empty body.
@@ -120,6 +123,8 @@ class RogueEngine:
         b = self.behaviour
         if b.metrics_block_s > 0:
             time.sleep(b.metrics_block_s)  # noqa: ASYNC251 - blocking is the point
+        if b.metrics_hold:
+            await self.release.wait()
         if b.metrics_stream_bytes > 0:
             return await self._metrics_stream(request)
         return web.Response(

@@ -1,0 +1,52 @@
+"""One scrape round over several engines: each answer is applied the moment it arrives, however
+long another engine of the round takes (the round has one timeout, not one wait per engine)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from integration.stack import proxy_config
+
+from proxy.core.config import TelemetryConfig
+from proxy.fleet.scraper import Scraper
+from proxy.server.app import build_app
+from proxy.server.keys import SCRAPER_TASK, SHELL
+from proxy.server.lifecycle import ProxyServer
+
+from .rogue import RogueEngine
+from .test_telemetry_trust import until
+
+
+async def test_a_slow_engine_delays_no_other_engines_snapshot() -> None:
+    fast, slow = RogueEngine(), RogueEngine()
+    await fast.start()
+    await slow.start()
+    slow.behaviour.metrics_hold = True
+    telemetry = TelemetryConfig(interval_s=5.0, timeout_s=4.0, stale_after_s=5.0)
+    cfg = proxy_config([fast.url, slow.url], ["fast", "slow"], ["target", "target"],
+                       telemetry=telemetry)
+    server = ProxyServer(cfg, app=build_app(cfg))
+    try:
+        await server.start()
+        task = server.app[SCRAPER_TASK]
+        task.cancel()  # the test runs its own round
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        ctx = server.app[SHELL]
+        assert ctx.scrape_session is not None
+        scraper = Scraper(ctx.fleet, ctx.scrape_session, cfg.telemetry, ctx.metrics, ctx.clock)
+        fast_state, slow_state = ctx.fleet.get("fast").state, ctx.fleet.get("slow").state
+        fast_state.snapshot = slow_state.snapshot = None
+        round_ = asyncio.ensure_future(scraper.scrape_all())
+        await until(lambda: bool(slow.requests_to("/metrics")))
+        await until(lambda: fast_state.snapshot is not None)
+        assert not round_.done() and slow_state.snapshot is None  # the slow answer is still due
+        slow.release.set()
+        await asyncio.wait_for(round_, 5.0)
+        assert slow_state.snapshot is not None
+        scraper.close()
+    finally:
+        await server.stop()
+        await fast.stop()
+        await slow.stop()
