@@ -71,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="answer lengths for the CPU fit a + b*tokens ('' to skip)")
     p.add_argument("--fit-concurrency", type=int, default=64)
     p.add_argument("--no-relay", action="store_true", help="skip the relay-rate test")
+    p.add_argument("--relay-only", action="store_true",
+                   help="only the relay-rate test (no fleet, no slices, no fit)")
     p.add_argument("--relay-routers", default=RELAY_ROUTER,
                    help="routers of the relay test, one after another (e.g. also floor/aiohttp)")
     p.add_argument("--relay-events", type=int, default=2000)
@@ -123,6 +125,24 @@ def main(argv: list[str] | None = None) -> int:
         "unavailable": {}, "levels": {},
     }
     work = args.out / "raw" / "overhead"
+    if not args.relay_only:
+        _measure_fleet(args, spec, routers, levels, fit_tokens, rounds, slice_s, work, result)
+    if not args.no_relay:
+        by_router = {r.name: relay_rate(args, work, r)
+                     for r in parse_router_list(args.relay_routers)}
+        result["relay"] = by_router.get(RELAY_ROUTER, {})
+        result["relay_by_router"] = by_router
+    result["finished_at"] = machine.now_utc()
+    machine.write_json(args.out / "overhead.json", result)
+    if not args.no_report and not args.relay_only:
+        report.main(report_args(args.out))
+    return 0
+
+
+def _measure_fleet(args: argparse.Namespace, spec: FleetSpec, routers: list[Router],
+                   levels: list[int], fit_tokens: list[int], rounds: int, slice_s: float,
+                   work: Path, result: dict[str, object]) -> None:
+    """The interleaved slices and the CPU fit, with the engines and every router running."""
     fleet = Fleet(spec, work, cores=args.engine_cores or None)
     started: list[tuple[Router, Managed, Endpoint]] = []
     try:
@@ -142,16 +162,6 @@ def main(argv: list[str] | None = None) -> int:
         for _, proc, _ in started:
             proc.stop()
         fleet.stop()
-    if not args.no_relay:
-        by_router = {r.name: relay_rate(args, work, r)
-                     for r in parse_router_list(args.relay_routers)}
-        result["relay"] = by_router.get(RELAY_ROUTER, {})
-        result["relay_by_router"] = by_router
-    result["finished_at"] = machine.now_utc()
-    machine.write_json(args.out / "overhead.json", result)
-    if not args.no_report:
-        report.main(report_args(args.out))
-    return 0
 
 
 def start_routers(routers: list[Router], fleet: Fleet, model: str, work: Path,
