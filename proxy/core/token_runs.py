@@ -25,11 +25,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from operator import itemgetter
 
 import orjson
 
 # Where the run's first event must end: it is the first or second event of an answer.
 SEARCH_BYTES = 8192
+# The marker the run is split on: this many bytes of an event's end and of the next one's start.
+_MARK_END, _MARK_START = 9, 24
 
 _NAME = rb'"[ !#-\[\]-~]*"'  # a head string: printable ASCII, no quote or backslash to decode
 _NUMBER = rb"(?:0|[1-9][0-9]{0,17})"  # well inside the 64-bit integers that parse
@@ -47,7 +50,7 @@ _END = (rb',"logprobs":null,"finish_reason":null'
         rb'(?:,"(?:stop_reason|token_ids|prompt_token_ids)":null)*\}\](?:,"usage":null)?\}\n\n')
 _CHAT = re.compile(_HEAD + rb'"delta":\{"content":"(' + _TEXT + rb')"\}' + _END)
 _COMPLETION = re.compile(_HEAD + rb'"text":"(' + _TEXT + rb')"' + _END)
-_ONE_TEXT = re.compile(_TEXT)
+_PLAIN = re.compile(rb"[ !#-\[\]-\x7f]*+")
 # The run's texts joined by a byte no text may hold, so that each is checked as a whole text.
 _TEXTS = re.compile(_TEXT + rb"(?:\x00" + _TEXT + rb")*+")
 
@@ -70,31 +73,58 @@ def find_run(events: bytes, *, chat: bool) -> TokenRun | None:
     first = template.search(events, 0, min(len(events), SEARCH_BYTES))
     if first is None or (first.start() and events[first.start() - 2 : first.start()] != b"\n\n"):
         return None  # none near the start, or not at an event's start (inside a comment, say)
-    start, text_start, text_end, end = first.start(), first.start(1), first.end(1), first.end()
-    prefix, suffix = events[start:text_start], events[text_end:end]
-    between = suffix + prefix  # from one event's text to the next one's
-    if not events.startswith(between, text_end):
+    prefix, suffix = events[first.start() : first.start(1)], events[first.end(1) : first.end()]
+    end = first.end()
+    if not events.startswith(suffix + prefix, first.end(1)):
         return None  # the next event is not the same shape
-    parts = events.split(between)
-    first_part = _part_ending_at(parts, text_end, len(between))
-    if first_part is None:
-        return None  # a split overlapping the first event's text: not the usual stream
-    texts = parts[first_part + 1 :]
-    last = texts.pop()
-    cut = last.find(suffix)
-    if cut >= 0 and _ONE_TEXT.fullmatch(last, 0, cut):
-        texts.append(last[:cut])
-        tail = last[cut + len(suffix) :]
-    else:
-        tail = prefix + last  # the event after the run only starts like one of it
-    joined = b"\x00".join(texts)
-    if not texts or joined.count(b"\x00") != len(texts) - 1 or not _TEXTS.fullmatch(joined):
+    texts = _texts_after(events, end, prefix, suffix)
+    if texts is None:
+        return None
+    # The proof: the run's bytes are exactly its texts with the first event's bytes around each.
+    run_start = end + len(prefix)  # the second event's text
+    expected = (suffix + prefix).join(texts)
+    run_end = run_start + len(expected)
+    if not (events.startswith(expected, run_start) and events.startswith(suffix, run_end)):
+        return None
+    text = _decoded(texts)
+    return None if text is None else TokenRun(end, text, events[run_end + len(suffix) :])
+
+
+def _texts_after(events: bytes, end: int, prefix: bytes, suffix: bytes) -> list[bytes] | None:
+    """The texts of the events that follow the one ending at ``end`` in the same shape, cut out
+    by C loops: a split on a short marker where one event ends and the next begins (a long one
+    is searched several times slower), then the same slice of each piece. Unchecked: what each
+    piece holds besides its text is proved by the caller."""
+    keep_end, keep_start = min(len(suffix) - 1, _MARK_END), min(len(prefix), _MARK_START)
+    marker = suffix[-keep_end:] + prefix[:keep_start]
+    parts = events.split(marker)
+    first = _part_ending_at(parts, end - keep_end, len(marker))
+    if first is None:
+        return None
+    inner_start, inner_end = prefix[keep_start:], suffix[:-keep_end]
+    last = len(parts) - 1  # the run's last event: the events after it are few
+    while last > first and not (parts[last].startswith(inner_start)
+                                and parts[last].endswith(inner_end)):  # fmt: skip
+        last -= 1
+    if last == first:
+        return None
+    text_of = itemgetter(slice(len(inner_start), -len(inner_end)))
+    return list(map(text_of, parts[first + 1 : last + 1]))
+
+
+def _decoded(texts: list[bytes]) -> str | None:
+    """The texts decoded and joined, if each is a whole JSON string's inside on its own."""
+    joined = b"".join(texts)
+    if _PLAIN.fullmatch(joined):  # printable ASCII, no quote, no escape: the usual text
+        return joined.decode("ascii")
+    separated = b"\x00".join(texts)
+    if separated.count(b"\x00") != len(texts) - 1 or not _TEXTS.fullmatch(separated):
         return None
     try:
-        text = orjson.loads(b'"' + b"".join(texts) + b'"')
+        text = orjson.loads(b'"' + joined + b'"')
     except orjson.JSONDecodeError:
-        return None  # not reachable for texts of the grammar above; today's path then
-    return TokenRun(end, text, tail) if isinstance(text, str) else None
+        return None  # not reachable for texts of the grammar above; parsed one by one then
+    return text if isinstance(text, str) else None
 
 
 def _part_ending_at(parts: list[bytes], offset: int, gap: int) -> int | None:

@@ -137,6 +137,15 @@ HALVES = st.sampled_from([
 ])  # fmt: skip
 
 
+SAME_LENGTH = st.sampled_from([
+    (b'"index":0', b'"index":1'), (b'"logprobs":null', b'"logprobs":true'),
+    (b'"finish_reason":null', b'"finish_reason":true'),
+    (b'"stop_reason":null', b'"stop_reason":true'), (b'"token_ids":null', b'"token_ids":true'),
+    (b'"model":"m"', b'"model":"n"'),
+    (b'"id":"chatcmpl-1"', b'"error":"tcmpl-1"'),
+])  # fmt: skip
+
+
 @st.composite
 def usual_streams(draw: st.DrawFn) -> tuple[bytes, bool]:
     """Streams as engines send them: the texts whole, now and then one cut in two."""
@@ -149,7 +158,11 @@ def usual_streams(draw: st.DrawFn) -> tuple[bytes, bool]:
     shape = {"head": head, "extra": draw(USUAL_EXTRAS),
              "after": draw(st.sampled_from([b"", b',"usage":null']))}  # fmt: skip
     events = [role()] if chat and draw(st.booleans()) else []
-    events += [token(piece, chat=chat, **shape) for piece in pieces]
+    tokens = [token(piece, chat=chat, **shape) for piece in pieces]
+    if draw(st.booleans()):  # one event differs, in the same number of bytes
+        where, (old, new) = draw(st.integers(0, len(tokens) - 1)), draw(SAME_LENGTH)
+        tokens[where] = tokens[where].replace(old, new)
+    events += tokens
     if draw(st.booleans()):
         events.insert(draw(st.integers(0, len(events))), b": keep-alive\n\n")
     events += [finish(chat=chat), USAGE, DONE]
@@ -176,8 +189,14 @@ def token_events(draw: st.DrawFn, chat: bool) -> list[bytes]:
         if draw(st.integers(0, 15)) == 0:
             shape |= {"head": draw(HEADS), "extra": draw(st.one_of(EXTRAS, USUAL_EXTRAS))}
         kind = draw(mostly(chat, st.just(not chat), 20))
-        events.append(token(piece, chat=kind, **shape))
+        event = token(piece, chat=kind, **shape)
+        if draw(st.integers(0, 15)) == 0:  # another event of the same length
+            old, new = draw(SAME_LENGTH)
+            event = event.replace(old, new)
+        events.append(event)
     return events
+
+
 
 
 @st.composite
@@ -286,6 +305,18 @@ def test_a_run_ends_where_another_event_comes() -> None:
         data = role() + token(b"a") + token(b"b") + odd + token(b"c") + token(b"d") + finish()
         data += finish().replace(b'"index":0', b'"index":1') + DONE
         assert_same(data, chat=True)
+
+
+@pytest.mark.parametrize("change", [
+    (b'"index":0', b'"index":1'), (b'"logprobs":null', b'"logprobs":true'),
+    (b'"finish_reason":null', b'"finish_reason":true'),
+    (b'"id":"chatcmpl-1"', b'"error":"tcmpl-1"'),
+])  # fmt: skip
+def test_an_event_of_the_same_length_inside_the_run_is_seen(change: tuple[bytes, bytes]) -> None:
+    odd = token(b"c").replace(*change)
+    data = role() + token(b"a") + token(b"b") + odd + token(b"d") + token(b"e") + finish() + DONE
+    assert find_run(data, chat=True) is None
+    assert_same(data, chat=True)
 
 
 def test_an_event_shape_inside_a_comment_is_not_an_event() -> None:
