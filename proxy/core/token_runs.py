@@ -8,7 +8,7 @@ once, so that ``proxy.core.recording`` parses only the events around it one by o
 Rules (pure, no I/O):
 - A run is only ever reported where parsing each of its events on its own would give exactly the
   same answer: its first event matches a strict template (one ``data: `` line at an event's start,
-  compact JSON, the head and choice keys in vLLM's order, choice 0, ``logprobs`` and
+  compact JSON, the head and choice keys in vLLM's order, choice 0, ``logprobs`` null or absent,
   ``finish_reason`` null, only null extras that the merge ignores or that the first event already
   applied); every later event in the run is the first one byte for byte except its text; and every
   text on its own is a complete JSON string body: well-formed UTF-8, no control character, only
@@ -46,7 +46,7 @@ _TEXT = (
 )
 _HEAD = (rb'data: \{"id":' + _NAME + rb',"object":' + _NAME + rb',"created":' + _NUMBER
          + rb',"model":' + _NAME + rb',"choices":\[\{"index":0,')  # fmt: skip
-_END = (rb',"logprobs":null,"finish_reason":null'
+_END = (rb'(?:,"logprobs":null)?,"finish_reason":null'
         rb'(?:,"(?:stop_reason|token_ids|prompt_token_ids)":null)*\}\](?:,"usage":null)?\}\n\n')
 _CHAT = re.compile(_HEAD + rb'"delta":\{"content":"(' + _TEXT + rb')"\}' + _END)
 _COMPLETION = re.compile(_HEAD + rb'"text":"(' + _TEXT + rb')"' + _END)

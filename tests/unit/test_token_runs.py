@@ -267,6 +267,13 @@ def test_the_usual_stream_is_taken_as_a_run(chat: bool) -> None:
     assert stored is not None
 
 
+def test_a_stream_without_logprobs_fields_is_taken_as_a_run() -> None:
+    data = answer([b"a", b"b", b"c"]).replace(b',"logprobs":null', b"")
+    run = find_run(data, chat=True)
+    assert run is not None and run.text == "bc"
+    assert assert_same(data, chat=True)[0] is not None
+
+
 @pytest.mark.parametrize(
     "texts",
     [
