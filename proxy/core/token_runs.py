@@ -14,11 +14,13 @@ Rules (pure, no I/O):
   text on its own is a complete JSON string body: well-formed UTF-8, no control character, only
   complete escapes, surrogates only as whole pairs. Decoding such texts joined is then the same as
   decoding each and joining the results.
-- Anything else (a comment or a different event inside the run, a second choice, logprobs, an
-  escape or a character cut between events, garbage) ends the run or gives no run: the caller's
-  general path takes those bytes, so an answer is never wrong, only slower.
+- The run is proved, not assumed: its bytes are rebuilt from its texts and the first event's
+  bytes around each, and compared with the stream. Events of other shapes after the run (finish,
+  usage, ``[DONE]``) are left to the caller. Anything else (a comment or a different event inside
+  the run, a second choice, logprobs, an escape or a character cut between events, garbage) gives
+  no run, and the caller parses every event one by one: an answer is never wrong, only slower.
 - Bounded: the template's first event is looked for in the first ``SEARCH_BYTES``; the rest is
-  C-speed splitting and one regular-expression pass over the texts alone.
+  C-speed splitting, joining and comparing, and one scan over the texts alone.
 """
 
 from __future__ import annotations
