@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import orjson
 
 from proxy.core.cache_entry import HEAD_FIELDS, is_finished
+from proxy.core.token_runs import find_run
 
 
 def complete_json(body: bytes) -> dict[str, Any] | None:
@@ -67,9 +68,32 @@ class StreamAssembler:
         end = buffer.rfind(b"\n\n")
         self._buffer = buffer[end + 2 :] if end >= 0 else buffer  # an event not yet ended
         if end >= 0:
+            self._complete(buffer[: end + 2])
+
+    def _complete(self, events: bytes) -> None:
+        """Complete events, in order: the run of token events that makes up most of an answer
+        taken whole (``token_runs``: its texts decoded at once), the rest parsed one by one."""
+        run = find_run(events, chat=self._chat)
+        if run is None:
+            self._parse(events)
+            return
+        self._parse(events[: run.first_end])  # up to the run's first event: head, choice, text
+        if not self.storable:
+            return
+        into = self._choices.get(0)
+        pieces = None if into is None else into.fields.get("content" if self._chat else "text")
+        if pieces is None:  # not reachable after the run's first event; parsed one by one then
+            self._parse(events[run.first_end :])
+            return
+        pieces.append(run.text)  # the same as one piece per event: they are joined once
+        self._parse(run.tail)
+
+    def _parse(self, events: bytes) -> None:
+        """Complete events (ending with a blank line) parsed one by one."""
+        if events:
             # Split on single LFs: a one-byte split is several times cheaper than on b"\n\n",
             # and blank lines still mark where events end.
-            self._lines(buffer[:end].split(b"\n"))
+            self._lines(events[:-2].split(b"\n"))
 
     def _lines(self, lines: list[bytes]) -> None:
         """Complete events' lines, in order; a blank line ends an event."""
