@@ -8,6 +8,7 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
+from loops import SHIPPED, Factories
 
 from engine_sidecar.sim.cluster import start_cluster
 from engine_sidecar.sim.config import SimEngineConfig
@@ -60,3 +61,8 @@ def _engine(name: str, pool: str, seed: int, kw: dict[str, Any]) -> SimEngineCon
     if pool == "draft":
         return sim(DRAFT_MODEL, name, seed=seed, **kw)
     return sim(TARGET_MODEL, name, seed=seed, scheduling_policy="priority", **kw)
+
+
+def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> Factories:
+    """On the loop ``kvproxy serve`` runs on (``tests/loops.py``)."""
+    return SHIPPED

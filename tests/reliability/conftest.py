@@ -18,6 +18,7 @@ from integration.conftest import make_stack, stack  # noqa: F401 (fixtures)
 # The Redis tier's helpers are plain modules of its folder (it is not a package); they are the same
 # module objects as the ones that tier imports.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "redis"))
+from loops import BOTH, Factories
 from proxystack import door_config
 from redisproc import RedisFactory
 
@@ -43,3 +44,8 @@ def redis_factory() -> Iterator[RedisFactory]:
         yield factory
     finally:
         factory.stop_all()
+
+
+def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> Factories:
+    """The relay's rule book runs on both loops (``tests/loops.py``)."""
+    return BOTH
