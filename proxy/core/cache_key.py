@@ -175,7 +175,7 @@ def _holds_integral_float(value: dict[Any, Any] | list[Any]) -> bool:
         source = todo.pop()
         for item in source.values() if isinstance(source, dict) else source:
             if isinstance(item, float):
-                if item.is_integer() and abs(item) < _EXACT_FLOAT_INTS:
+                if _integral(item):
                     return True
             elif isinstance(item, _CONTAINERS):
                 todo.append(item)
@@ -215,9 +215,14 @@ def _empty_like(value: dict[Any, Any] | list[Any]) -> dict[Any, Any] | list[Any]
 
 
 def _number(value: Any) -> Any:
-    if isinstance(value, float) and value.is_integer() and abs(value) < _EXACT_FLOAT_INTS:
+    if isinstance(value, float) and _integral(value):
         return int(value)
     return value
+
+
+def _integral(value: float) -> bool:
+    """A float that is exactly an integer (one an int holds without rounding)."""
+    return value.is_integer() and abs(value) < _EXACT_FLOAT_INTS
 
 
 def cache_key(

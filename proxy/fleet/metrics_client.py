@@ -34,7 +34,8 @@ MAX_HEAD = 64 * 1024
 
 
 class FetchError(Exception):
-    """A scrape's request that failed; ``reason`` labels the failure metric."""
+    """A scrape that failed, here or in the scraper (``frozen``, ``decode``, aiohttp's https
+    path); ``reason`` labels the failure metric."""
 
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(detail)
@@ -115,7 +116,7 @@ class _Connection(asyncio.Protocol):
             error = FetchError("transport", "metrics reply is not valid HTTP/1.1")
         # The status decides first: a refusal is that, whatever its body would have been.
         if reader.status is not None and reader.status != 200:
-            self._fail(_status_error(reader.status))
+            self._fail(status_error(reader.status))
         elif error is not None:
             self._fail(error)
         elif done:
@@ -136,7 +137,7 @@ class _Connection(asyncio.Protocol):
                 return None
             self._waiter = None
             if reader.status != 200:
-                waiter.set_exception(_status_error(reader.status))
+                waiter.set_exception(status_error(reader.status))
             else:
                 waiter.set_result(reader.body)
         self.close()
@@ -170,7 +171,8 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
 
 
-def _status_error(status: int | None) -> FetchError:
+def status_error(status: int | None) -> FetchError:
+    """Any reply but 200: a failure named by its status (redirects are never followed)."""
     return FetchError(f"http_{status}", f"metrics answered HTTP {status}")
 
 

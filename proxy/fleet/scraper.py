@@ -59,7 +59,7 @@ from proxy.core.engine_state import Health
 from proxy.core.scrape_relay import Outcome
 from proxy.core.telemetry import EngineSnapshot, MetricsError, parse_metrics
 from proxy.fleet.engines import Engine, Fleet
-from proxy.fleet.metrics_client import FetchError, MetricsClient, supports
+from proxy.fleet.metrics_client import FetchError, MetricsClient, status_error, supports
 from proxy.fleet.periodic import stop_if_cancelled
 from proxy.fleet.scrape_share import FROZEN, ScrapeShare, failed_outcome, ok_outcome
 from proxy.observe.looplag import LoopLag, nearest_tick
@@ -140,11 +140,9 @@ class Scraper:
             share.publish([o for o in outcomes if o is not None])
             share.forget_removed()
         self._fleet.tick(self._clock(), self._cfg.stale_after_s)
-        if len(self._parsed) > len(self._fleet):
+        if max(len(self._parsed), len(self._durations)) > len(self._fleet):
             names = {e.name for e in self._fleet}
             self._parsed = {k: v for k, v in self._parsed.items() if k in names}
-        if len(self._durations) > len(self._fleet):
-            names = {e.name for e in self._fleet}
             self._durations = {k: v for k, v in self._durations.items() if k in names}
         if self._client.idle_connections > len(self._fleet):
             self._client.forget({e.metrics_url for e in self._fleet})
@@ -222,7 +220,7 @@ class Scraper:
         """Apply the fetch's result to ``engine``; what to relay to sibling workers."""
         try:
             snapshot, digest = self._judge(engine, fetch.result(), started)
-        except (_Failed, FetchError) as exc:
+        except FetchError as exc:
             return self._failed(engine, started, exc.reason, exc.detail)
         except aiohttp.ClientError as exc:
             reason, detail = _transport(exc)
@@ -241,7 +239,7 @@ class Scraper:
         return None if self._share is None else ok_outcome(engine, snapshot, digest, fetched)
 
     def _judge(self, engine: Engine, body: bytes, started: float) -> tuple[EngineSnapshot, int]:
-        """The snapshot in ``body`` and the text's digest, or ``_Failed`` / ``MetricsError``
+        """The snapshot in ``body`` and the text's digest, or ``FetchError`` / ``MetricsError``
         when it is not usable."""
         # crc32, not hash(): sibling workers compare digests (``scrape_share``) and hash() of
         # bytes differs from process to process.
@@ -251,7 +249,7 @@ class Scraper:
         )
         snapshot = self._parse(engine, body, started)
         if not news:
-            raise _Failed("frozen", FROZEN)
+            raise FetchError("frozen", FROZEN)
         return snapshot, digest
 
     def _parse(self, engine: Engine, body: bytes, started: float) -> EngineSnapshot:
@@ -263,7 +261,7 @@ class Scraper:
         try:
             text = body.decode("utf-8")
         except UnicodeDecodeError:
-            raise _Failed("decode", "metrics are not UTF-8 text") from None
+            raise FetchError("decode", "metrics are not UTF-8 text") from None
         snapshot = parse_metrics(text, taken_at=started)
         self.parses += 1
         self._parsed[engine.name] = (body, snapshot)
@@ -280,7 +278,7 @@ class Scraper:
         """Through the aiohttp session: for what ``MetricsClient`` does not speak."""
         async with self._session.get(url, allow_redirects=False) as resp:
             if resp.status != 200:
-                raise _Failed(f"http_{resp.status}", f"metrics answered HTTP {resp.status}")
+                raise status_error(resp.status)
             return await _read_capped(resp, self._cfg.max_metrics_bytes)
 
     def _failed(self, engine: Engine, started: float, reason: str, detail: str,
@@ -326,8 +324,8 @@ async def _cancel(fetches: list[asyncio.Future[bytes]]) -> None:
 
 
 async def _read_capped(resp: aiohttp.ClientResponse, limit: int) -> bytes:
-    """The whole body, read in bounded chunks; ``_Failed`` as soon as it exceeds ``limit``."""
-    too_large = _Failed("too_large", f"metrics larger than {limit} bytes")
+    """The whole body, read in bounded chunks; ``FetchError`` as soon as it exceeds ``limit``."""
+    too_large = FetchError("too_large", f"metrics larger than {limit} bytes")
     if resp.content_length is not None and resp.content_length > limit:
         resp.close()
         raise too_large
@@ -339,15 +337,6 @@ async def _read_capped(resp: aiohttp.ClientResponse, limit: int) -> bytes:
             resp.close()
             raise too_large
     return bytes(body)
-
-
-class _Failed(Exception):
-    """A scrape that reached the engine but got nothing usable; ``reason`` labels the metric."""
-
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(detail)
-        self.reason = reason
-        self.detail = detail
 
 
 def _transport(exc: aiohttp.ClientError) -> tuple[str, str]:

@@ -150,7 +150,12 @@ class CacheRequest:
 
     @property
     def chat(self) -> bool:
-        return self.endpoint.endswith("chat/completions")
+        return is_chat(self.endpoint)
+
+
+def is_chat(endpoint: str) -> bool:
+    """Whether ``endpoint`` answers in the chat shape (else the completions shape)."""
+    return endpoint.endswith("chat/completions")
 
 
 @dataclass

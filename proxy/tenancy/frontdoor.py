@@ -32,7 +32,7 @@ from prometheus_client import CollectorRegistry
 from proxy.core.cache_entry import CachedResponse, replay_sse, usage_tokens
 from proxy.core.door_config import DoorConfig
 from proxy.core.recording import Recording
-from proxy.tenancy.cache import CacheRequest, Fill, ResponseCache, make_cache
+from proxy.tenancy.cache import CacheRequest, Fill, ResponseCache, is_chat, make_cache
 from proxy.tenancy.ratelimit import Lease, RequestGate
 from proxy.tenancy.redis_link import RedisLink
 from proxy.tenancy.shared_pressure import HasPressure, SharedPressure
@@ -141,7 +141,7 @@ class FrontDoor:
         """Admit (429 when over a limit) and look the request up in the cache. The caller must
         ``leave`` the visit exactly once, however the request ends (``try``/``finally``)."""
         lease = await self.gate.admit(tenant) if self.gate.cfg.enabled else None
-        visit = Visit(tenant, endpoint.endswith("chat/completions"), prompt_chars,
+        visit = Visit(tenant, is_chat(endpoint), prompt_chars,
                       lease=lease if lease is not None and lease.pending else None)
         policy = self.cache.policy_for(body, cache_control)
         if policy.bypass:
