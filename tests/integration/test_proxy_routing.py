@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable
 
 from openai.types.chat import ChatCompletionMessageParam
 
+from engine_sidecar.sim.config import FaultConfig
 from proxy.core.prefix import canonical_chat
 
 from .stack import TARGET_MODEL, Stack, StackFactory
@@ -58,8 +59,15 @@ async def test_distinct_prefixes_spread_over_all_engines(make_stack: StackFactor
 
 
 async def test_burst_does_not_pile_onto_one_engine(make_stack: StackFactory) -> None:
-    """30 requests with one prefix at once: bounded load spills them before any scrape shows it."""
-    slow = {"time_scale": 1.0, "stop_len_range": (64, 64)}
+    """30 requests with one prefix at once: the prompt work queued behind the first opens more
+    homes before any scrape or first byte shows it.
+
+    The engines hold every answer back long enough for the whole burst to be routed, so "at once"
+    holds however slowly the client sends: a request routed after earlier ones had their first
+    byte meets an empty prefill queue, and joining that engine's batch is then the right call.
+    """
+    slow = {"time_scale": 1.0, "stop_len_range": (64, 64),
+            "faults": FaultConfig(header_delay_s=2.0)}
     stack = await make_stack(targets=3, engine_kw=slow)
     messages: list[ChatCompletionMessageParam] = [
         {"role": "system", "content": SYSTEM},
