@@ -1,4 +1,5 @@
-"""The response cache: backends, single flight, and the lookup / fill protocol the relay follows.
+"""The response cache: lookups, single flight, and the fill protocol the relay follows (entries
+live in a backend: ``proxy.tenancy.cache_store``).
 
 Rules:
 - ``lookup`` answers HIT (an entry to replay), BYPASS (policy says no; nothing to do) or MISS with a
@@ -21,11 +22,10 @@ import asyncio
 import logging
 import secrets
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Protocol
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter
 
@@ -33,82 +33,10 @@ from proxy.core.cache_entry import CachedResponse, EntryError, decode_entry
 from proxy.core.cache_key import CacheConfig, CachePolicy, KeyMaker, decide
 from proxy.core.recording import Recording
 from proxy.observe.metrics import Children
+from proxy.tenancy.cache_store import CacheBackend, MemoryBackend, RedisBackend
 from proxy.tenancy.redis_link import RedisLink, RedisUnavailable
 
 log = logging.getLogger("kvproxy.cache")
-
-
-class CacheBackend(Protocol):
-    # Whether ``get``/``set`` may suspend (wait on I/O): only then is a store shielded from a
-    # cancelled request by a task of its own; an in-process store runs to its end regardless.
-    suspends: bool
-
-    async def get(self, key: str) -> bytes | None: ...
-
-    async def set(self, key: str, value: bytes, ttl_s: float) -> None: ...
-
-
-class MemoryBackend:
-    """In-process LRU with a TTL per entry, bounded by entry count and total bytes."""
-
-    suspends = False  # never awaits: nothing to shield
-
-    def __init__(
-        self, *, max_entries: int, max_bytes: int, clock: Callable[[], float] = time.monotonic
-    ) -> None:
-        self._items: OrderedDict[str, tuple[float, bytes]] = OrderedDict()
-        self._max_entries = max_entries
-        self._max_bytes = max_bytes
-        self._bytes = 0
-        self._clock = clock
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    async def get(self, key: str) -> bytes | None:
-        item = self._items.get(key)
-        if item is None:
-            return None
-        if item[0] <= self._clock():
-            self._drop(key)
-            return None
-        self._items.move_to_end(key)
-        return item[1]
-
-    async def set(self, key: str, value: bytes, ttl_s: float) -> None:
-        if len(value) > self._max_bytes:
-            return
-        self._drop(key)
-        self._items[key] = (self._clock() + ttl_s, value)
-        self._bytes += len(value)
-        while len(self._items) > self._max_entries or self._bytes > self._max_bytes:
-            self._drop(next(iter(self._items)))
-
-    def _drop(self, key: str) -> None:
-        item = self._items.pop(key, None)
-        if item is not None:
-            self._bytes -= len(item[1])
-
-
-class RedisBackend:
-    """Entries as plain Redis strings with a TTL (``SET ... PX``)."""
-
-    suspends = True
-
-    def __init__(self, link: RedisLink) -> None:
-        self._link = link
-
-    async def get(self, key: str) -> bytes | None:
-        value = await self._link.run("cache_get", lambda r: r.get(self._link.key("cache", key)))
-        if value is not None and not isinstance(value, bytes):
-            raise EntryError("unexpected value type")
-        return value
-
-    async def set(self, key: str, value: bytes, ttl_s: float) -> None:
-        ttl_ms = max(1, int(ttl_s * 1000))
-        await self._link.run(
-            "cache_set", lambda r: r.set(self._link.key("cache", key), value, px=ttl_ms)
-        )
 
 
 class CacheMetrics:

@@ -13,7 +13,8 @@ from redisproc import SLOW_OK, RedisFactory, RedisServer
 from proxy.core.cache_entry import replay_sse
 from proxy.core.cache_key import CacheConfig
 from proxy.core.door_config import RedisConfig
-from proxy.tenancy.cache import CacheRequest, MemoryBackend, RedisBackend, ResponseCache, make_cache
+from proxy.tenancy.cache import CacheRequest, ResponseCache, make_cache
+from proxy.tenancy.cache_store import MemoryBackend, RedisBackend
 from proxy.tenancy.redis_link import RedisLink
 
 CHAT = "/v1/chat/completions"
