@@ -40,7 +40,7 @@ from bench.peers import Router, launch_ready, parse_router_list
 from bench.procs import Managed, free_port
 from bench.prompts import random_tokens
 from bench.report import RESULTS, report_args
-from bench.stats import RequestRecord, percentile, summarize
+from bench.stats import RequestRecord, engine_counts, percentile, share_max_over_mean, summarize
 
 RELAY_ROUTER = "kvproxy/round_robin"  # the one the relay target is judged on
 RAMP_S = 4.0  # streams start spread over this, not in one burst (a steady state, not waves)
@@ -248,6 +248,11 @@ async def measure_level(session: aiohttp.ClientSession, paths: Paths,
         ok = sum(1 for r in records[name] if r.ok)
         entry: dict[str, object] = {
             "summary": summarize(records[name], duration_s=spans[name]),
+            # A closed loop's span ends with its slowest request, so the balance over engines
+            # and the longest request say what a throughput below direct's is made of.
+            "e2e_max_s": max((r.e2e for r in records[name] if r.e2e is not None), default=None),
+            "engine_requests": engine_counts(records[name]),
+            "share_max_over_mean": share_max_over_mean(engine_counts(records[name])),
             "cpu_ms_per_request": cpu[name] * 1000.0 / ok if name != "direct" and ok else None,
             "round_ttft_p50_ratios": [a / b for a, b in zip(round_p50[name], round_p50["direct"],
                                                             strict=True) if b == b and b > 0]

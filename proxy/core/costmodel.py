@@ -40,7 +40,8 @@ Rules:
   bytes with ``first_byte`` for the requests it announced with ``dispatched``.
 - The lowest cost wins. Costs within ``cost_tolerance`` (relative) of the lowest are equal
   within the model's accuracy; among them the engine holding the most of the prompt wins (it saves
-  the fleet that prefill), then the least expected wait (ties and new prefixes), then a
+  the fleet that prefill); among those, waits within the same tolerance of the least are equal,
+  and the least loaded of them wins (the decode batch the request joins: ``choose``), then a
   rendezvous order on the prompt (a deterministic spread by content).
 - Other proxy processes rank on the same shared view: when the request's key says some of their
   dispatches are unseen (``RouteKey.unseen``), the pick becomes one of the places those and this
@@ -92,6 +93,7 @@ class Estimate(NamedTuple):
     ttft_s: float  # wait plus the request's own prefill
     held: float  # prompt tokens the engine holds
     cost_s: float  # wait plus the own prefill times the requests it delays (what is compared)
+    load: float = 0.0  # the engine's sequences (``EngineView.load``): the last tie-break
 
 
 def decoding(e: EngineView) -> float:
@@ -131,7 +133,7 @@ def estimate(e: EngineView, held: float, key: RouteKey, mean_prompt: float,
     cost = wait + (ttft - wait) * delayed
     if abandoned > 0.0:
         cost += (abandoned / tps + abandoned / chunk * step) * delayed
-    return Estimate(e.name, wait, ttft, held, cost)
+    return Estimate(e.name, wait, ttft, held, cost, e.load)
 
 
 def queue_step(e: EngineView, tokens: float, cfg: RoutingConfig) -> float:
@@ -147,12 +149,23 @@ def queue_step(e: EngineView, tokens: float, cfg: RoutingConfig) -> float:
 def choose(estimates: Sequence[Estimate], tolerance: float,
            order: Mapping[str, int]) -> tuple[str, ...]:
     """Engine names best first: the pick among the near-lowest, then the rest by estimate;
-    ``order`` (lower first) breaks the remaining ties."""
+    ``order`` (lower first) breaks the remaining ties.
+
+    The pick: of the costs within ``tolerance`` of the lowest, the engine holding the most of the
+    prompt; among those, the waits within ``tolerance`` of the least count as equal too, and the
+    least loaded of them wins. Equal waits are an idle prefill queue everywhere, which the model
+    cannot tell apart; what tells them apart then is the decode batch a request joins: a bigger
+    one gives it slower tokens, and one at the engine's sequence limit makes it wait for a slot,
+    which no figure of the model shows."""
     if not estimates:
         return ()
     best = min(e.cost_s for e in estimates)
     near = [e for e in estimates if e.cost_s <= best * (1.0 + tolerance)]
-    pick = min(near, key=lambda e: (-e.held, e.wait_s, e.cost_s, order[e.name]))
+    top = max(e.held for e in near)
+    holders = [e for e in near if e.held == top]
+    quick = min(e.wait_s for e in holders) * (1.0 + tolerance)
+    pick = min((e for e in holders if e.wait_s <= quick),
+               key=lambda e: (e.load, e.wait_s, e.cost_s, order[e.name]))
     rest = sorted((e for e in estimates if e is not pick),
                   key=lambda e: (e.cost_s, e.wait_s, order[e.name]))
     return (pick.name, *(e.name for e in rest))
