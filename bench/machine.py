@@ -83,3 +83,19 @@ def read_json(path: Path) -> dict[str, object]:
     if not isinstance(data, dict):
         raise ValueError(f"{path}: not a JSON object")
     return data
+
+
+def listen_overflows() -> int | None:
+    """The kernel's count of connections dropped because a listening socket's accept queue was
+    full (``TcpExt ListenOverflows``, machine-wide); None where it cannot be read. A dropped
+    connection completes only when the client retransmits, a first token late by 0.2-1 s."""
+    try:
+        lines = Path("/proc/net/netstat").read_text().splitlines()
+    except OSError:
+        return None
+    for names, values in zip(lines[::2], lines[1::2], strict=False):
+        if names.startswith("TcpExt:"):
+            row = dict(zip(names.split()[1:], values.split()[1:], strict=False))
+            found = row.get("ListenOverflows")
+            return int(found) if found is not None and found.isdigit() else None
+    return None

@@ -234,11 +234,13 @@ async def measure_level(session: aiohttp.ClientSession, paths: Paths,
     watches = {n: proxywatch.Watch() for n in names if n.startswith("kvproxy/")}
     lag: dict[str, dict[float, float]] = {}
     gcs = {n: gcwatch.Tally() for n in watches}
+    overflows: dict[str, int] = {}
     start = time.perf_counter()
     for _ in range(rounds):
         for name in names:
             recs, span, used = await _slice(session, paths, started, name, conc, slice_s, start,
-                                            ramp_s, watches.get(name), lag, gcs.get(name))
+                                            ramp_s, watches.get(name), lag, gcs.get(name),
+                                            overflows)
             records[name] += recs
             spans[name] += span
             cpu[name] += used
@@ -253,6 +255,9 @@ async def measure_level(session: aiohttp.ClientSession, paths: Paths,
             "e2e_max_s": max((r.e2e for r in records[name] if r.e2e is not None), default=None),
             "engine_requests": engine_counts(records[name]),
             "share_max_over_mean": share_max_over_mean(engine_counts(records[name])),
+            # Connections the kernel dropped at a full accept queue during this router's slices
+            # (machine-wide: the router's listener, or an engine's when the router is direct).
+            "listen_overflows": overflows.get(name),
             "cpu_ms_per_request": cpu[name] * 1000.0 / ok if name != "direct" and ok else None,
             "round_ttft_p50_ratios": [a / b for a, b in zip(round_p50[name], round_p50["direct"],
                                                             strict=True) if b == b and b > 0]
@@ -275,6 +280,7 @@ async def _slice(session: aiohttp.ClientSession, paths: Paths,
                  watch: proxywatch.Watch | None = None,
                  lag: dict[str, dict[float, float]] | None = None,
                  gcs: gcwatch.Tally | None = None,
+                 overflows: dict[str, int] | None = None,
                  ) -> tuple[list[RequestRecord], float, float]:
     proc = next((p for r, p, _ in started if r.name == name), None)
     endpoint = next((e for r, _, e in started if r.name == name), None)
@@ -292,9 +298,13 @@ async def _slice(session: aiohttp.ClientSession, paths: Paths,
         sampler = asyncio.create_task(proxywatch.watch(session, endpoint.base_url, watch, stop),
                                       name="proxy-watch")
     cpu0 = proc.cpu_seconds() if proc else 0.0
+    dropped0 = machine.listen_overflows()
     recs, span = await closed_loop(session, pick, concurrency=conc, duration_s=slice_s,
                                    run_start=start, ramp_s=ramp_s)
     cpu1 = proc.cpu_seconds() if proc else 0.0
+    dropped1 = machine.listen_overflows()
+    if overflows is not None and dropped0 is not None and dropped1 is not None:
+        overflows[name] = overflows.get(name, 0) + dropped1 - dropped0
     if watching:
         assert endpoint is not None and lag is not None
         stop.set()
