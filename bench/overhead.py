@@ -248,13 +248,14 @@ async def measure_level(session: aiohttp.ClientSession, paths: Paths,
     level: dict[str, object] = {}
     for name in names:
         ok = sum(1 for r in records[name] if r.ok)
+        per_engine = engine_counts(records[name])
         entry: dict[str, object] = {
             "summary": summarize(records[name], duration_s=spans[name]),
             # A closed loop's span ends with its slowest request, so the balance over engines
             # and the longest request say what a throughput below direct's is made of.
             "e2e_max_s": max((r.e2e for r in records[name] if r.e2e is not None), default=None),
-            "engine_requests": engine_counts(records[name]),
-            "share_max_over_mean": share_max_over_mean(engine_counts(records[name])),
+            "engine_requests": per_engine,
+            "share_max_over_mean": share_max_over_mean(per_engine),
             # Connections the kernel dropped at a full accept queue during this router's slices
             # (machine-wide: the router's listener, or an engine's when the router is direct).
             "listen_overflows": overflows.get(name),

@@ -90,5 +90,5 @@ class EngineProcess:
         except ProcessLookupError:
             return False
         except PermissionError:
-            return True  # a member exists (signalling it is not ours to do)
+            pass  # a member exists, only not ours to signal
         return True
