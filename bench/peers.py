@@ -46,7 +46,7 @@ PEER_POLICIES = {
 }
 # Reference routers for the overhead benchmark (``bench.floor``): aiohttp alone, not routers
 # anyone would run; named only explicitly, never part of "every router".
-FLOOR_POLICIES = ("aiohttp", "aiohttp-splice")
+FLOOR_POLICIES = ("aiohttp", "aiohttp-splice", "tcp")
 PACKAGES = {"vllm-router": "vllm-router", "sglang-router": "sglang-router", "litellm": "litellm"}
 
 
@@ -187,6 +187,8 @@ def _floor(r: Router, urls: Sequence[str], model: str, port: int, work: Path) ->
     argv = [sys.executable, "-m", "bench.floor", "--port", str(port), "--engines", ",".join(urls)]
     if r.policy == "aiohttp-splice":
         argv.append("--splice")
+    elif r.policy == "tcp":
+        argv.append("--tcp")
     return argv, {}, f"http://127.0.0.1:{port}/health", {}
 
 

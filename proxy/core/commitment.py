@@ -28,7 +28,16 @@ Rules:
   that changes only on dispatch, first byte and settle, kept as a running total in exact integer
   arithmetic (floats scaled by 2**1074, so adding and taking away never drift: the total equals
   a fresh exact re-sum after any sequence of operations); only answered flights, whose relayed
-  bytes grow outside this module, are summed per call.
+  bytes grow outside this module, are summed, and not on every call: asked with the time, the
+  answered flights' sum is kept for ``ANSWERED_REFRESH_S`` and re-summed after that, with the
+  pool's bytes per token of that moment (it moves with every answer; a sum per change would be a
+  sum per answer). Between two sums it is an upper bound of a sum at that bytes-per-token figure:
+  a flight's owed output only shrinks as its bytes are relayed, one answered since is added at its
+  owed then, one settled since is taken off at its owed now. So the guard errs on the safe side by
+  at most what the engine's answers produced in that time, and admission stops summing every open
+  stream of the pool on every request (at 1,000 open streams that sum was the proxy's largest
+  own cost).
+  Asked without the time, the sum is fresh and exact.
 - Pure bookkeeping: no clock, no I/O. Projection is a function of (reported usage, what is owed,
   capacity); with the capacity or block size unknown there is no commitment signal (None).
 """
@@ -42,6 +51,10 @@ from proxy.core.config import PressureConfig
 
 # Answers shorter than this many bytes per token, or longer, are not SSE as vLLM writes it.
 _BYTES_PER_TOKEN_RANGE = (4.0, 4096.0)
+# How long the answered flights' summed output is kept. The sum is added to reported usage that is
+# a scrape interval old (200 ms by default): 50 ms of decoding more counts a few blocks per engine,
+# against capacities of thousands.
+ANSWERED_REFRESH_S = 0.05
 
 
 @dataclass
@@ -124,10 +137,16 @@ class Commitments:
     """The flights of one engine, by dispatch ticket: the unanswered ones' owed tokens as an
     exact running total, the answered ones apart (their relayed bytes change by themselves)."""
 
-    def __init__(self) -> None:
+    def __init__(self, refresh_s: float = ANSWERED_REFRESH_S) -> None:
         self._waiting: dict[int, Flight] = {}  # dispatched, no first byte yet
         self._answered: dict[int, Flight] = {}
         self._waiting_owed = 0  # exact(prompt) + exact(output) over ``_waiting``
+        self._refresh_s = refresh_s
+        # The answered flights' owed tokens as summed at ``_kept_at`` with ``_kept_bpt``, kept up
+        # to date by membership since (an upper bound of a sum at that figure now); None: not kept.
+        self._kept: float | None = None
+        self._kept_at = 0.0
+        self._kept_bpt: float | None = None
 
     def __len__(self) -> int:
         return len(self._waiting) + len(self._answered)
@@ -136,6 +155,7 @@ class Commitments:
         self.settle(ticket)  # a ticket booked twice counts once, as the latest flight
         if flight.answered:
             self._answered[ticket] = flight
+            self._keep_added(flight)
         else:
             self._waiting[ticket] = flight
             self._waiting_owed += _unanswered(flight)
@@ -147,22 +167,46 @@ class Commitments:
             self._waiting_owed -= _unanswered(flight)
             flight.answered = True
             self._answered[ticket] = flight
+            self._keep_added(flight)
 
     def settle(self, ticket: int) -> Flight | None:
         flight = self._waiting.pop(ticket, None)
         if flight is not None:
             self._waiting_owed -= _unanswered(flight)
             return flight
-        return self._answered.pop(ticket, None)
+        flight = self._answered.pop(ticket, None)
+        if flight is not None and self._kept is not None:
+            # Its current owed: never more than it added to the kept sum, which stays a bound.
+            self._kept = max(0.0, self._kept - owed_tokens(flight, self._kept_bpt))
+        return flight
+
+    def _keep_added(self, flight: Flight) -> None:
+        if self._kept is not None:
+            self._kept += owed_tokens(flight, self._kept_bpt)
 
     @property
     def waiting_owed(self) -> int:
         """The running total, scaled by ``_SCALE`` (for checking it against a fresh sum)."""
         return self._waiting_owed
 
-    def owed_blocks(self, block_size: int, bytes_per_token: float | None) -> float:
-        """KV blocks the flights will still take on the engine beyond what it holds now."""
-        tokens = self._waiting_owed / _SCALE  # int / int: rounded once, correctly
+    def owed_blocks(
+        self, block_size: int, bytes_per_token: float | None, now: float | None = None
+    ) -> float:
+        """KV blocks the flights will still take on the engine beyond what it holds now: exact
+        without ``now``; with it, the answered flights' part as kept for ``refresh_s`` (an upper
+        bound, see the module's rules)."""
+        if now is None:
+            return self._fresh_tokens(bytes_per_token) / block_size
+        kept = self._kept
+        if kept is None or not 0.0 <= now - self._kept_at < self._refresh_s:
+            kept = self._kept = self._fresh_tokens(bytes_per_token, 0.0)
+            self._kept_at, self._kept_bpt = now, bytes_per_token
+        return (self._waiting_owed / _SCALE + kept) / block_size
+
+    def _fresh_tokens(self, bytes_per_token: float | None, start: float | None = None) -> float:
+        """``start`` (by default the unanswered flights' total) plus every answered flight's
+        owed tokens, summed now."""
+        tokens = self._waiting_owed / _SCALE if start is None else start  # rounded once, correctly
         # ``owed_tokens`` of each answered flight, inlined: admission reads this for every engine
         # of the pool on every request, and a call per flight was most of its cost. The same
         # float operations in the same order, so the same total to the last bit. A flight owing
@@ -174,7 +218,7 @@ class Commitments:
             left = f.output_tokens - (f.relayed / divisor if divisor else 0.0)
             if left > 0.0:
                 tokens += left
-        return tokens / block_size
+        return tokens
 
 
 def _unanswered(flight: Flight) -> int:

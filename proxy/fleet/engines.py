@@ -76,16 +76,18 @@ class Engine:
             if snap is not self._fed:
                 self._fed = snap
                 guard.observe(snap.taken_at, snap.kv_usage, snap.preemptions)
-            guard.commit(*self.committed())
+            guard.commit(*self.committed(now))
         return guard.pressure(now)
 
-    def committed(self) -> tuple[float | None, int | None]:
-        """(reported usage + what in-flight requests owe, capacity in tokens); None: unknown."""
+    def committed(self, now: float | None = None) -> tuple[float | None, int | None]:
+        """(reported usage + what in-flight requests owe, capacity in tokens); None: unknown.
+        With ``now``, the answered requests' part may be up to ``ANSWERED_REFRESH_S`` old (an
+        upper bound: see ``proxy.core.commitment``)."""
         snap = self.state.snapshot
         if snap is None or self.estimate is None or not snap.block_size:
             return None, None
         blocks, size = snap.num_gpu_blocks, snap.block_size
-        owed = self.commitments.owed_blocks(size, self.estimate.bytes_per_token)
+        owed = self.commitments.owed_blocks(size, self.estimate.bytes_per_token, now)
         committed = projected_usage(snap.kv_usage, owed, size, blocks)
         return (None, None) if committed is None or blocks is None else (committed, size * blocks)
 

@@ -15,7 +15,8 @@ from bench.targets import cpu_targets
 
 def test_floor_references_are_named_only_explicitly():
     assert parse_router_list("floor/*") == [Router("floor", "aiohttp"),
-                                            Router("floor", "aiohttp-splice")]
+                                            Router("floor", "aiohttp-splice"),
+                                            Router("floor", "tcp")]
     assert all(r.router != "floor" for r in all_routers())  # never part of "every router"
     assert Router("floor", "aiohttp").unavailable() is None
 
@@ -27,7 +28,9 @@ def test_floor_command_lines(tmp_path: Path):
                         "--splice"]
     assert ready == "http://127.0.0.1:1234/health"
     argv, _, _, _ = _floor(Router("floor", "aiohttp"), ["http://a"], "m", 1234, tmp_path)
-    assert "--splice" not in argv
+    assert "--splice" not in argv and "--tcp" not in argv
+    argv, _, _, _ = _floor(Router("floor", "tcp"), ["http://a"], "m", 1234, tmp_path)
+    assert argv[-1] == "--tcp"
 
 
 def test_floor_references_are_judged_against_the_cpu_goals():
@@ -66,6 +69,24 @@ async def test_a_floor_relays_the_engines_bytes_as_they_are(splice: bool):
         await floor_runner.cleanup()
         await source.cleanup()
     assert relayed == direct and relayed.count(b"data: ") == 52  # 50 tokens, usage, [DONE]
+
+
+async def test_the_tcp_floor_relays_the_engines_bytes_as_they_are():
+    """The TCP floor has no HTTP of its own: the client's request and the engine's answer pass
+    through unchanged, a keep-alive connection's second request included."""
+    source, source_url = await _serve(firehose.build_app())
+    server = await floor.start_tcp("127.0.0.1", 0, [source_url])
+    port = server.sockets[0].getsockname()[1]
+    body = orjson.dumps({"model": "firehose", "max_tokens": 50, "stream": True})
+    try:
+        async with aiohttp.ClientSession() as session:
+            direct = await _post(session, source_url, body)
+            relayed = [await _post(session, f"http://127.0.0.1:{port}", body) for _ in range(2)]
+    finally:
+        server.close()
+        await server.wait_closed()
+        await source.cleanup()
+    assert relayed == [direct, direct] and direct.count(b"data: ") == 52
 
 
 async def _post(session: aiohttp.ClientSession, base: str, body: bytes) -> bytes:

@@ -3,7 +3,7 @@ dispatches, first bytes and settlements (pure: no sockets, no clock)."""
 
 import math
 
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proxy.core.commitment import Commitments, Flight, exact, owed
@@ -127,3 +127,56 @@ def test_answered_flights_sum_to_the_last_bit_as_the_per_flight_formula(
         produced = relayed / bytes_per_token if bytes_per_token else 0.0
         want += max(0.0, output - produced)
     assert book.owed_blocks(16, bytes_per_token) == want / 16
+
+
+KEPT_OPS = st.lists(
+    st.tuples(st.sampled_from(["dispatch", "first_byte", "settle", "relay", "ask"]),
+              st.integers(0, 7), st.integers(1, 5000).map(float), st.integers(0, 4000),
+              st.floats(0.0, 0.03)),
+    max_size=80,
+)
+
+
+@settings(max_examples=300)
+@given(KEPT_OPS, st.sampled_from([None, 4.0, 37.5]))
+def test_the_kept_answered_sum_bounds_a_fresh_one_and_is_fresh_after_its_interval(
+    ops: list[tuple[str, int, float, int, float]], bytes_per_token: float | None,
+) -> None:
+    # Asked with the time, the answered flights' part may be up to ``refresh_s`` old, but never
+    # below a fresh sum at the figure it was taken with: a flight's bytes only grow, and one
+    # answered or settled since is counted at once. Past the interval, it is the fresh sum.
+    refresh = 0.05
+    book, flights = Commitments(refresh_s=refresh), {}
+    now = 0.0
+    for op, ticket, output, more, step in ops:
+        now += step
+        if op == "relay":
+            if ticket in flights:
+                flights[ticket].relayed += more
+        elif op == "ask":
+            kept = book.owed_blocks(16, bytes_per_token, now)
+            fresh_now = book.owed_blocks(16, bytes_per_token)
+            assert kept >= fresh_now * (1 - 1e-9) - 1e-300
+        else:
+            apply(book, flights, op, ticket, output, output)
+    later = book.owed_blocks(16, bytes_per_token, now + refresh)
+    assert math.isclose(later, book.owed_blocks(16, bytes_per_token), rel_tol=1e-12,
+                        abs_tol=1e-300)
+
+
+def test_the_kept_sum_counts_an_answer_and_a_settlement_at_once_and_output_after_refresh(
+) -> None:
+    book = Commitments(refresh_s=0.05)
+    first = book.dispatch(1, Flight(prompt_tokens=0, output_tokens=320))
+    book.first_byte(1)
+    assert book.owed_blocks(16, 10.0, now=1.0) == 20.0
+    first.relayed = 1600  # 160 tokens produced: within the interval, still counted as owed
+    assert book.owed_blocks(16, 10.0, now=1.01) == 20.0
+    second = book.dispatch(2, Flight(prompt_tokens=0, output_tokens=160))
+    book.first_byte(2)  # answered since the sum: added at once, at what it owes
+    assert book.owed_blocks(16, 10.0, now=1.02) == 30.0
+    second.relayed = 800
+    book.settle(2)  # taken off at what it owes now (80 tokens), so the bound stays above
+    assert book.owed_blocks(16, 10.0, now=1.03) == 25.0
+    assert book.owed_blocks(16, 10.0, now=1.05) == 10.0  # re-summed: 160 of 320 produced
+    assert book.owed_blocks(16, 10.0, now=0.5) == 10.0  # a clock gone back re-sums too

@@ -4,7 +4,7 @@ as anything has: every kept view equals the one built afresh."""
 from __future__ import annotations
 
 from proxy.core.breaker import Outcome
-from proxy.core.commitment import Flight
+from proxy.core.commitment import ANSWERED_REFRESH_S, Flight
 from proxy.core.config import Config
 from proxy.core.fleet_config import EngineConfig, PoolConfig
 from proxy.core.routing import EngineView
@@ -53,8 +53,8 @@ def test_every_change_an_engine_sees_shows_in_its_next_view() -> None:
     e.state.on_first_byte(ticket)
     e.commitments.first_byte(ticket)
     check(0.02)
-    flight.relayed += 200_000  # the answer's bytes change what it still owes (pressure)
-    check(0.03)
+    flight.relayed += 200_000  # the answer's bytes change what it still owes (pressure) ...
+    check(0.02 + ANSWERED_REFRESH_S)  # ... once the answered flights are summed again
     e.state.on_scrape_ok(snap(0.2, 0.6), 0.2)  # a new snapshot
     check(0.2)
     for _ in range(3):
