@@ -40,7 +40,14 @@ from bench.peers import Router, launch_ready, parse_router_list
 from bench.procs import Managed, free_port
 from bench.prompts import random_tokens
 from bench.report import RESULTS, report_args
-from bench.stats import RequestRecord, engine_counts, percentile, share_max_over_mean, summarize
+from bench.stats import (
+    RequestRecord,
+    engine_counts,
+    percentile,
+    share_max_over_mean,
+    summarize,
+    tokens_between,
+)
 
 RELAY_ROUTER = "kvproxy/round_robin"  # the one the relay target is judged on
 RAMP_S = 4.0  # streams start spread over this, not in one burst (a steady state, not waves)
@@ -235,6 +242,10 @@ async def measure_level(session: aiohttp.ClientSession, paths: Paths,
     lag: dict[str, dict[float, float]] = {}
     gcs = {n: gcwatch.Tally() for n in watches}
     overflows: dict[str, int] = {}
+    # Tokens delivered between the last stream's start and the slice's deadline, and that
+    # window's length: the rate with every stream running, without the ramp and the drain.
+    steady = dict.fromkeys(names, 0.0)
+    steady_s = dict.fromkeys(names, 0.0)
     start = time.perf_counter()
     for _ in range(rounds):
         for name in names:
@@ -244,6 +255,10 @@ async def measure_level(session: aiohttp.ClientSession, paths: Paths,
             records[name] += recs
             spans[name] += span
             cpu[name] += used
+            if recs and slice_s > ramp_s:
+                origin = min(r.sent_at for r in recs)  # stream 0 starts at once
+                steady[name] += tokens_between(recs, origin + ramp_s, origin + slice_s)
+                steady_s[name] += slice_s - ramp_s
             round_p50[name].append(percentile([r.ttft for r in recs if r.ok and r.ttft], 50))
     level: dict[str, object] = {}
     for name in names:
@@ -254,6 +269,9 @@ async def measure_level(session: aiohttp.ClientSession, paths: Paths,
             # A closed loop's span ends with its slowest request, so the balance over engines
             # and the longest request say what a throughput below direct's is made of.
             "e2e_max_s": max((r.e2e for r in records[name] if r.e2e is not None), default=None),
+            # Output tokens per second from the end of the ramp to the deadline: steady only
+            # where a slice outlasts several requests (see bench/README.md).
+            "steady_tok_s": steady[name] / steady_s[name] if steady_s[name] else None,
             "engine_requests": per_engine,
             "share_max_over_mean": share_max_over_mean(per_engine),
             # Connections the kernel dropped at a full accept queue during this router's slices

@@ -14,8 +14,8 @@ from bench.stats import ratio
 from bench.targets import cpu_targets, overhead_targets
 
 OVERHEAD_HEADER = ("streams", "path", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "out tok/s",
-                   "TTFT p50 x", "TTFT p99 x", "ITL p50 x", "tok/s x", "TTFT p50 x per round",
-                   "router CPU ms/req", "requests")
+                   "TTFT p50 x", "TTFT p99 x", "ITL p50 x", "tok/s x", "steady tok/s x",
+                   "TTFT p50 x per round", "router CPU ms/req", "requests")
 
 
 def overhead_ratios(data: Mapping[str, object]) -> dict[str, dict[int, dict[str, float]]]:
@@ -32,6 +32,8 @@ def overhead_ratios(data: Mapping[str, object]) -> dict[str, dict[int, dict[str,
                 k: ratio(num(s.get(k)), num(direct.get(k)))
                 for k in ("ttft_p50", "ttft_p99", "itl_p50", "throughput_tok_s")
             }
+            out[name][int(conc_text)]["steady_tok_s"] = ratio(
+                num(entry.get("steady_tok_s")), num(paths.get("direct", {}).get("steady_tok_s")))
     return out
 
 
@@ -51,7 +53,8 @@ def overhead_rows(data: Mapping[str, object]) -> list[list[object]]:
                 conc_text, name, fmt(ms(s.get("ttft_p50")), 1), fmt(ms(s.get("ttft_p99")), 1),
                 fmt(ms(s.get("itl_p50")), 1), fmt(s.get("throughput_tok_s"), 0),
                 r.get("ttft_p50", math.nan), r.get("ttft_p99", math.nan),
-                r.get("itl_p50", math.nan), r.get("throughput_tok_s", math.nan), spread_text,
+                r.get("itl_p50", math.nan), r.get("throughput_tok_s", math.nan),
+                r.get("steady_tok_s", math.nan), spread_text,
                 fmt(num(entry.get("cpu_ms_per_request")), 2), f"{num(s.get('completed')):.0f}",
             ])
     return rows

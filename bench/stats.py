@@ -91,6 +91,30 @@ def summarize(
     }
 
 
+def tokens_between(records: Iterable[RequestRecord], lo: float, hi: float) -> float:
+    """Output tokens that reached the client in ``[lo, hi)`` (seconds since the run's start).
+
+    Each token-bearing event of a completed request arrived at ``sent_at + ttft`` plus the gaps
+    before it; each counts its request's tokens per event (one, unless an event carries several,
+    as with speculative decoding)."""
+    total = 0.0
+    for r in records:
+        if not r.ok or r.ttft is None:
+            continue
+        events = 1 + len(r.itl)
+        per_event = r.output_tokens / events if r.output_tokens else 1.0
+        at = r.sent_at + r.ttft
+        inside = 1 if lo <= at < hi else 0
+        for gap in r.itl:
+            at += gap
+            if at >= hi:
+                break
+            if at >= lo:
+                inside += 1
+        total += inside * per_event
+    return total
+
+
 def share_max_over_mean(counts: Mapping[str, float], engines: Iterable[str] = ()) -> float:
     """Busiest engine's request count over the mean; engines with no requests count as 0."""
     merged = dict.fromkeys(engines, 0.0)

@@ -12,6 +12,7 @@ from bench.stats import (
     ratio,
     share_max_over_mean,
     summarize,
+    tokens_between,
 )
 
 
@@ -80,3 +81,16 @@ def test_bootstrap_interval_brackets_the_statistic():
     assert lo < percentile(values, 90) < hi
     assert hi - lo < 60
     assert all(math.isnan(v) for v in bootstrap_ci([], 90))
+
+
+def test_tokens_between_counts_each_event_where_it_arrived():
+    # First token at 1.0 + 0.5, then events 0.5 apart: 1.5, 2.0, 2.5, 3.0 (4 events, 8 tokens).
+    two_per_event = RequestRecord(index=0, sent_at=1.0, status=200, ttft=0.5,
+                                  itl=[0.5, 0.5, 0.5], output_tokens=8)
+    one_per_event = RequestRecord(index=1, sent_at=0.0, status=200, ttft=2.2, itl=[1.0],
+                                  output_tokens=2)  # events at 2.2 and 3.2
+    failed = RequestRecord(index=2, sent_at=0.0, status=502, ttft=None)
+    records = [two_per_event, one_per_event, failed]
+    assert tokens_between(records, 2.0, 3.0) == 2 * 2 + 1  # 2.0 and 2.5; 2.2; 3.0 is outside
+    assert tokens_between(records, 0.0, 10.0) == 8 + 2
+    assert tokens_between(records, 3.5, 10.0) == 0
