@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.tcp:
         uvloop.run(_tcp(args.host, args.port, engines))
         return 0
-    app = build_app([u.rstrip("/") for u in args.engines.split(",")], args.splice)
+    app = build_app(engines, args.splice)
     web.run_app(app, host=args.host, port=args.port, print=None, access_log=None,
                 loop=uvloop.new_event_loop())
     return 0

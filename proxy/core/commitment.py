@@ -195,18 +195,17 @@ class Commitments:
         """KV blocks the flights will still take on the engine beyond what it holds now: exact
         without ``now``; with it, the answered flights' part as kept for ``refresh_s`` (an upper
         bound, see the module's rules)."""
+        waiting = self._waiting_owed / _SCALE  # int / int: rounded once, correctly
         if now is None:
-            return self._fresh_tokens(bytes_per_token) / block_size
+            return self._plus_answered(waiting, bytes_per_token) / block_size
         kept = self._kept
         if kept is None or not 0.0 <= now - self._kept_at < self._refresh_s:
-            kept = self._kept = self._fresh_tokens(bytes_per_token, 0.0)
+            kept = self._kept = self._plus_answered(0.0, bytes_per_token)
             self._kept_at, self._kept_bpt = now, bytes_per_token
-        return (self._waiting_owed / _SCALE + kept) / block_size
+        return (waiting + kept) / block_size
 
-    def _fresh_tokens(self, bytes_per_token: float | None, start: float | None = None) -> float:
-        """``start`` (by default the unanswered flights' total) plus every answered flight's
-        owed tokens, summed now."""
-        tokens = self._waiting_owed / _SCALE if start is None else start  # rounded once, correctly
+    def _plus_answered(self, tokens: float, bytes_per_token: float | None) -> float:
+        """``tokens`` plus every answered flight's owed tokens, summed now."""
         # ``owed_tokens`` of each answered flight, inlined: admission reads this for every engine
         # of the pool on every request, and a call per flight was most of its cost. The same
         # float operations in the same order, so the same total to the last bit. A flight owing

@@ -79,10 +79,10 @@ class Engine:
             guard.commit(*self.committed(now))
         return guard.pressure(now)
 
-    def committed(self, now: float | None = None) -> tuple[float | None, int | None]:
+    def committed(self, now: float) -> tuple[float | None, int | None]:
         """(reported usage + what in-flight requests owe, capacity in tokens); None: unknown.
-        With ``now``, the answered requests' part may be up to ``ANSWERED_REFRESH_S`` old (an
-        upper bound: see ``proxy.core.commitment``)."""
+        The answered requests' part may be up to ``ANSWERED_REFRESH_S`` old (an upper bound:
+        see ``proxy.core.commitment``)."""
         snap = self.state.snapshot
         if snap is None or self.estimate is None or not snap.block_size:
             return None, None
