@@ -18,6 +18,8 @@ Rules:
   failures, without a traceback; what it means for the engine's health is the telemetry state
   machine's decision, not ours. Every change of an engine's health is logged once, with its reason.
 - After each round every engine is ticked, so staleness is noticed even when scrapes hang.
+- ``first_round`` is set once the first round has ended, however it went: until then no engine's
+  health is known and the proxy does not listen (``proxy.server.lifecycle``).
 - One of several workers (``kvproxy serve --workers N``) skips the engines a sibling scrapes for it
   and relays the outcomes of those it scrapes (``proxy.fleet.scrape_share``): each engine is
   scraped once per machine.
@@ -94,6 +96,8 @@ class Scraper:
         self._metrics = metrics
         self._clock = clock
         self.rounds = 0
+        # Set once the first round has ended (whatever its outcome): the proxy listens only then.
+        self.first_round = asyncio.Event()
         self._health: dict[str, Health] = {}  # as last logged
         # Per engine, the last text parsed into a snapshot, and that snapshot (bounded by the
         # fleet: at most ``max_metrics_bytes`` per engine).
@@ -112,6 +116,7 @@ class Scraper:
                     # A bug must not end telemetry for good: every engine would silently go
                     # stale.
                     log.exception("telemetry round failed")
+                self.first_round.set()
                 stop_if_cancelled()
                 await self._until_next_round(started)
         finally:

@@ -48,7 +48,15 @@ from proxy.server import handlers, specfirst
 from proxy.server.admit import HOLDING, Holding
 from proxy.server.connections import SERVER_NAME
 from proxy.server.context import Drain, ShellContext
-from proxy.server.keys import MODELS, REQUEST_ID, SCRAPER_TASK, SHARING, SHELL, WORKER
+from proxy.server.keys import (
+    FLEET_KNOWN,
+    MODELS,
+    REQUEST_ID,
+    SCRAPER_TASK,
+    SHARING,
+    SHELL,
+    WORKER,
+)
 from proxy.server.worker import WorkerLink, WorkerSeat
 from proxy.tenancy.frontdoor import DOOR, FrontDoor
 from proxy.tenancy.hub import MAX_FRAME
@@ -160,6 +168,7 @@ async def _scraper(app: web.Application) -> AsyncIterator[None]:
                       lag=lag, share=_scrape_share(app))
     task = asyncio.create_task(scraper.run(), name="kvproxy-scraper")
     app[SCRAPER_TASK] = task
+    app[FLEET_KNOWN] = scraper.first_round
     try:
         yield
     finally:

@@ -16,6 +16,8 @@ from proxy.tenancy.shared_routing import SharedRouting
 
 SHELL = web.AppKey("shell", ShellContext)
 SCRAPER_TASK = web.AppKey("scraper_task", asyncio.Task[None])
+# Set once the scraper's first round has ended (``Scraper.first_round``).
+FLEET_KNOWN = web.AppKey("fleet_known", asyncio.Event)
 REQUEST_ID = web.RequestKey("request_id", str)
 MODELS = web.AppKey("model_discovery", ModelDiscovery)
 WORKER = web.AppKey("worker", WorkerLink)

@@ -3,6 +3,12 @@
 Rules:
 - ``ProxyServer`` owns one aiohttp runner and its listening site; tests and the demo use it on
   ``127.0.0.1`` port 0 in their own event loop, ``run_server`` adds the signal handling.
+- The proxy listens only once the scraper's first round has ended (``FLEET_KNOWN``): before it no
+  engine's health is known, so every request would be refused. This matters most for a worker
+  restarted under ``--workers N``, which joins the shared port while clients are sending; its
+  siblings take the connections until it knows the fleet. The round is bounded by its own timeouts
+  (twice ``telemetry.timeout_s`` at most); past ``_FIRST_ROUND_WAIT`` such rounds' worth the proxy
+  listens anyway, with a warning, so that ``/ready`` and ``/health`` can say what is wrong.
 - Handlers are cancelled when their client disconnects (``handler_cancellation``), which is how an
   abandoned request reaches the relay's ``finally`` and closes its engine connection at once.
 - Client connections are ``connections.GuardedHandler``: request heads have a deadline
@@ -33,13 +39,15 @@ from proxy.core.config import Config
 from proxy.server.app import build_app
 from proxy.server.connections import GuardedRunner
 from proxy.server.handlers import own_metrics
-from proxy.server.keys import SHELL, WORKER
+from proxy.server.keys import FLEET_KNOWN, SHELL, WORKER
 from proxy.server.worker import WorkerSeat
 
 log = logging.getLogger(__name__)
 
 # After the drain, whatever is still open gets this long before it is cancelled.
 _FINAL_GRACE_S = 0.5
+# How long start-up waits for the first scrape round, in the round's own bound (2 x timeout_s).
+_FIRST_ROUND_WAIT = 2.0
 # Garbage collector threshold once serving for the oldest generation (middle collections between
 # two of the oldest; the interpreter also waits until a quarter of the old heap is new).
 _GC_OLD = 20
@@ -70,10 +78,22 @@ class ProxyServer:
 
     async def start(self) -> None:
         await self._runner.setup()
+        await self._first_round()
         self._site = web.TCPSite(self._runner, self.cfg.server.host, self.cfg.server.port,
                                  reuse_port=self._reuse_port or None)
         await self._site.start()
         self.port = _bound_port(self._runner)
+
+    async def _first_round(self) -> None:
+        known = self.app.get(FLEET_KNOWN)
+        if known is None:
+            return
+        bound = _FIRST_ROUND_WAIT * 2 * self.cfg.telemetry.timeout_s
+        try:
+            async with asyncio.timeout(bound):
+                await known.wait()
+        except TimeoutError:
+            log.warning("the first scrape round took over %.2fs: listening before it ends", bound)
 
     async def drain(self) -> bool:
         """Refuse new work and wait for open requests; True if all finished in time."""

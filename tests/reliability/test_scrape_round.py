@@ -22,13 +22,13 @@ async def test_a_slow_engine_delays_no_other_engines_snapshot() -> None:
     fast, slow = RogueEngine(), RogueEngine()
     await fast.start()
     await slow.start()
-    slow.behaviour.metrics_hold = True
     telemetry = TelemetryConfig(interval_s=5.0, timeout_s=4.0, stale_after_s=5.0)
     cfg = proxy_config([fast.url, slow.url], ["fast", "slow"], ["target", "target"],
                        telemetry=telemetry)
     server = ProxyServer(cfg, app=build_app(cfg))
     try:
         await server.start()
+        slow.behaviour.metrics_hold = True
         task = server.app[SCRAPER_TASK]
         task.cancel()  # the test runs its own round
         with contextlib.suppress(asyncio.CancelledError):
