@@ -23,6 +23,12 @@ Rules:
   the difference is a cost per second rather than per request.
 - ``--rate-factor`` scales the replay's request rate (1: the knee) for runs that separate a cost
   per second from a cost per request; results written with another factor say so.
+- A third arm (``--per-worker-arm``, on by default): one worker at 1/N of the rate, the load each
+  of the N workers carries. An event loop's CPU per request falls as its load rises (each wake-up
+  serves more events), so N workers each at 1/N of the load pay more per request than one process
+  at all of it even if they shared nothing. N workers ÷ this arm is the cost of being N processes
+  at equal load per process (sharing, relaying, the parent); it has no goal of its own and is
+  reported beside the goal's ratio, never instead of it.
 """
 
 from __future__ import annotations
@@ -65,6 +71,8 @@ def _args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, argparse.Name
                    help="idle CPU measured this long per arm and round (0: not measured)")
     p.add_argument("--rate-factor", type=float, default=1.0,
                    help="the replay's request rate times this (1: round-robin's knee)")
+    p.add_argument("--per-worker-arm", action=argparse.BooleanOptionalAction, default=True,
+                   help="also run one worker at 1/N of the rate (the load of each of N workers)")
     p.add_argument("--router-cores", default="0")
     p.add_argument("--engine-cores", default="1")
     p.add_argument("--out", type=Path, default=RESULTS)
@@ -123,22 +131,33 @@ def _idle_rate(idle: Sequence[dict[str, object]], router: str, rnd: int) -> floa
     return None
 
 
+PER_WORKER = "per_worker_load"  # the ``arm`` of one worker's runs at 1/N of the rate
+
+
 def judge(runs: list[dict[str, object]], one: str, many: str,
           idle: Sequence[dict[str, object]] = ()) -> list[dict[str, object]]:
     """Per workload: the ratios N workers / one worker, round by round (net of idle CPU too,
-    when measured in that round), and the verdicts (on the raw figures)."""
+    when measured in that round), and the verdicts (on the raw figures). Where one worker also
+    ran at 1/N of the rate (``arm`` ``PER_WORKER``), N workers / that run as ``load_ratio``."""
     out = []
     for name in dict.fromkeys(str(r["workload"]) for r in runs):
         pairs: list[dict[str, object]] = []
         for rnd in sorted({int(str(r["round"])) for r in runs}):
-            got = {r["router"]: r for r in runs if r["workload"] == name and r["round"] == rnd
-                   and r.get("status") == "ok"}
-            if one in got and many in got:
-                pairs.append(_pair(got[one], got[many], rnd, _idle_rate(idle, one, rnd),
-                                   _idle_rate(idle, many, rnd)))
-        cpu, hit, net = (_median(pairs, k) for k in ("cpu_ratio", "hit_ratio", "net_ratio"))
+            got = {(r["router"], r.get("arm")): r for r in runs
+                   if r["workload"] == name and r["round"] == rnd and r.get("status") == "ok"}
+            a, b = got.get((one, None)), got.get((many, None))
+            if a is None or b is None:
+                continue
+            pair = _pair(a, b, rnd, _idle_rate(idle, one, rnd), _idle_rate(idle, many, rnd))
+            light = got.get((one, PER_WORKER))
+            if light is not None:
+                pair |= {"cpu_ms_per_worker_load": 1e3 * _per_request(light),
+                         "load_ratio": _per_request(b) / _per_request(light)}
+            pairs.append(pair)
+        cpu, hit, net, load = (_median(pairs, k)
+                               for k in ("cpu_ratio", "hit_ratio", "net_ratio", "load_ratio"))
         out.append({"workload": name, "rounds": pairs, "cpu_ratio": cpu, "hit_ratio": hit,
-                    "net_ratio": net, "cpu_met": cpu <= CPU_GOAL,
+                    "net_ratio": net, "load_ratio": load, "cpu_met": cpu <= CPU_GOAL,
                     "hit_met": abs(hit - 1.0) <= HIT_GOAL})
     return out
 
@@ -183,10 +202,15 @@ def markdown(result: dict[str, object]) -> str:
         f"Goals: CPU per request ≤ {CPU_GOAL:.2f}x one worker's; hit rate within "
         f"{HIT_GOAL:.0%} of one worker's (median over rounds). Judged on the raw CPU per "
         "request; the net column takes each arm's idle CPU per second (no traffic, same "
-        "engines, measured in the same round) times the replay's duration off first.", ""]
+        "engines, measured in the same round) times the replay's duration off first. The "
+        "per-worker-load columns, where run: one worker at 1/N of the rate (the load each of "
+        "the N workers carries), and N workers ÷ that: the cost of being N processes at equal "
+        "load per process (no goal; an event loop's CPU per request falls as its load rises).",
+        ""]
     lines.append(table(["workload", "round", "CPU ms/req, 1 worker", "CPU ms/req, N workers",
                         "CPU ratio", "net ms/req, 1", "net ms/req, N", "net ratio",
-                        "hit rate, 1", "hit rate, N", "hit ratio"], _rows(verdicts)))
+                        "hit rate, 1", "hit rate, N", "hit ratio", "ms/req, 1 at 1/N rate",
+                        "N ÷ 1 at 1/N rate"], _rows(verdicts)))
     idle = result.get("idle")
     if isinstance(idle, list) and idle:
         lines += ["", "Idle CPU (ms per second, no traffic), per process of each arm:", "",
@@ -195,7 +219,8 @@ def markdown(result: dict[str, object]) -> str:
     for v in verdicts:
         lines.append(f"- `{v['workload']}`: CPU per request {v['cpu_ratio']:.2f}x one worker's "
                      f"({'met' if v['cpu_met'] else 'NOT met'}; net of idle "
-                     f"{_fmt(v.get('net_ratio'))}x), hit rate {v['hit_ratio']:.2f}x "
+                     f"{_fmt(v.get('net_ratio'))}x; against one worker at 1/N of the rate "
+                     f"{_fmt(v.get('load_ratio'))}x), hit rate {v['hit_ratio']:.2f}x "
                      f"({'met' if v['hit_met'] else 'NOT met'})")
     return "\n".join(lines) + "\n"
 
@@ -213,7 +238,8 @@ def _rows(verdicts: Sequence[dict[str, object]]) -> list[list[object]]:
                          f"{p['cpu_ms_many']:.2f}", f"{p['cpu_ratio']:.2f}",
                          _fmt(p.get("net_ms_one")), _fmt(p.get("net_ms_many")),
                          _fmt(p.get("net_ratio")), f"{p['hit_one']:.3f}",
-                         f"{p['hit_many']:.3f}", f"{p['hit_ratio']:.2f}"])
+                         f"{p['hit_many']:.3f}", f"{p['hit_ratio']:.2f}",
+                         _fmt(p.get("cpu_ms_per_worker_load")), _fmt(p.get("load_ratio"))])
     return rows
 
 
@@ -238,12 +264,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         "settings": {"workloads": own.workloads, "workers": own.workers, "policy": own.policy,
                      "repeat": own.repeat, "router_cores": own.router_cores,
                      "engine_cores": own.engine_cores, "slices": "suite quick",
-                     "idle_s": own.idle_s, "rate_factor": own.rate_factor},
+                     "idle_s": own.idle_s, "rate_factor": own.rate_factor,
+                     "per_worker_arm": own.per_worker_arm},
         "runs": [], "idle": [], "verdicts": []}
     runs: list[dict[str, object]] = result["runs"]  # type: ignore[assignment]
     idle: list[dict[str, object]] = result["idle"]  # type: ignore[assignment]
     prepared = [_at_rate(prepare(w, suite_args, [one, many]).plan, own.rate_factor)
                 for w in workloads]  # fmt: skip
+    arms: list[tuple[Router, str | None, float]] = [(one, None, 1.0), (many, None, 1.0)]
+    if own.per_worker_arm:
+        arms.insert(1, (one, PER_WORKER, 1.0 / own.workers))
     for rnd in range(max(1, own.repeat)):
         if own.idle_s > 0:
             for router in (one, many):
@@ -251,11 +281,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"== idle {router.name} (round {rnd + 1}): "
                       f"{1e3 * float(str(idle[-1]['cpu_s_per_s'])):.1f} ms/s", flush=True)
         for plan in prepared:
-            for router in (one, many):
+            for router, arm, factor in arms:
                 name = str(plan.args.trace)
-                print(f"== {name} / {router.name} (round {rnd + 1})", flush=True)
-                run = run_one(router, plan, PromptMapper(), label=f"{name}-")
-                runs.append({"workload": name, "round": rnd, **run})
+                shown = router.name if arm is None else f"{router.name} at 1/{own.workers} rate"
+                print(f"== {name} / {shown} (round {rnd + 1})", flush=True)
+                run = run_one(router, _at_rate(plan, factor), PromptMapper(),
+                              label=f"{name}-" if arm is None else f"{name}-{arm}-")
+                runs.append({"workload": name, "round": rnd, **run}
+                            | ({} if arm is None else {"arm": arm}))
                 print_run(runs[-1])
                 machine.write_json(own.out / "workers.json", result)
     result["finished_at"] = machine.now_utc()

@@ -27,7 +27,7 @@ def test_ratios_are_per_round_and_judged_on_the_median() -> None:
     text = markdown({"command": "x", "started_at": "t", "settings": {}, "verdicts": [rag, chat],
                      "machine": {"cpu_model": "c", "nproc": 2, "python": "3",
                                  "load_avg_at_start": [0.1, 0.2, 0.3]}})
-    assert "`chat`: CPU per request 1.50x one worker's (NOT met; net of idle —x)" in text
+    assert "`chat`: CPU per request 1.50x one worker's (NOT met; net of idle —x; against one worker at 1/N of the rate —x)" in text
     assert "| rag | 2 | 10.00 | 13.00 | 1.30 |" in text
 
 
@@ -54,4 +54,21 @@ def test_net_of_idle_takes_each_arm_s_idle_cpu_over_the_replay_off() -> None:
                                                "load_avg_at_start": [0.1, 0.2, 0.3]}})
     assert "| rag | 1 | 12.00 | 15.00 | 1.25 | 10.00 | 10.00 | 1.00 |" in text
     assert "| 50.0 | parent 1.0, child 1 30.0, child 2 19.0 |" in text
-    assert "(NOT met; net of idle 1.00x)" in text
+    assert "(NOT met; net of idle 1.00x;" in text
+
+
+def test_one_worker_at_the_per_worker_load_is_an_arm_of_its_own() -> None:
+    one, many = "kvproxy/expected_ttft", "kvproxy/expected_ttft+w2"
+    light = {**_run("rag", 0, one, 0.6, 50, 0.8), "arm": "per_worker_load"}
+    runs = [_run("rag", 0, one, 1.0, 100, 0.8), light, _run("rag", 0, many, 1.3, 100, 0.8)]
+    [rag] = judge(runs, one, many)
+    [pair] = rag["rounds"]
+    # The goal's ratio is against the full-rate run, never the light one.
+    assert round(pair["cpu_ratio"], 6) == 1.3 and not rag["cpu_met"]
+    assert round(pair["cpu_ms_per_worker_load"], 6) == 12.0
+    assert round(rag["load_ratio"], 6) == round(13.0 / 12.0, 6)
+    text = markdown({"command": "x", "started_at": "t", "settings": {}, "verdicts": [rag],
+                     "machine": {"cpu_model": "c", "nproc": 2, "python": "3",
+                                 "load_avg_at_start": [0.1, 0.2, 0.3]}})
+    assert "| 12.00 | 1.08 |" in text
+    assert "against one worker at 1/N of the rate 1.08x" in text
