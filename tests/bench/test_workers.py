@@ -27,7 +27,8 @@ def test_ratios_are_per_round_and_judged_on_the_median() -> None:
     text = markdown({"command": "x", "started_at": "t", "settings": {}, "verdicts": [rag, chat],
                      "machine": {"cpu_model": "c", "nproc": 2, "python": "3",
                                  "load_avg_at_start": [0.1, 0.2, 0.3]}})
-    assert "`chat`: CPU per request 1.50x one worker's (NOT met; net of idle —x; against one worker at 1/N of the rate —x)" in text
+    assert ("`chat`: CPU per request 1.50x one worker's (NOT met; net of idle —x; against one "
+            "worker at 1/N of the rate —x)") in text
     assert "| rag | 2 | 10.00 | 13.00 | 1.30 |" in text
 
 
