@@ -41,6 +41,8 @@ python -m bench.replicas --quick    # 1, 2 and 4 kvproxy replicas behind HAProxy
                                     # state through Redis or not (--repeat N for rounds)
 python -m bench.workers --repeat 2  # kvproxy serve --workers 2 against one worker: CPU per
                                     # request and hit rate (~3 min)
+python -m bench.saturation          # the request rate at which each router's TTFT p50 doubles,
+                                    # kvproxy with 1 and 2 workers beside the peers (~15 min)
 python -m bench.report              # rewrite bench/results/*.md, *.png and this page
 ```
 
