@@ -57,7 +57,7 @@ DOUBLING = 2.0
 MAX_FAILED = 0.01
 DEFAULT_ROUTERS = ("kvproxy/expected_ttft,kvproxy/expected_ttft+w2,vllm-router/round_robin,"
                    "sglang-router/round_robin")
-DEFAULT_RATES = "40,60,90,130,180,250,350,500"
+DEFAULT_RATES = "50,100,200,350,500,700,1000,1400,2000"
 
 
 def poisson_offsets(rate: float, duration_s: float, rng: random.Random) -> list[float]:
@@ -81,6 +81,8 @@ class Step:
     failed: int
     tokens_per_s: float  # output tokens delivered per second over the judged window
     cpu_ms_per_request: float | None = None
+    sent_per_s: float = math.nan  # what the load generator managed to send (the rate asked for
+    # is an offer: a sender that falls behind shows it here)
 
     @property
     def failed_share(self) -> float:
@@ -100,7 +102,8 @@ def step_of(rate: float, records: Sequence[RequestRecord], warm_s: float, window
                 judged=len(judged), failed=len(judged) - len(ok),
                 tokens_per_s=tokens / window_s if window_s > 0 else math.nan,
                 cpu_ms_per_request=(1e3 * cpu_s / len(records)
-                                    if cpu_s is not None and records else None))
+                                    if cpu_s is not None and records else None),
+                sent_per_s=len(judged) / window_s if window_s > 0 else math.nan)
 
 
 def saturated(step: Step, baseline_s: float) -> bool:
@@ -211,7 +214,7 @@ async def _ladder(paths: _Paths, started: list[tuple[Router, Managed, Endpoint]]
                 steps[name].append(step)
                 cpu_text = ("" if step.cpu_ms_per_request is None
                             else f", {step.cpu_ms_per_request:.2f} ms CPU/req")
-                print(f"   {name} @ {rate:g}/s: TTFT p50 {1e3 * step.ttft_p50_s:.1f} ms, "
+                print(f"   {name} @ {rate:g}/s (sent {step.sent_per_s:.0f}/s): TTFT p50 {1e3 * step.ttft_p50_s:.1f} ms, "
                       f"p90 {1e3 * step.ttft_p90_s:.1f} ms, {step.failed}/{step.judged} failed"
                       f"{cpu_text}", flush=True)
                 if len(steps[name]) > 1 and saturated(step, steps[name][0].ttft_p50_s):
@@ -226,8 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--routers", default=DEFAULT_ROUTERS)
     p.add_argument("--rates", default=DEFAULT_RATES, help="requests/s, rising; the first is the "
                    "baseline")
-    p.add_argument("--step-s", type=float, default=8.0, help="seconds of arrivals per step")
-    p.add_argument("--warm-s", type=float, default=2.0, help="not judged at a step's start")
+    p.add_argument("--step-s", type=float, default=6.0, help="seconds of arrivals per step")
+    p.add_argument("--warm-s", type=float, default=1.5, help="not judged at a step's start")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--engines", type=int, default=8)
     p.add_argument("--profile", default="llama70b-h100x4")

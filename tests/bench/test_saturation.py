@@ -45,6 +45,7 @@ def test_a_step_judges_only_what_was_sent_after_the_warm_up() -> None:
     assert step.ttft_p50_s == 0.020  # the warm-up's 9 s is not in it
     assert step.tokens_per_s == 3 * 16 / 4.0
     assert step.cpu_ms_per_request == 10.0 / 5  # CPU over every request the step sent
+    assert step.sent_per_s == 4 / 4.0
 
 
 def test_saturation_is_where_the_p50_ratio_crosses_two_in_log_rate() -> None:
