@@ -214,9 +214,10 @@ async def _ladder(paths: _Paths, started: list[tuple[Router, Managed, Endpoint]]
                 steps[name].append(step)
                 cpu_text = ("" if step.cpu_ms_per_request is None
                             else f", {step.cpu_ms_per_request:.2f} ms CPU/req")
-                print(f"   {name} @ {rate:g}/s (sent {step.sent_per_s:.0f}/s): TTFT p50 {1e3 * step.ttft_p50_s:.1f} ms, "
-                      f"p90 {1e3 * step.ttft_p90_s:.1f} ms, {step.failed}/{step.judged} failed"
-                      f"{cpu_text}", flush=True)
+                print(f"   {name} @ {rate:g}/s (sent {step.sent_per_s:.0f}/s): "
+                      f"TTFT p50 {1e3 * step.ttft_p50_s:.1f} ms, "
+                      f"p90 {1e3 * step.ttft_p90_s:.1f} ms, "
+                      f"{step.failed}/{step.judged} failed{cpu_text}", flush=True)
                 if len(steps[name]) > 1 and saturated(step, steps[name][0].ttft_p50_s):
                     done.add(name)
                 await asyncio.sleep(0.5)  # what is left of the step's streams drains
