@@ -85,6 +85,13 @@ class Step:
     # is an offer: a sender that falls behind shows it here)
 
     @property
+    def cpu_cores(self) -> float | None:
+        """The router's CPU over the step, in cores (None for ``direct``)."""
+        if self.cpu_ms_per_request is None or self.sent_per_s != self.sent_per_s:
+            return None
+        return self.cpu_ms_per_request * self.sent_per_s / 1e3
+
+    @property
     def failed_share(self) -> float:
         return self.failed / self.judged if self.judged else 1.0
 
@@ -133,15 +140,19 @@ def saturation(steps: Sequence[Step]) -> dict[str, object]:
             math.log(below.rate) + frac * (math.log(step.rate) - math.log(below.rate)))
         tokens = below.tokens_per_s + frac * (step.tokens_per_s - below.tokens_per_s)
         return {"reached": True, "rate": rate, "tokens_per_s": tokens, "baseline_s": baseline,
-                "at_step": step.rate}
+                "at_step": step.rate, "cpu_cores": step.cpu_cores}
     top = steps[-1]
     return {"reached": False, "rate": top.rate, "tokens_per_s": top.tokens_per_s,
             "baseline_s": baseline}
 
 
-def verdicts(rounds: Sequence[dict[str, dict[str, object]]]) -> dict[str, dict[str, object]]:
-    """Per path: every round's saturation, the median rate, and each round's rate over
-    direct's (a router's saturation is its own only where that ratio is below 1)."""
+def verdicts(rounds: Sequence[dict[str, dict[str, object]]],
+             router_cores: int = 1) -> dict[str, dict[str, object]]:
+    """Per path: every round's saturation, the median rate, each round's rate over direct's,
+    and the reading: a router saturated first only where it is clearly below direct
+    (``BELOW_DIRECT``) *and* used most of its cores there (``BUSY_CORES``); below direct with
+    its cores idle, what saturated was the engines' and load generator's core, which every path
+    shares, so the router's own limit is not separable in that run."""
     names = list(dict.fromkeys(n for r in rounds for n in r))
     out: dict[str, dict[str, object]] = {}
     for name in names:
@@ -152,10 +163,32 @@ def verdicts(rounds: Sequence[dict[str, dict[str, object]]]) -> dict[str, dict[s
             own, direct = r.get(name), r.get("direct")
             if own and direct and own.get("rate") and direct.get("rate"):
                 over_direct.append(float(str(own["rate"])) / float(str(direct["rate"])))
+        busy = [float(str(p["cpu_cores"])) / router_cores for p in per
+                if p.get("cpu_cores") is not None]
         out[name] = {"rounds": per, "median_rate": statistics.median(rates) if rates else None,
                      "all_reached": all(bool(p.get("reached")) for p in per),
-                     "over_direct": over_direct}
+                     "over_direct": over_direct, "busy_share": busy,
+                     "reading": _reading(name, over_direct, busy,
+                                         all(bool(p.get("reached")) for p in per))}
     return out
+
+
+BELOW_DIRECT = 0.9  # a router's rate over direct's below this is its own limit, if also busy
+BUSY_CORES = 0.8  # of the router's cores, at the step where it saturated
+
+
+def _reading(name: str, over: Sequence[float], busy: Sequence[float], reached: bool) -> str:
+    if name == "direct":
+        return "the engines' and load generator's limit"
+    if not reached:
+        return "did not saturate in the ladder"
+    if not over or min(over) >= BELOW_DIRECT:
+        return "not below direct: the router was not the limit"
+    if busy and min(busy) >= BUSY_CORES:
+        return "the router saturated first (its cores busy)"
+    shown = ", ".join(f"{b:.2f}" for b in busy) or "unknown"
+    return (f"below direct with its cores {shown} busy: the shared engine core saturated, "
+            "the router's own limit is not separable here")
 
 
 # -- the shell ----------------------------------------------------------------------------------
@@ -243,12 +276,43 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-cores", default="1", help="the engines and the load generator")
     p.add_argument("--router-cores", default="0")
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--rejudge", type=Path, default=None, metavar="JSON",
+                   help="judge a results file again (its steps, today's rules) and print it")
     return p
+
+
+def step_from(data: dict[str, object]) -> Step:
+    """A step as written to the results file (JSON has no NaN: null comes back as NaN)."""
+    def num(key: str) -> float:
+        value = data.get(key)
+        return math.nan if value is None else float(str(value))
+
+    cpu = data.get("cpu_ms_per_request")
+    return Step(rate=num("rate"), ttft_p50_s=num("ttft_p50_s"), ttft_p90_s=num("ttft_p90_s"),
+                judged=int(str(data["judged"])), failed=int(str(data["failed"])),
+                tokens_per_s=num("tokens_per_s"),
+                cpu_ms_per_request=None if cpu is None else float(str(cpu)),
+                sent_per_s=num("sent_per_s"))
+
+
+def rejudge(result: dict[str, object]) -> dict[str, object]:
+    """``result`` with its saturation and verdicts computed again from its steps."""
+    rounds = result["rounds"]
+    settings = result["settings"]
+    assert isinstance(rounds, list) and isinstance(settings, dict)
+    result["saturation"] = [{name: saturation([step_from(s) for s in steps])
+                             for name, steps in rnd.items()} for rnd in rounds]
+    cores = len(str(settings.get("router_cores", "0")).split(","))
+    result["verdicts"] = verdicts(result["saturation"], cores)  # type: ignore[arg-type]
+    return result
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.rejudge is not None:
+        print(markdown(rejudge(machine.read_json(args.rejudge))))
+        return 0
     try:
         routers = parse_router_list(args.routers)
         rates = [float(x) for x in args.rates.split(",")]
@@ -290,7 +354,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             proc.stop()
         fleet.stop()
     result["finished_at"] = machine.now_utc()
-    result["verdicts"] = verdicts(result["saturation"])  # type: ignore[arg-type]
+    result["verdicts"] = verdicts(result["saturation"],  # type: ignore[arg-type]
+                                  len(args.router_cores.split(",")))
     machine.write_json(args.out / "saturation.json", result)
     text = markdown(result)
     (args.out / "saturation.md").write_text(text)
@@ -323,9 +388,10 @@ def markdown(result: dict[str, object]) -> str:
                      "—" if v["median_rate"] is None else f"{v['median_rate']:.0f}",
                      ", ".join(_tok_text(p) for p in per),
                      "—" if name == "direct" or not over else ", ".join(f"{x:.2f}" for x in over),
-                     _reading(name, v)])
+                     ", ".join(f"{b:.2f}" for b in v.get("busy_share", [])) or "—",
+                     v.get("reading", "")])
     lines.append(table(["path", "saturation req/s, per round", "median", "tokens/s there",
-                        "÷ direct", "reading"], rows))
+                        "÷ direct", "router cores busy there", "reading"], rows))
     unavailable = result.get("unavailable")
     if isinstance(unavailable, dict) and unavailable:
         lines += ["", "Not run: " + "; ".join(f"`{k}`: {v}" for k, v in unavailable.items())]
@@ -342,18 +408,6 @@ def _sat_text(p: dict[str, object]) -> str:
 def _tok_text(p: dict[str, object]) -> str:
     tokens = p.get("tokens_per_s")
     return "—" if tokens is None else f"{float(str(tokens)):.0f}"
-
-
-def _reading(name: str, v: dict[str, object]) -> str:
-    if name == "direct":
-        return "the engines' and load generator's limit"
-    over = v["over_direct"]
-    assert isinstance(over, list)
-    if not v["all_reached"]:
-        return "did not saturate in the ladder"
-    if over and max(over) < 1.0:
-        return "the router saturated first"
-    return "not below direct: the router was not the limit"
 
 
 if __name__ == "__main__":
