@@ -10,6 +10,7 @@ from bench.saturation import (
     Step,
     markdown,
     poisson_offsets,
+    rejudge,
     saturation,
     step_of,
     verdicts,
@@ -17,9 +18,11 @@ from bench.saturation import (
 from bench.stats import RequestRecord
 
 
-def _step(rate: float, p50: float, *, failed: int = 0, tokens: float | None = None) -> Step:
+def _step(rate: float, p50: float, *, failed: int = 0, tokens: float | None = None,
+          cpu_ms: float | None = None) -> Step:
     return Step(rate=rate, ttft_p50_s=p50, ttft_p90_s=p50 * 2, judged=100, failed=failed,
-                tokens_per_s=16 * rate if tokens is None else tokens)
+                tokens_per_s=16 * rate if tokens is None else tokens, cpu_ms_per_request=cpu_ms,
+                sent_per_s=rate)
 
 
 def test_poisson_arrivals_have_the_rate_asked_for() -> None:
@@ -64,17 +67,37 @@ def test_failures_saturate_at_the_rate_below_and_a_path_that_never_doubles_is_a_
     assert not never["reached"] and never["rate"] == 200
 
 
-def test_verdicts_compare_each_round_with_direct_s() -> None:
-    rounds = [{"direct": saturation([_step(50, 0.01), _step(400, 0.01)]),
-               "kvproxy/expected_ttft": saturation([_step(50, 0.01), _step(100, 0.015),
-                                                    _step(200, 0.025)])}]
-    v = verdicts(rounds)
+def test_verdicts_compare_each_round_with_direct_s_and_read_the_router_s_cpu() -> None:
+    direct = saturation([_step(50, 0.01), _step(400, 0.01)])
+    busy = saturation([_step(50, 0.01, cpu_ms=1.0), _step(100, 0.015, cpu_ms=1.0),
+                       _step(200, 0.025, cpu_ms=4.5)])  # 0.9 of a core at 200/s
+    idle = saturation([_step(50, 0.01, cpu_ms=0.3), _step(100, 0.015, cpu_ms=0.3),
+                       _step(200, 0.025, cpu_ms=0.3)])  # 0.06 of a core
+    v = verdicts([{"direct": direct, "kvproxy/expected_ttft": busy, "vllm-router/x": idle}])
     assert not v["direct"]["all_reached"]
     kv = v["kvproxy/expected_ttft"]
     assert kv["all_reached"] and math.isclose(kv["over_direct"][0], math.sqrt(2e4) / 400)
+    assert kv["reading"] == "the router saturated first (its cores busy)"
+    assert v["vllm-router/x"]["reading"].startswith("below direct with its cores 0.06 busy")
+    # On two cores the same CPU is half as busy.
+    two = verdicts([{"direct": direct, "kvproxy/expected_ttft": busy}], router_cores=2)
+    assert two["kvproxy/expected_ttft"]["busy_share"] == [0.45]
     text = markdown({"command": "x", "started_at": "t", "settings": {}, "verdicts": v,
                      "machine": {"cpu_model": "c", "nproc": 2, "python": "3",
                                  "load_avg_at_start": [0.1, 0.2, 0.3]}})
     assert "| `direct` | ≥ 400 |" in text
-    row = "| `kvproxy/expected_ttft` | 141 | 141 | 2400 | 0.35 | the router saturated first |"
+    row = ("| `kvproxy/expected_ttft` | 141 | 141 | 2400 | 0.35 | 0.90 | the router saturated "
+           "first (its cores busy) |")
     assert row in text
+
+
+def test_a_results_file_is_judged_again_from_its_steps() -> None:
+    steps = [_step(50, 0.01, cpu_ms=1.0), _step(100, 0.015, cpu_ms=1.0),
+             _step(200, 0.025, cpu_ms=4.5)]
+    written = [dict(s.__dict__) for s in steps]
+    written[0]["sent_per_s"] = None  # how a NaN comes back from JSON
+    result: dict[str, object] = {"settings": {"router_cores": "0"},
+                                 "rounds": [{"kvproxy/expected_ttft": written}]}
+    again = rejudge(result)
+    assert again["saturation"] == [{"kvproxy/expected_ttft": saturation(steps)}]
+    assert again["verdicts"]["kvproxy/expected_ttft"]["busy_share"] == [0.9]  # type: ignore[index]
