@@ -232,7 +232,21 @@ async def test_spec_decode_counters_draft_model(backend: Backend) -> None:
 
 
 async def test_client_disconnect_aborts_the_request(backend: Backend) -> None:
-    engine = backend.b
+    """An attempt in which the whole request was generated before the engine's API server saw
+    the disconnect (a loaded machine can starve it while the engine core steps on) is repeated;
+    an engine that never aborts runs every attempt to its end and fails."""
+    ran: list[float] = []
+    for _ in range(ATTEMPTS):
+        generated = await _disconnect_attempt(backend.b, backend)
+        assert generated > 0, "the request never ran"
+        if generated < LONG:
+            return
+        ran.append(generated)
+    pytest.fail(f"every request ran to its end after the client left: {ran}")
+
+
+async def _disconnect_attempt(engine: Engine, backend: Backend) -> float:
+    """Tokens the engine generated for one request whose client left after five lines."""
     async with aiohttp.ClientSession() as s:
         await wait_until(lambda: _at_most(engine, RUNNING, 0), what="engine b idle")
         before = await metric(engine.metrics_url, GENERATED)
@@ -244,6 +258,4 @@ async def test_client_disconnect_aborts_the_request(backend: Backend) -> None:
         # verdict rests on the token counter: it must settle short of the whole request.
         await wait_until(lambda: _at_most(engine, RUNNING, 0), timeout_s=20,
                          what="running count to drop after disconnect")
-    settled = await settled_metric(engine.metrics_url, GENERATED)
-    assert settled - before > 0, "the request never ran"
-    assert settled - before < LONG, "the request ran to its end after the client left"
+    return await settled_metric(engine.metrics_url, GENERATED) - before
