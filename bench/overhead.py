@@ -150,12 +150,7 @@ def _measure_fleet(args: argparse.Namespace, spec: FleetSpec, routers: list[Rout
                    levels: list[int], fit_tokens: list[int], rounds: int, slice_s: float,
                    work: Path, result: dict[str, object]) -> None:
     """The interleaved slices and the CPU fit, with the engines and every router running."""
-    fleet = Fleet(spec, work, cores=args.engine_cores or None)
-    started: list[tuple[Router, Managed, Endpoint]] = []
-    try:
-        fleet.start()
-        started = start_routers(routers, fleet, spec.model, work, args, result)
-        paths = Paths(fleet.urls, spec.model, args.prompt_tokens, args.output_tokens)
+    with running(args, spec, routers, work, result) as (paths, started):
         result["load_before"] = os.getloadavg()
         with pinned(_loadgen_cores(args)):
             result["levels"] = run_async(measure(paths, started, levels, rounds, slice_s,
@@ -165,6 +160,21 @@ def _measure_fleet(args: argparse.Namespace, spec: FleetSpec, routers: list[Rout
                     paths, started, fit_tokens, args.fit_concurrency, rounds, slice_s,
                     args.ramp_s))
         result["load_after"] = os.getloadavg()
+
+
+@contextmanager
+def running(args: argparse.Namespace, spec: FleetSpec, routers: list[Router], work: Path,
+            result: dict[str, object],
+            ) -> Iterator[tuple[Paths, list[tuple[Router, Managed, Endpoint]]]]:
+    """The engines (on ``args.engine_cores``) and every router that starts (on
+    ``args.router_cores``; one that does not is noted in ``result``), all stopped on the way
+    out whatever happened."""
+    fleet = Fleet(spec, work, cores=args.engine_cores or None)
+    started: list[tuple[Router, Managed, Endpoint]] = []
+    try:
+        fleet.start()
+        started = start_routers(routers, fleet, spec.model, work, args, result)
+        yield Paths(fleet.urls, spec.model, args.prompt_tokens, args.output_tokens), started
     finally:
         for _, proc, _ in started:
             proc.stop()

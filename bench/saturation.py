@@ -43,31 +43,21 @@ from pathlib import Path
 import aiohttp
 
 from bench import machine
-from bench.fleet import Fleet, FleetSpec
+from bench.fleet import FleetSpec
 from bench.loadgen import Endpoint, make_session, request_body, run_async, send_one
 from bench.markdown import table
-from bench.overhead import pinned, start_routers
+from bench.overhead import Paths, pinned, running
 from bench.peers import Router, parse_router_list
 from bench.procs import Managed, tree_cpu_seconds
-from bench.prompts import random_tokens
 from bench.report import RESULTS
 from bench.stats import RequestRecord, percentile
+from bench.workloads import poisson_arrivals
 
 DOUBLING = 2.0
 MAX_FAILED = 0.01
 DEFAULT_ROUTERS = ("kvproxy/expected_ttft,kvproxy/expected_ttft+w2,vllm-router/round_robin,"
                    "sglang-router/round_robin")
 DEFAULT_RATES = "50,100,200,350,500,700,1000,1400,2000"
-
-
-def poisson_offsets(rate: float, duration_s: float, rng: random.Random) -> list[float]:
-    """Send times in ``[0, duration_s)`` of a Poisson process of ``rate`` per second."""
-    out: list[float] = []
-    t = rng.expovariate(rate)
-    while t < duration_s:
-        out.append(t)
-        t += rng.expovariate(rate)
-    return out
 
 
 @dataclass(frozen=True)
@@ -194,21 +184,9 @@ def _reading(name: str, over: Sequence[float], busy: Sequence[float], reached: b
 # -- the shell ----------------------------------------------------------------------------------
 
 
-class _Paths:
-    def __init__(self, urls: Sequence[str], model: str, prompt_tokens: int,
-                 output_tokens: int) -> None:
-        self.direct = [Endpoint(name="direct", base_url=u, model=model) for u in urls]
-        self.rng = random.Random(7)
-        self.prompt_tokens, self.output_tokens = prompt_tokens, output_tokens
-
-    def body(self, endpoint: Endpoint) -> bytes:
-        return request_body(endpoint, random_tokens(self.rng, self.prompt_tokens),
-                            self.output_tokens)
-
-
-async def _open_loop(session: aiohttp.ClientSession, paths: _Paths, endpoint: Endpoint | None,
+async def _open_loop(session: aiohttp.ClientSession, paths: Paths, endpoint: Endpoint | None,
                      rate: float, step_s: float, rng: random.Random) -> list[RequestRecord]:
-    offsets = poisson_offsets(rate, step_s, rng)
+    offsets = poisson_arrivals(rng, rate, step_s)
     targets = [endpoint or paths.direct[i % len(paths.direct)] for i in range(len(offsets))]
     bodies = [paths.body(t) for t in targets]
     tasks: list[asyncio.Task[RequestRecord]] = []
@@ -222,7 +200,7 @@ async def _open_loop(session: aiohttp.ClientSession, paths: _Paths, endpoint: En
     return list(await asyncio.gather(*tasks))
 
 
-async def _ladder(paths: _Paths, started: list[tuple[Router, Managed, Endpoint]],
+async def _ladder(paths: Paths, started: list[tuple[Router, Managed, Endpoint]],
                   rates: Sequence[float], step_s: float, warm_s: float,
                   rnd: int) -> dict[str, list[Step]]:
     names = ["direct", *(r.name for r, _, _ in started)]
@@ -334,25 +312,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                      "engine_cores": args.engine_cores, "router_cores": args.router_cores},
         "unavailable": {}, "rounds": [], "saturation": []}
     work = args.out / "raw" / "saturation"
-    fleet = Fleet(spec, work, cores=args.engine_cores or None)
-    started: list[tuple[Router, Managed, Endpoint]] = []
-    try:
-        fleet.start()
-        started = start_routers(routers, fleet, spec.model, work, args, result)
-        paths = _Paths(fleet.urls, spec.model, args.prompt_tokens, args.output_tokens)
-        with pinned(args.engine_cores or None):
-            for rnd in range(max(1, args.rounds)):
-                print(f"== round {rnd + 1}", flush=True)
-                steps = run_async(_ladder(paths, started, rates, args.step_s, args.warm_s, rnd))
-                result["rounds"].append(  # type: ignore[attr-defined]
-                    {n: [s.__dict__ for s in v] for n, v in steps.items()})
-                result["saturation"].append(  # type: ignore[attr-defined]
-                    {n: saturation(v) for n, v in steps.items()})
-                machine.write_json(args.out / "saturation.json", result)
-    finally:
-        for _, proc, _ in started:
-            proc.stop()
-        fleet.stop()
+    with running(args, spec, routers, work, result) as (paths, started), \
+            pinned(args.engine_cores or None):
+        for rnd in range(max(1, args.rounds)):
+            print(f"== round {rnd + 1}", flush=True)
+            steps = run_async(_ladder(paths, started, rates, args.step_s, args.warm_s, rnd))
+            result["rounds"].append(  # type: ignore[attr-defined]
+                {n: [s.__dict__ for s in v] for n, v in steps.items()})
+            result["saturation"].append(  # type: ignore[attr-defined]
+                {n: saturation(v) for n, v in steps.items()})
+            machine.write_json(args.out / "saturation.json", result)
     result["finished_at"] = machine.now_utc()
     result["verdicts"] = verdicts(result["saturation"],  # type: ignore[arg-type]
                                   len(args.router_cores.split(",")))

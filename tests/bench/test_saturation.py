@@ -9,13 +9,13 @@ import random
 from bench.saturation import (
     Step,
     markdown,
-    poisson_offsets,
     rejudge,
     saturation,
     step_of,
     verdicts,
 )
 from bench.stats import RequestRecord
+from bench.workloads import poisson_arrivals
 
 
 def _step(rate: float, p50: float, *, failed: int = 0, tokens: float | None = None,
@@ -26,7 +26,7 @@ def _step(rate: float, p50: float, *, failed: int = 0, tokens: float | None = No
 
 
 def test_poisson_arrivals_have_the_rate_asked_for() -> None:
-    offsets = poisson_offsets(200.0, 50.0, random.Random(3))
+    offsets = poisson_arrivals(random.Random(3), 200.0, 50.0)
     assert all(0 <= a < b < 50.0 for a, b in itertools.pairwise(offsets))
     assert abs(len(offsets) / 50.0 - 200.0) < 10.0  # 10,000 expected, sd 100
     gaps = [b - a for a, b in itertools.pairwise(offsets)]
