@@ -58,6 +58,8 @@ MAX_FAILED = 0.01
 DEFAULT_ROUTERS = ("kvproxy/expected_ttft,kvproxy/expected_ttft+w2,vllm-router/round_robin,"
                    "sglang-router/round_robin")
 DEFAULT_RATES = "50,100,200,350,500,700,1000,1400,2000"
+BELOW_DIRECT = 0.9  # a router's rate over direct's below this is its own limit, if also busy
+BUSY_CORES = 0.8  # of the router's cores, at the step where it saturated
 
 
 @dataclass(frozen=True)
@@ -155,16 +157,11 @@ def verdicts(rounds: Sequence[dict[str, dict[str, object]]],
                 over_direct.append(float(str(own["rate"])) / float(str(direct["rate"])))
         busy = [float(str(p["cpu_cores"])) / router_cores for p in per
                 if p.get("cpu_cores") is not None]
+        reached = all(bool(p.get("reached")) for p in per)
         out[name] = {"rounds": per, "median_rate": statistics.median(rates) if rates else None,
-                     "all_reached": all(bool(p.get("reached")) for p in per),
-                     "over_direct": over_direct, "busy_share": busy,
-                     "reading": _reading(name, over_direct, busy,
-                                         all(bool(p.get("reached")) for p in per))}
+                     "all_reached": reached, "over_direct": over_direct, "busy_share": busy,
+                     "reading": _reading(name, over_direct, busy, reached)}
     return out
-
-
-BELOW_DIRECT = 0.9  # a router's rate over direct's below this is its own limit, if also busy
-BUSY_CORES = 0.8  # of the router's cores, at the step where it saturated
 
 
 def _reading(name: str, over: Sequence[float], busy: Sequence[float], reached: bool) -> str:

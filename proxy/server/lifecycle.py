@@ -7,7 +7,7 @@ Rules:
   engine's health is known, so every request would be refused. This matters most for a worker
   restarted under ``--workers N``, which joins the shared port while clients are sending; its
   siblings take the connections until it knows the fleet. The round is bounded by its own timeouts
-  (twice ``telemetry.timeout_s`` at most); past ``_FIRST_ROUND_WAIT`` such rounds' worth the proxy
+  (twice ``telemetry.timeout_s`` at most); past ``_FIRST_ROUND_TIMEOUTS`` timeouts the proxy
   listens anyway, with a warning, so that ``/ready`` and ``/health`` can say what is wrong.
 - Handlers are cancelled when their client disconnects (``handler_cancellation``), which is how an
   abandoned request reaches the relay's ``finally`` and closes its engine connection at once.
@@ -46,8 +46,9 @@ log = logging.getLogger(__name__)
 
 # After the drain, whatever is still open gets this long before it is cancelled.
 _FINAL_GRACE_S = 0.5
-# How long start-up waits for the first scrape round, in the round's own bound (2 x timeout_s).
-_FIRST_ROUND_WAIT = 2.0
+# How long start-up waits for the first scrape round, in ``telemetry.timeout_s``: twice the
+# round's own bound (two timeouts when the loop ran late).
+_FIRST_ROUND_TIMEOUTS = 4
 # Garbage collector threshold once serving for the oldest generation (middle collections between
 # two of the oldest; the interpreter also waits until a quarter of the old heap is new).
 _GC_OLD = 20
@@ -88,7 +89,7 @@ class ProxyServer:
         known = self.app.get(FLEET_KNOWN)
         if known is None:
             return
-        bound = _FIRST_ROUND_WAIT * 2 * self.cfg.telemetry.timeout_s
+        bound = _FIRST_ROUND_TIMEOUTS * self.cfg.telemetry.timeout_s
         try:
             async with asyncio.timeout(bound):
                 await known.wait()
