@@ -82,7 +82,10 @@ See `bench/README.md` for every option.
   that share nothing (routing can only balance load); **longdoc**, 24 documents of 32k-56k
   tokens, about 1.06 M tokens together, more than one engine's KV cache, each read by 4 users.
   Each table compares every figure with the best peer's (the peer policy with the lowest TTFT
-  p90 on that workload), and the hit rate with the oracle's.
+  p90 on that workload), and the hit rate with the oracle's. Each workload's *idle floor* is the
+  TTFT no router can beat on the simulator's model (every request alone on an idle engine holding
+  every prompt block an earlier request carried); the targets are judged per round, and a p90
+  target below the floor is called unreachable.
 - **Traffic (overhead).** Closed-loop streams at several concurrencies; the engines called
   directly and through each router, in short slices that alternate within one run so that
   drifts of the machine affect every path alike.

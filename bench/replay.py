@@ -6,7 +6,8 @@ Usage: ``python -m bench.replay --workloads chat [--quick] [--policies expected_
 (engine seconds), the engines' hit rate, requests per engine (busiest / mean) and what the
 decisions cost in cache: how often the pick held less of the prompt than the engine holding
 the most of it really did (from the engines' own block pools), and why, and the hit rate over
-``bench.traces.oracle_hit_rate``. A policy may carry variants: ``expected_ttft+plain``,
+``bench.traces.oracle_hit_rate``, and the workload's idle floor (``bench.idle_floor``: the TTFT
+no router can beat). A policy may carry variants: ``expected_ttft+plain``,
 ``expected_ttft+unbounded``, ``expected_ttft+drain`` (``VARIANTS``).
 
 Rules:
@@ -38,6 +39,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
+from bench.idle_floor import floor_percentiles, idle_floors
 from bench.prompts import PromptMapper
 from bench.stats import percentile
 from bench.traces import Caps, TraceRequest, apply_caps, oracle_hit_rate
@@ -378,8 +380,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         kv_tokens = PROFILES[args.profile].num_gpu_blocks(16) * 16
         oracle = oracle_hit_rate(reqs, args.engines, kv_tokens)
+        floor = floor_percentiles(idle_floors(reqs, args.profile))
         print(f"== {w.name}: {len(reqs)} requests, rate scale {scale:.2f}, "
-              f"oracle hit rate {oracle:.3f}", flush=True)
+              f"oracle hit rate {oracle:.3f}; idle floor TTFT p50 {floor['ttft_p50']:.3f} "
+              f"p90 {floor['ttft_p90']:.3f} p99 {floor['ttft_p99']:.3f}", flush=True)
         for pol in args.policies.split(","):
             router: Router = (CacheAware(args.engines) if pol == "cache_aware"
                               else KvproxyRouter(pol, args.engines, RoutingConfig()))

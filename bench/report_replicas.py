@@ -20,8 +20,8 @@ from collections.abc import Mapping, Sequence
 
 from bench.front import COMPARED
 from bench.markdown import Run, fmt, num, stamp, table
-from bench.report_suite import figure
 from bench.stats import ratio
+from bench.suite_runs import figure
 
 BASELINES = ("haproxy-1", "direct-1")
 GOAL_ARM = "haproxy-4-shared"

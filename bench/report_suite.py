@@ -16,43 +16,22 @@ from collections.abc import Callable, Mapping, Sequence
 
 from bench.markdown import Run, fmt, ms, num, stamp, table
 from bench.stats import ratio
+from bench.suite_runs import best_peer, figure, group
+from bench.suite_targets import targets_section
 from bench.targets import DEFAULT_KVPROXY as KVPROXY
 
+TARGETS_TEXT = (
+    "kvproxy's default policy (and its precise mode, where it ran), each workload and round on "
+    "its own (`bench.suite_targets`): on a workload with reuse, TTFT p90 ≤ 0.85 x the best "
+    "peer's, p50 ≤ the best peer's, hit rate ≥ 0.95 x the oracle's (0.98 in precise mode); "
+    "without reuse, p90 ≤ 1.05 x the lowest of all routers'. The idle floor column is the p90 "
+    "target over the lowest p90 any router can reach on that workload: below 1, no router can "
+    "meet the target.")
 FIGURES = (("TTFT p50", "ttft_p50"), ("TTFT p90", "ttft_p90"), ("TTFT p99", "ttft_p99"),
            ("ITL p99", "itl_p99"))
 HEADER = ("router", "round", "TTFT p50 s", "TTFT p90 s", "TTFT p99 s", "ITL p99 ms", "hit rate",
           "hit / oracle", "req/engine max / mean", "p50 / best peer", "p90 / best peer",
           "p99 / best peer", "ITL p99 / best peer", "hit / best peer", "done", "router CPU")
-
-
-def figure(run: Run, key: str) -> float:
-    """A run's figure by key: a summary latency or ``hit_rate``; NaN when it did not run."""
-    if run.get("status") != "ok":
-        return math.nan
-    if key == "hit_rate":
-        return num(run.get("hit_rate"))
-    summary = run.get("summary")
-    return num(summary.get(key)) if isinstance(summary, Mapping) else math.nan
-
-
-def is_peer(run: Run) -> bool:
-    return not str(run.get("router", "")).startswith("kvproxy/")
-
-
-def best_peer(runs: Sequence[Run]) -> Run | None:
-    """The peer run with the lowest TTFT p90 among ``runs`` (one workload, one round)."""
-    peers = [r for r in runs if is_peer(r) and not math.isnan(figure(r, "ttft_p90"))]
-    return min(peers, key=lambda r: figure(r, "ttft_p90")) if peers else None
-
-
-def group(runs: Sequence[Run]) -> dict[tuple[str, int], list[Run]]:
-    """Runs by (workload, round), in the order they ran."""
-    out: dict[tuple[str, int], list[Run]] = {}
-    for run in runs:
-        rnd = run.get("round", 0)
-        out.setdefault((str(run.get("workload")), rnd if isinstance(rnd, int) else 0),
-                       []).append(run)
-    return out
 
 
 def engine_spread(run: Run) -> str:
@@ -104,7 +83,16 @@ def workload_settings(w: Mapping[str, object]) -> str:
         f"- prefix-cache hit rate of the slice: ideal {fmt(num(t.get('ideal_hit_rate')))}, "
         f"oracle over the fleet's KV {fmt(num(t.get('oracle_hit_rate')))}, round-robin over "
         f"infinite caches {fmt(num(t.get('round_robin_infinite_hit_rate')))}",
+        *_floor_line(w.get("idle_floor")),
     ])
+
+
+def _floor_line(floor: object) -> list[str]:
+    if not isinstance(floor, Mapping):
+        return []
+    return [f"- idle floor (`bench.idle_floor`: {floor.get('rule')}): TTFT p50 "
+            f"{fmt(num(floor.get('ttft_p50')), 2)} s, p90 {fmt(num(floor.get('ttft_p90')), 2)} s, "
+            f"p99 {fmt(num(floor.get('ttft_p99')), 2)} s"]
 
 
 def workload_section(w: Mapping[str, object], groups: Mapping[tuple[str, int], list[Run]]) -> str:
@@ -223,7 +211,9 @@ def suite_markdown(data: Mapping[str, object]) -> str:
     assert isinstance(ws, list)
     groups = group(data["runs"])  # type: ignore[arg-type]
     parts = ["# Routing workload suite", "", stamp(data), "", "## Settings", "",
-             suite_settings(data), "", "## Summary", "", summary_section(data), ""]
+             suite_settings(data), "", "## Summary", "", summary_section(data), "",
+             "## Targets, judged per round", "", TARGETS_TEXT, "",
+             targets_section(ws, groups), ""]
     parts += [workload_section(w, groups) for w in ws]
     parts += ["Per workload: `req/engine` is the busiest engine's request count over the mean "
               "(from `vllm:request_success_total`); `hit rate` is the engines' own prefix-cache "

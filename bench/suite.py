@@ -18,7 +18,8 @@ Rules:
   its own process); only the slice, the input cap and the load change per workload.
 - Rounds, then workloads, then routers: with ``--repeat N`` every round runs the whole suite, so
   a slow drift of the machine touches every router; each round is judged on its own.
-- The cache ceiling per workload is ``bench.traces.oracle_hit_rate`` over the fleet's KV size.
+- The cache ceiling per workload is ``bench.traces.oracle_hit_rate`` over the fleet's KV size;
+  the latency floor is ``bench.idle_floor`` (what no router can beat, on the engines' own model).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from pathlib import Path
 from bench import machine, report
 from bench.calibrate import simulate_round_robin
 from bench.fleet import FleetSpec
+from bench.idle_floor import RULE as FLOOR_RULE
+from bench.idle_floor import floor_percentiles, idle_floors
 from bench.peers import Router, parse_router_list
 from bench.prompts import PromptMapper
 from bench.routing import Plan, print_run, run_one
@@ -111,6 +114,8 @@ class Prepared:
                       "oracle_hit_rate": oracle_hit_rate(reqs, engines, self.kv_tokens)},
             "kv_tokens_per_engine": self.kv_tokens,
             "calibration": {"rule": KNEE_RULE, **asdict(self.calibration)},
+            "idle_floor": {"rule": FLOOR_RULE,
+                           **floor_percentiles(idle_floors(reqs, plan.spec.profile))},
         }
 
 

@@ -34,6 +34,7 @@ Rules:
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -219,10 +220,17 @@ def markdown(result: dict[str, object]) -> str:
     for v in verdicts:
         lines.append(f"- `{v['workload']}`: CPU per request {v['cpu_ratio']:.2f}x one worker's "
                      f"({'met' if v['cpu_met'] else 'NOT met'}; net of idle "
-                     f"{_fmt(v.get('net_ratio'))}x; against one worker at 1/N of the rate "
-                     f"{_fmt(v.get('load_ratio'))}x), hit rate {v['hit_ratio']:.2f}x "
+                     f"{_fmt(v.get('net_ratio'))}x{_at_load(v.get('load_ratio'))}), hit rate "
+                     f"{v['hit_ratio']:.2f}x "
                      f"({'met' if v['hit_met'] else 'NOT met'})")
     return "\n".join(lines) + "\n"
+
+
+def _at_load(ratio: object) -> str:
+    """The verdict's clause on the per-worker-load arm; none for results without that arm."""
+    if not isinstance(ratio, int | float) or math.isnan(ratio):
+        return ""
+    return f"; against one worker at 1/N of the rate {_fmt(ratio)}x"
 
 
 def _fmt(value: object, digits: int = 2) -> str:

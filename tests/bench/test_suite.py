@@ -5,8 +5,9 @@ import pytest
 
 from bench import report, suite
 from bench.machine import write_json
-from bench.report_suite import best_peer, suite_markdown
+from bench.report_suite import suite_markdown
 from bench.routing import build_parser
+from bench.suite_runs import best_peer
 from bench.traces import Caps, apply_caps
 from bench.workloads import rag
 

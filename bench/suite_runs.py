@@ -1,0 +1,44 @@
+"""The routing suite's runs, read from ``bench/results/suite.json``: figures, peers, rounds.
+
+Rules:
+- Each (workload, round) is judged on its own: the *best peer* is the peer policy (any router
+  but kvproxy) with the lowest TTFT p90 in that workload and round.
+- A run that did not finish reads as NaN, never as a figure.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+from bench.markdown import Run, num
+
+
+def figure(run: Run, key: str) -> float:
+    """A run's figure by key: a summary latency or ``hit_rate``; NaN when it did not run."""
+    if run.get("status") != "ok":
+        return math.nan
+    if key == "hit_rate":
+        return num(run.get("hit_rate"))
+    summary = run.get("summary")
+    return num(summary.get(key)) if isinstance(summary, Mapping) else math.nan
+
+
+def is_peer(run: Run) -> bool:
+    return not str(run.get("router", "")).startswith("kvproxy/")
+
+
+def best_peer(runs: Sequence[Run]) -> Run | None:
+    """The peer run with the lowest TTFT p90 among ``runs`` (one workload, one round)."""
+    peers = [r for r in runs if is_peer(r) and not math.isnan(figure(r, "ttft_p90"))]
+    return min(peers, key=lambda r: figure(r, "ttft_p90")) if peers else None
+
+
+def group(runs: Sequence[Run]) -> dict[tuple[str, int], list[Run]]:
+    """Runs by (workload, round), in the order they ran."""
+    out: dict[tuple[str, int], list[Run]] = {}
+    for run in runs:
+        rnd = run.get("round", 0)
+        out.setdefault((str(run.get("workload")), rnd if isinstance(rnd, int) else 0),
+                       []).append(run)
+    return out

@@ -1,0 +1,77 @@
+"""The suite's targets are judged from the results, round by round, and a p90 target below the
+workload's idle floor is called unreachable beside the miss (never turned into a pass)."""
+
+from bench.report_suite import suite_markdown
+from bench.suite_targets import judge, targets_section
+from tests.bench.test_suite import SUITE, _run, _workload
+
+
+def _verdict(run, runs, oracle=0.8, floor_p90=0.5):
+    return judge(run, runs, oracle, floor_p90)[-1]
+
+
+def test_every_target_met_is_met_and_each_miss_is_named():
+    peer = _run("rag", "sglang-router/cache_aware", 4.0, 0.7)
+    good = _run("rag", "kvproxy/expected_ttft", 3.0, 0.78)  # p90 0.75, p50 0.75, hit 0.975
+    assert _verdict(good, [good, peer]) == "met"
+    slow = _run("rag", "kvproxy/expected_ttft", 3.6, 0.78)  # p90 0.90 of the peer's
+    assert _verdict(slow, [slow, peer]) == "not met: p90"
+    cold = _run("rag", "kvproxy/expected_ttft", 3.0, 0.7)  # hit 0.875 of the oracle
+    assert _verdict(cold, [cold, peer]) == "not met: hit"
+    late = _run("rag", "kvproxy/expected_ttft", 3.0, 0.78)
+    late["summary"]["ttft_p50"] = 2.5  # above the peer's 2.0
+    assert _verdict(late, [late, peer]) == "not met: p50"
+
+
+def test_precise_mode_is_held_to_the_higher_hit_share():
+    peer = _run("rag", "sglang-router/cache_aware", 4.0, 0.7)
+    run = _run("rag", "kvproxy/expected_ttft+precise", 3.0, 0.77)  # 0.9625 of the oracle
+    assert _verdict(run, [run, peer]) == "not met: hit"
+    plain = _run("rag", "kvproxy/expected_ttft", 3.0, 0.77)
+    assert _verdict(plain, [plain, peer]) == "met"
+
+
+def test_a_p90_target_below_the_floor_is_called_unreachable_and_still_missed():
+    peer = _run("longdoc", "sglang-router/cache_aware", 6.6, 0.69)
+    ours = _run("longdoc", "kvproxy/expected_ttft", 6.1, 0.69)  # 0.92 of the peer's p90
+    row = judge(ours, [ours, peer], 0.7, 5.83)
+    assert row[3] == "0.96"  # 0.85 x 6.6 = 5.61 s over the 5.83 s floor
+    assert row[-1].startswith("not met: p90; the p90 target (5.61 s) is below the idle floor "
+                              "(5.83 s): no router can meet it")
+    # A floor under the target: an ordinary miss.
+    assert judge(ours, [ours, peer], 0.7, 4.0)[-1] == "not met: p90"
+
+
+def test_no_reuse_is_judged_against_the_best_of_all_routers():
+    ours = _run("unique", "kvproxy/expected_ttft", 1.04, 0.0)
+    other = _run("unique", "kvproxy/round_robin", 1.0, 0.0)
+    peer = _run("unique", "sglang-router/cache_aware", 1.2, 0.0)
+    assert _verdict(ours, [ours, other, peer], oracle=0.0) == "met"
+    ours = _run("unique", "kvproxy/expected_ttft", 1.06, 0.0)
+    assert _verdict(ours, [ours, other, peer], oracle=0.0) == "not met: p90"
+
+
+def test_a_round_without_a_peer_is_not_measured():
+    ours = _run("rag", "kvproxy/expected_ttft", 3.0, 0.78)
+    failed = _run("rag", "sglang-router/cache_aware", 0, 0, status="unavailable")
+    assert _verdict(ours, [ours, failed]) == "not measured"
+
+
+def test_the_report_carries_the_judgement_per_round_and_the_floor():
+    data = {**SUITE, "workloads": [{**_workload("rag", 0.8),
+                                    "idle_floor": {"rule": "alone", "ttft_p50": 0.1,
+                                                   "ttft_p90": 0.4, "ttft_p99": 0.9}},
+                                   _workload("unique", 0.0)]}
+    text = suite_markdown(data)
+    assert "idle floor (`bench.idle_floor`: alone): TTFT p50 0.10 s, p90 0.40 s, p99 0.90 s" in text
+    section = text.split("## Targets, judged per round")[1].split("## Workload")[0]
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    # rag round 1: 2.0 / 3.0 = 0.67, p50 1.0 / 1.5, hit 0.6 / 0.8 = 0.75: hit missed;
+    # rag round 2: 5.0 / 4.0; unique: 1.0 against the best of all, 1.0.
+    assert rows[0].startswith("| `rag` | 1 | `kvproxy/expected_ttft` | 0.67 | 0.67 | 0.75")
+    assert rows[0].endswith("| 6.37 | not met: hit |")  # 0.85 x 3.0 / 0.4 = 6.375
+    assert rows[1].endswith("not met: p90, p50, hit |")
+    assert rows[2].startswith("| `unique` | 1 |") and rows[2].endswith("| met |")
+    # Results from before the floor was computed: the column reads n/a, the verdicts stand.
+    assert "| 0.67 | 0.67 | 0.75 (≥ 0.95) | n/a | not met: hit |" in targets_section(
+        SUITE["workloads"], {("rag", 0): SUITE["runs"][:4]})
