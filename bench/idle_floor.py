@@ -3,9 +3,11 @@
 Each request's floor is its time to first token alone on an idle engine that holds every
 prompt block any *earlier* request carried (by arrival), with nothing evicted and no wait for
 an earlier request's prefill to finish. Any router, on any number of engines, gives each request
-at least that: a block no earlier request carried is cached nowhere, a step shared with other
-sequences is no shorter than the same step alone (the profile's step time grows with the tokens
-and context in it), and a request cannot start before it arrives. So each percentile of the
+at least that: a block no earlier request carried is cached nowhere; alone, the engine computes
+the prompt in the fewest steps (the whole step budget each), and another sequence in a step only
+adds to that step's time (the profile's step time grows with the tokens and context in it; a
+token of the budget another sequence takes costs the step more than the attention it spares this
+prompt's chunk); and a request cannot start before it arrives. So each percentile of the
 floors bounds the same percentile of any router's TTFTs from below, and a target under the
 floor is one that no router can meet on that workload.
 

@@ -170,6 +170,13 @@ def summary_section(data: Mapping[str, object]) -> str:
     def over_oracle(w: str, run: Run, _runs: Sequence[Run]) -> float:
         return ratio(figure(run, "hit_rate"), oracle[w])
 
+    floors = {str(w["name"]): w.get("idle_floor") for w in ws}
+
+    def over_floor(w: str, run: Run, _runs: Sequence[Run]) -> float:
+        floor = floors[w]
+        return ratio(figure(run, "ttft_p90"),
+                     num(floor.get("ttft_p90")) if isinstance(floor, Mapping) else math.nan)
+
     def matrix(value: Value) -> str:
         return summary_matrix(names, routers, groups, value)
 
@@ -181,6 +188,9 @@ def summary_section(data: Mapping[str, object]) -> str:
         "Prefix-cache hit rate / the oracle's (`bench.traces.oracle_hit_rate`; `unique` has no "
         "reuse, so n/a):", "",
         matrix(over_oracle), "",
+        "TTFT p90 / the workload's idle floor (`bench.idle_floor`: the p90 no router can beat; "
+        "1.00 would be every request as fast as alone on an idle engine):", "",
+        matrix(over_floor), "",
         "TTFT p50 / the best peer's:", "", matrix(to_best_peer("ttft_p50")), "",
         "TTFT p99 / the best peer's:", "", matrix(to_best_peer("ttft_p99")), "",
         "ITL p99 / the best peer's:", "", matrix(to_best_peer("itl_p99")), "",

@@ -44,7 +44,7 @@ def judge(run: Run, runs: Sequence[Run], oracle: float, floor_p90: float) -> lis
                       if not math.isnan(figure(r, "ttft_p90"))), default=math.nan)
         p90 = ratio(figure(run, "ttft_p90"), lowest)
         misses = _misses([("p90", p90, NO_REUSE_P90, True)])
-        return [fmt(p90, 2) + f" (÷ best of all, ≤ {NO_REUSE_P90:g})", "n/a", "n/a", "n/a",
+        return [fmt(p90, 3) + f" (÷ best of all, ≤ {NO_REUSE_P90:g})", "n/a", "n/a", "n/a",
                 misses]
     best = best_peer(runs)
     p90 = ratio(figure(run, "ttft_p90"), figure(best or {}, "ttft_p90"))
@@ -58,7 +58,7 @@ def judge(run: Run, runs: Sequence[Run], oracle: float, floor_p90: float) -> lis
     if "p90" in verdict and reach < 1.0:
         verdict += (f"; the p90 target ({fmt(target, 2)} s) is below the idle floor "
                     f"({fmt(floor_p90, 2)} s): no router can meet it")
-    return [fmt(p90, 2), fmt(p50, 2), f"{fmt(hit, 2)} (≥ {share:g})", fmt(reach, 2), verdict]
+    return [fmt(p90, 3), fmt(p50, 3), f"{fmt(hit, 3)} (≥ {share:g})", fmt(reach, 2), verdict]
 
 
 def _misses(checks: Sequence[tuple[str, float, float, bool]]) -> str:

@@ -64,14 +64,16 @@ def test_the_report_carries_the_judgement_per_round_and_the_floor():
                                    _workload("unique", 0.0)]}
     text = suite_markdown(data)
     assert "idle floor (`bench.idle_floor`: alone): TTFT p50 0.10 s, p90 0.40 s, p99 0.90 s" in text
+    floor_matrix = text.split("idle floor (`bench.idle_floor`: the p90")[1].split("TTFT p50")[0]
+    assert "| `kvproxy/expected_ttft` | 5.00 / 12.50 | n/a |" in floor_matrix  # 2.0, 5.0 over 0.4
     section = text.split("## Targets, judged per round")[1].split("## Workload")[0]
     rows = [line for line in section.splitlines() if line.startswith("| `")]
     # rag round 1: 2.0 / 3.0 = 0.67, p50 1.0 / 1.5, hit 0.6 / 0.8 = 0.75: hit missed;
     # rag round 2: 5.0 / 4.0; unique: 1.0 against the best of all, 1.0.
-    assert rows[0].startswith("| `rag` | 1 | `kvproxy/expected_ttft` | 0.67 | 0.67 | 0.75")
+    assert rows[0].startswith("| `rag` | 1 | `kvproxy/expected_ttft` | 0.667 | 0.667 | 0.750")
     assert rows[0].endswith("| 6.37 | not met: hit |")  # 0.85 x 3.0 / 0.4 = 6.375
     assert rows[1].endswith("not met: p90, p50, hit |")
     assert rows[2].startswith("| `unique` | 1 |") and rows[2].endswith("| met |")
     # Results from before the floor was computed: the column reads n/a, the verdicts stand.
-    assert "| 0.67 | 0.67 | 0.75 (≥ 0.95) | n/a | not met: hit |" in targets_section(
+    assert "| 0.667 | 0.667 | 0.750 (≥ 0.95) | n/a | not met: hit |" in targets_section(
         SUITE["workloads"], {("rag", 0): SUITE["runs"][:4]})
