@@ -104,21 +104,26 @@ class StreamTail:
 class UsageStrip:
     """Removes the final usage event from a relayed stream (the client did not ask for it)."""
 
+    # A read the strip leaves as it is: it holds nothing back (``carry`` empty, or
+    # ``passthrough``), the read ends between events, and it has no usage event
+    # (``MARK``). The relay's raw path checks these itself, without a call per read.
+    MARK = _USAGE_MARK
+
     def __init__(self) -> None:
-        self._carry = b""
-        self._passthrough = False
+        self.carry = b""  # the start of an event whose end has not come yet
+        self.passthrough = False  # not vLLM's framing: the stream is left as it is
 
     def __call__(self, chunk: bytes) -> bytes:
-        if self._passthrough:
+        if self.passthrough:
             return chunk
-        if self._carry:
-            chunk, self._carry = self._carry + chunk, b""
+        if self.carry:
+            chunk, self.carry = self.carry + chunk, b""
         if not chunk.endswith(b"\n\n"):
             if b"\r\n\r\n" in chunk or len(chunk) > _MAX_CARRY:
-                self._passthrough = True  # not vLLM's framing: leave the stream as it is
+                self.passthrough = True  # not vLLM's framing: leave the stream as it is
                 return chunk
             cut = chunk.rfind(b"\n\n") + 2 if b"\n\n" in chunk else 0
-            chunk, self._carry = chunk[:cut], chunk[cut:]
+            chunk, self.carry = chunk[:cut], chunk[cut:]
         if chunk.find(_USAGE_MARK) >= 0:
             # ``find``, not ``in``: the same search, measured about 0.1 us less per read (the
             # containment protocol's overhead), and this runs on every read of most streams.
@@ -127,7 +132,7 @@ class UsageStrip:
 
     def flush(self) -> bytes:
         """What is still held back when the stream ends."""
-        carry, self._carry = self._carry, b""
+        carry, self.carry = self.carry, b""
         return carry
 
 

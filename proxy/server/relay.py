@@ -79,16 +79,9 @@ from proxy.fleet.upstream import (
     translate,
 )
 from proxy.server.context import ShellContext
+from proxy.server.ending import Ending, StreamEnd, cut_event, tell_recorder
 from proxy.server.job import Job, deadline_error
-from proxy.server.splice import (
-    Capture,
-    DeadlinePassed,
-    Ending,
-    Splice,
-    StreamEnd,
-    cut_event,
-    tell_recorder,
-)
+from proxy.server.splice import Capture, DeadlinePassed, Splice
 
 log = logging.getLogger(__name__)
 
@@ -361,7 +354,9 @@ class Relay:
             recorder.start(resp.status, streamed=True)
             capture = Capture(recorder.max_bytes)
         try:
-            outcome = await self._relay(out, reader, first, capture)
+            # The engine's chunked framing, if plain, can go to the client as it is (``Splice``).
+            chunked = resp.headers.get("Transfer-Encoding", "").lower() == "chunked"
+            outcome = await self._relay(out, reader, first, capture, chunked)
         finally:
             if recorder is not None and capture is not None:
                 tell_recorder(recorder, capture)
@@ -370,7 +365,8 @@ class Relay:
         return out
 
     async def _relay(
-        self, out: web.StreamResponse, reader: StreamReader, first: bytes, capture: Capture | None
+        self, out: web.StreamResponse, reader: StreamReader, first: bytes, capture: Capture | None,
+        chunked: bool = False,
     ) -> StreamEnd:
         """The first read through the response object, the rest spliced, then the ending."""
         strip = UsageStrip() if self._job.strip_usage else None
@@ -378,7 +374,8 @@ class Relay:
         try:
             splice = Splice(self._request, idle_timeout_s=self._up.idle_timeout_s,
                             deadline=self._job.deadline, strip=strip, flight=self._flight,
-                            capture=capture, on_pause=self._ctx.metrics.relay_pauses.inc)
+                            capture=capture, on_pause=self._ctx.metrics.relay_pauses.inc,
+                            upstream_chunked=chunked)
         except ConnectionResetError:
             return StreamEnd(client_gone=True)
         splice.record(first)

@@ -19,10 +19,23 @@ Rules:
   burst) are joined and written once by a callback queued behind the current ones, and always
   before anything else is written or the tap ends. A read holding k events costs two writes, not
   k; a stream paced slower than the tick costs nothing extra.
+- The raw path: when the engine's body and the client's are both chunked, the splice stands in
+  for aiohttp's protocol on the engine connection (``transport.set_protocol``). Reads still go to
+  the parser until one ends between two chunks (the parser's last callback ended a chunk and the
+  read ends with that chunk's CRLF); from then on each read that is whole chunks is written to the
+  client as it came, framing and all, one write for the read, with no parser and no callback per
+  chunk. Anything else (a chunk or chunk line cut by the read, the usage event to strip, an event
+  split across chunks, the last chunk) is taken apart here and each chunk's data goes through
+  ``feed``, as the parser would have sent it. The last chunk, and any trailers, go back to
+  aiohttp's protocol, which still stands between two chunks and so ends the message and pools the
+  connection. Framing that is not valid (a bad size, a chunk line past ``_MAX_SIZE_LINE``, data not
+  followed by CRLF) fails the stream; an ended stream gives the connection back unfinished, so it
+  is closed, never reused.
 - Per read, only: the time, the byte count (KV commitments), a reference kept in a short tail
   (usage at the end), the usage strip's substring check when the proxy asked for usage, and, for
   a request that may be recorded, a bounded list of references (``Capture``; dropped past its
-  limit). Recording and usage parsing happen once, at the end.
+  limit); the raw path keeps each chunk's data as a slice instead. Recording and usage parsing
+  happen once, at the end.
 - The engine's bytes are never re-encoded: the client gets each decoded piece as it came, less a
   usage event the proxy asked for on the client's behalf.
 - The tap ends once: at the engine's EOF, its failure, an idle or deadline timeout, the client
@@ -36,18 +49,15 @@ from __future__ import annotations
 import asyncio
 import contextvars
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, cast
 
-from aiohttp import web
+from aiohttp import ClientPayloadError, web
 from aiohttp.base_protocol import BaseProtocol
 from aiohttp.helpers import _EXC_SENTINEL as _NO_CAUSE
 from aiohttp.http_writer import StreamWriter
 from aiohttp.streams import StreamReader
 
 from proxy.core.commitment import Flight
-from proxy.core.errors import KvproxyError, UpstreamError, UpstreamTimeout
-from proxy.core.recording import Recorder
 from proxy.core.usage import StreamTail, UsageStrip
 
 
@@ -81,14 +91,16 @@ class _TappedReader(StreamReader):
     __slots__ = ()
 
     def feed_data(self, data: bytes, size: int = 0) -> bool:
-        cast("Splice", self._protocol).feed(data)
+        self._protocol.feed(data)  # type: ignore[attr-defined]  # the Splice (no cast per event)
         return False
 
+    # No reader keeps chunk offsets; the splice learns whether the parser stopped inside a chunk
+    # (its raw path may take over only between two chunks).
     def begin_http_chunk_receiving(self) -> None:
-        pass  # no reader keeps chunk offsets: nothing is buffered here
+        self._protocol.chunk_open = True  # type: ignore[attr-defined]
 
     def end_http_chunk_receiving(self) -> None:
-        pass
+        self._protocol.chunk_open = False  # type: ignore[attr-defined]
 
     def feed_eof(self) -> None:
         super().feed_eof()  # runs the response's EOF callbacks: the connection goes to its pool
@@ -119,8 +131,41 @@ class _Spent:
     def resume_reading(self, resume_parser: bool = True) -> None:
         pass
 
+    @property
+    def chunk_open(self) -> bool:
+        return True
+
+    @chunk_open.setter
+    def chunk_open(self, value: bool) -> None:
+        pass
+
+
+class _UpstreamTap(asyncio.Protocol):
+    """Stands in for aiohttp's protocol on the engine connection while a splice relays its body:
+    the reads go to the splice (``Splice._received``), everything else to aiohttp's protocol."""
+
+    def __init__(self, received: Callable[[bytes], None], original: asyncio.Protocol) -> None:
+        self.data_received = received  # type: ignore[method-assign,assignment]  # no frame between
+        self._original = original
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._original.connection_lost(exc)
+
+    def eof_received(self) -> bool | None:
+        return self._original.eof_received()
+
+    def pause_writing(self) -> None:
+        self._original.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._original.resume_writing()
+
 
 _SPENT = _Spent()
+# A chunk-size line, as the raw path reads it: hex digits (and, past them, only what the slow
+# path parses: an extension or spaces). Longer than any size a stream could reach: refused.
+_HEX = b"0123456789abcdefABCDEF"
+_MAX_SIZE_LINE = 1024
 _PENDING: Any = object()
 # The context the tap's own callbacks (its timers, the held write) run in. They read and set no
 # context variable, and a callback scheduled without one copies the current context: one more
@@ -141,6 +186,7 @@ class Splice:
         flight: Flight,
         capture: Capture | None,
         on_pause: Callable[[], None] | None = None,
+        upstream_chunked: bool = False,
     ) -> None:
         writer = request.writer
         if not isinstance(writer, StreamWriter) or writer.transport is None:
@@ -173,6 +219,16 @@ class Splice:
         self.client_gone = False
         self.was_cut = False
         self._on_pause = on_pause  # told each time the client's buffer holds the engine up
+        # The raw path (module rules): the engine's chunked framing passed through as it is.
+        self._raw_ok = upstream_chunked and self._chunked
+        self._tapped: asyncio.Transport | None = None  # the engine connection, while tapped
+        self._original: Any = None  # aiohttp's protocol on it
+        self._parse: Callable[[bytes], None] | None = None  # that protocol's data_received
+        self._raw = False
+        self.chunk_open = True  # the parser's last chunk callback was a begin (or none yet)
+        self._rest = b""  # raw bytes of a chunk line or a chunk's CRLF not complete yet
+        self._need = 0  # bytes of the current chunk's data still to come
+        self._crlf = False  # the current chunk's data is in; its CRLF is next
 
     @property
     def at_event_boundary(self) -> bool:
@@ -222,11 +278,137 @@ class Splice:
         self._upstream = reader._protocol
         reader.__class__ = _TappedReader
         reader._protocol = cast(BaseProtocol, self)
+        if self._raw_ok:
+            self._tap(reader)
         self._idle_timer = self._loop.call_at(self._time() + self._idle, self._check_idle,
                                               context=_QUIET)
         if self._deadline is not None:
             self._deadline_timer = self._loop.call_at(self._deadline, self._deadline_passed,
                                                       context=_QUIET)
+
+    def _tap(self, reader: StreamReader) -> None:
+        """Put the splice between the engine connection and aiohttp's protocol on it: each read
+        still goes to the parser, until one ends between two chunks (``_received``)."""
+        proto = self._upstream
+        transport = getattr(proto, "transport", None)
+        if transport is None or not hasattr(transport, "set_protocol"):
+            return
+        self._original = proto
+        self._parse = proto.data_received  # type: ignore[union-attr]
+        self._tapped = transport
+        transport.set_protocol(_UpstreamTap(self._received, cast(asyncio.Protocol, proto)))
+
+    def _received(self, data: bytes) -> None:
+        """One read of the engine connection, framing included (hot path)."""
+        if not self._raw:
+            parse = self._parse
+            assert parse is not None
+            parse(data)  # aiohttp's parser frames it; its pieces come to ``feed``
+            if not self.chunk_open and self._result is _PENDING and data.endswith(b"\r\n"):
+                # The last callback ended a chunk and nothing of the next one came after its
+                # CRLF (a chunk line never ends in CRLF unless complete, and a complete one
+                # would have begun a chunk): the parser stands between two chunks.
+                self._raw = True
+            return
+        if self._result is not _PENDING:
+            return
+        if self._rest or self._need or self._crlf:
+            self._deframe(data)
+            return
+        # Whole chunks, each with a non-empty payload, is what an engine writes: they go to
+        # the client as they came (the client's framing is the engine's), checked, not rebuilt.
+        strip = self._strip
+        stripping = strip is not None and not strip.passthrough
+        if stripping and (strip.carry or data.find(strip.MARK) >= 0):  # type: ignore[union-attr]
+            self._deframe(data)
+            return
+        pos, n = 0, len(data)
+        payloads = []
+        while pos < n:
+            line = data.find(b"\r\n", pos, pos + _MAX_SIZE_LINE)
+            head = data[pos:line]
+            if line < 0 or not head or head.strip(_HEX):
+                self._deframe(data)  # a partial or unusual chunk line: read the slow way
+                return
+            end = line + 2 + int(head, 16)
+            if end == line + 2 or data[end:end + 2] != b"\r\n":
+                self._deframe(data)  # the last chunk, or a chunk that goes on in the next read
+                return
+            payload = data[line + 2:end]
+            if stripping and not payload.endswith(b"\n\n"):
+                # An event across chunks: the strip must see it whole (its usage mark could be
+                # split by the framing), so this read goes through it piece by piece.
+                self._deframe(data)
+                return
+            payloads.append(payload)
+            pos = end + 2
+        now = self._time()
+        flight, tail, capture = self._flight, self._tail, self._capture
+        for payload in payloads:
+            flight.relayed += len(payload)
+            tail(payload)
+            if capture is not None:
+                capture.add(payload)
+        self._last_sent = payloads[-1]
+        self._send(data, now)
+
+    def _deframe(self, data: bytes) -> None:
+        """Chunked framing read piece by piece: each chunk's data goes through ``feed``. The last
+        chunk (and any trailers) goes back to aiohttp's parser, which ends the message."""
+        buf = self._rest + data if self._rest else data
+        self._rest = b""
+        pos, n = 0, len(buf)
+        while pos < n and self._result is _PENDING:
+            if self._need:
+                take = min(self._need, n - pos)
+                self._need -= take
+                self._crlf = not self._need
+                self.feed(buf[pos:pos + take])
+                pos += take
+            elif self._crlf:
+                if n - pos < 2:
+                    break
+                if buf[pos:pos + 2] != b"\r\n":
+                    self._bad_framing()
+                    return
+                self._crlf = False
+                pos += 2
+            else:
+                line = buf.find(b"\r\n", pos, pos + _MAX_SIZE_LINE)
+                if line < 0:
+                    if n - pos >= _MAX_SIZE_LINE:
+                        self._bad_framing()
+                        return
+                    break
+                head = buf[pos:line].split(b";", 1)[0].strip(b" \t")
+                if not head or head.strip(_HEX) or len(head) > 16:
+                    self._bad_framing()
+                    return
+                size = int(head, 16)
+                if size == 0:
+                    self._hand_back(buf[pos:])
+                    return
+                self._need = size
+                pos = line + 2
+        self._rest = buf[pos:]
+
+    def _hand_back(self, last: bytes) -> None:
+        """The last chunk came: aiohttp's protocol takes the connection back, and its parser,
+        which stood between two chunks, reads the rest and ends the body (``end``)."""
+        parse = self._parse
+        self._untap()
+        if parse is not None:
+            parse(last)
+
+    def _bad_framing(self) -> None:
+        self.end(ClientPayloadError("the engine's chunked framing is malformed"))
+
+    def _untap(self) -> None:
+        transport, self._tapped = self._tapped, None
+        self._raw = False
+        if transport is not None:
+            transport.set_protocol(self._original)
+        self._original = self._parse = None
 
     def feed(self, data: bytes) -> None:
         """One piece of body, decoded by the engine connection's parser (hot path)."""
@@ -241,8 +423,11 @@ class Splice:
         if not sent:
             self._last = now
             return
-        framed = b"%x\r\n%b\r\n" % (len(sent), sent) if self._chunked else sent
         self._last_sent = sent
+        self._send(b"%x\r\n%b\r\n" % (len(sent), sent) if self._chunked else sent, now)
+
+    def _send(self, framed: bytes, now: float) -> None:
+        """Write ``framed`` now, or with what else came at this tick of the loop's clock."""
         if self._held is not None:
             # A write is queued (another piece at this tick: one read held several events): this
             # piece joins it, so the bytes keep their order.
@@ -261,7 +446,8 @@ class Splice:
             self.end(None)
             return
         client.write(framed)
-        if self._client_proto.writing_paused and not self._paused:
+        # aiohttp's flag behind ``writing_paused``, read without the property's call per write.
+        if self._client_proto._paused and not self._paused:
             self._pause()
 
     def _flush(self) -> None:
@@ -277,6 +463,9 @@ class Splice:
         if self._result is not _PENDING:
             return  # the flush found the client gone and ended the tap itself
         self._result = failure
+        # aiohttp's protocol takes the engine connection back now: after its last chunk to be
+        # pooled; before it (client gone, timeout, failure) unfinished, so closed, never reused.
+        self._untap()
         self._notify()
 
     # The StreamReader calls these on its "protocol": they are the engine connection's.
@@ -339,6 +528,7 @@ class Splice:
         self.end(DeadlinePassed())
 
     def _release(self) -> None:
+        self._untap()  # (``end`` did; the run can also end by cancellation)
         for timer in (self._idle_timer, self._deadline_timer):
             if timer is not None:
                 timer.cancel()
@@ -347,69 +537,3 @@ class Splice:
         if self._reader is not None:
             self._reader._protocol = cast(BaseProtocol, _SPENT)
             self._reader = None
-
-
-@dataclass
-class StreamEnd:
-    """How a relayed stream ended."""
-
-    client_gone: bool = False
-    was_cut: bool = False
-    failure: BaseException | None = None
-    tail: StreamTail = field(default_factory=StreamTail)
-
-
-def tell_recorder(recorder: Recorder, capture: Capture) -> None:
-    """Hand the recorder what was kept of the stream, once, at its end."""
-    if capture.overflowed:
-        recorder.skipped(capture.size)
-    else:
-        recorder.feed(b"".join(capture.chunks))
-
-
-def cut_event(exc: BaseException) -> KvproxyError:
-    """The error event that ends a stream the engine broke off, stalled, or ran past a deadline."""
-    if isinstance(exc, DeadlinePassed):
-        return UpstreamTimeout("the request's deadline passed; the answer is incomplete")
-    if isinstance(exc, TimeoutError):
-        stalled = "the engine's stream stalled between chunks; the answer is incomplete"
-        return UpstreamTimeout(stalled)
-    return UpstreamError("the engine's stream broke off; the answer is incomplete")
-
-
-class Ending:
-    """The last writes of a stream, through the response object: once per stream, not per event.
-    Each returns False when the client turned out to be gone."""
-
-    def __init__(self, out: web.StreamResponse, strip: UsageStrip | None) -> None:
-        self._out = out
-        self._strip = strip
-
-    async def send(self, data: bytes) -> bool:
-        try:
-            await self._out.write(data)
-        except ConnectionResetError:
-            return False
-        return True
-
-    async def error(self, event: KvproxyError, at_boundary: bool) -> bool:
-        if self._strip is not None:
-            self._strip.flush()  # a held-back partial event: incomplete, never sent
-        # A cut mid-event would glue our event onto a partial line; end that event first.
-        lead = b"" if at_boundary else b"\n\n"
-        if not await self.send(lead + b"data: " + event.body() + b"\n\n"):
-            return False
-        return await self._eof()
-
-    async def finish(self) -> bool:
-        rest = b"" if self._strip is None else self._strip.flush()
-        if rest and not await self.send(rest):
-            return False
-        return await self._eof()
-
-    async def _eof(self) -> bool:
-        try:
-            await self._out.write_eof()
-        except ConnectionResetError:
-            return False
-        return True

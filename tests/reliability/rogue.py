@@ -56,6 +56,10 @@ class Behaviour:
     # them with a Content-Length instead of chunked.
     stream_pieces: list[bytes] = field(default_factory=list)
     stream_sized: bool = False
+    # When set, a streamed answer's body is exactly these bytes after a chunked head, framing
+    # included (chunked framing made by hand, cut anywhere, ending with its own last chunk),
+    # ``chunk_delay_s`` apart: what reaches the proxy's reads is under the test's control.
+    raw_chunked: list[bytes] = field(default_factory=list)
     # When > 0: only the first this many pieces wait ``chunk_delay_s`` before them; the rest
     # follow at once, in one burst (the proxy reads several chunks at a time).
     burst_after: int = 0
@@ -83,6 +87,7 @@ class RogueEngine:
         self.metrics_bytes_sent: list[int] = []
         # Per streamed answer: body bytes whose write had completed (the proxy took them).
         self.stream_bytes_sent: list[int] = []
+        self.raw_peers: list[object] = []  # the connection of each ``raw_chunked`` answer
         self._runner: web.AppRunner | None = None
         self.port = 0
         # The host the proxy is given in ``url`` (it always listens on 127.0.0.1): a name rather
@@ -127,8 +132,11 @@ class RogueEngine:
             await self.release.wait()
         if b.metrics_stream_bytes > 0:
             return await self._metrics_stream(request)
+        body = b.metrics_body
+        if self.raw_peers:  # answers of ``raw_chunked`` are counted, as an engine counts them
+            body += b'vllm:request_success_total{model_name="m"} %d\n' % len(self.raw_peers)
         return web.Response(
-            body=b.metrics_body, status=b.metrics_status, headers=b.metrics_headers,
+            body=body, status=b.metrics_status, headers=b.metrics_headers,
             content_type="text/plain",
         )
 
@@ -194,6 +202,9 @@ class RogueEngine:
         if b.send_buffer_bytes and sock is not None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, b.send_buffer_bytes)
         await out.prepare(request)
+        if b.raw_chunked:
+            await self._raw_chunked(request, out)
+            return out
         finished = False
         self.stream_bytes_sent.append(0)
         try:
@@ -208,6 +219,18 @@ class RogueEngine:
             if not finished:
                 self.streams_cut += 1
         return out
+
+    async def _raw_chunked(self, request: web.Request, out: web.StreamResponse) -> None:
+        b = self.behaviour
+        writer, transport = request.writer, request.transport
+        assert transport is not None
+        self.raw_peers.append(transport.get_extra_info("peername"))
+        writer.send_headers()  # type: ignore[attr-defined]  # the head, before the raw bytes
+        for piece in b.raw_chunked:
+            if b.chunk_delay_s:
+                await asyncio.sleep(b.chunk_delay_s)
+            transport.write(piece)
+        out._eof_sent = True  # type: ignore[attr-defined]  # the body's own last chunk was sent
 
     def _events(self) -> list[bytes]:
         content = "x" * self.behaviour.token_bytes
