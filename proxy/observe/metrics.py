@@ -198,6 +198,12 @@ class ProxyMetrics:
             "Times a stream's engine reading paused because its client's buffer was full",
             registry=r,
         )  # fmt: skip
+        self.relay_raw = Counter(
+            "kvproxy_relay_raw_streams",
+            "Streamed answers whose engine reads went on to the client as they came, chunk "
+            "framing included (both sides chunked)",
+            registry=r,
+        )  # fmt: skip
 
     def _tenant_counters(self, r: CollectorRegistry) -> None:
         self.tenant_labels = TenantLabels()

@@ -225,6 +225,7 @@ class Splice:
         self._original: Any = None  # aiohttp's protocol on it
         self._parse: Callable[[bytes], None] | None = None  # that protocol's data_received
         self._raw = False
+        self.went_raw = False  # the raw path took over at some point of the stream
         self.chunk_open = True  # the parser's last chunk callback was a begin (or none yet)
         self._rest = b""  # raw bytes of a chunk line or a chunk's CRLF not complete yet
         self._need = 0  # bytes of the current chunk's data still to come
@@ -308,7 +309,7 @@ class Splice:
                 # The last callback ended a chunk and nothing of the next one came after its
                 # CRLF (a chunk line never ends in CRLF unless complete, and a complete one
                 # would have begun a chunk): the parser stands between two chunks.
-                self._raw = True
+                self._raw = self.went_raw = True
             return
         if self._result is not _PENDING:
             return

@@ -107,6 +107,8 @@ async def test_shared_prefix_sticks_to_one_engine(backend: Backend, proxy: Proxy
 
 
 async def test_openai_sdk_streams_through_the_proxy(backend: Backend, proxy: Proxy) -> None:
+    raw = "kvproxy_relay_raw_streams_total"
+    raw_before = await metric(proxy.url + "/metrics", raw)
     client = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0)
     try:
         stream = await client.chat.completions.create(
@@ -121,6 +123,8 @@ async def test_openai_sdk_streams_through_the_proxy(backend: Backend, proxy: Pro
                 usage = chunk.usage
         assert usage is not None and usage.completion_tokens == 10
         assert "".join(pieces)
+        # vLLM writes whole chunks: the stream went on to the client as its reads came.
+        assert await metric(proxy.url + "/metrics", raw) == raw_before + 1
         completion = await client.completions.create(model=backend.model, prompt="Once upon",
                                                       max_tokens=5, temperature=0)
         assert completion.usage is not None and completion.usage.completion_tokens == 5

@@ -16,6 +16,7 @@ from proxy.server import splice as splice_module
 
 from .rogue import RogueEngine
 from .shell import CHAT, chat, proxy_for
+from .test_relay_splice import _metric
 
 
 def _event(i: int) -> bytes:
@@ -96,6 +97,7 @@ async def test_a_stream_of_whole_chunks_goes_the_raw_way_and_its_connection_is_r
             assert await _body(proxy.url) == (200, CLEAN)
             # First read the relay's, the second through the parser; every later one raw.
             assert raw_reads[:1] == [False] and all(raw_reads[1:-1] or [False])
+        assert await _metric(proxy.url, "kvproxy_relay_raw_streams_total") == 3
     # Each complete body gave its connection back to the pool: one connection carried all three.
     assert len(rogue.raw_peers) == 3 and len(set(rogue.raw_peers)) == 1
 
