@@ -57,8 +57,9 @@ class Behaviour:
     stream_pieces: list[bytes] = field(default_factory=list)
     stream_sized: bool = False
     # When set, a streamed answer's body is exactly these bytes after a chunked head, framing
-    # included (chunked framing made by hand, cut anywhere, ending with its own last chunk),
-    # ``chunk_delay_s`` apart: what reaches the proxy's reads is under the test's control.
+    # included (chunked framing made by hand, cut anywhere, ending with its own last chunk, or
+    # else the connection is closed after them), ``chunk_delay_s`` apart: what reaches the
+    # proxy's reads is under the test's control.
     raw_chunked: list[bytes] = field(default_factory=list)
     # When > 0: only the first this many pieces wait ``chunk_delay_s`` before them; the rest
     # follow at once, in one burst (the proxy reads several chunks at a time).
@@ -230,6 +231,8 @@ class RogueEngine:
             if b.chunk_delay_s:
                 await asyncio.sleep(b.chunk_delay_s)
             transport.write(piece)
+        if not b.raw_chunked[-1].endswith(b"0\r\n\r\n"):
+            transport.close()  # a body without its last chunk: the engine died mid-answer
         out._eof_sent = True  # type: ignore[attr-defined]  # the body's own last chunk was sent
 
     def _events(self) -> list[bytes]:

@@ -129,3 +129,18 @@ async def test_a_chunk_line_that_never_ends_is_refused_not_buffered(
     async with proxy_for(rogue) as proxy:
         status, got = await _body(proxy.url)
     assert status == 200 and b"broke off" in got and b"[DONE]" not in got
+
+
+async def test_an_engine_that_dies_mid_body_ends_the_stream_with_an_error_event(
+    rogue: RogueEngine, raw_reads: list[bool]
+) -> None:
+    rogue.behaviour.chunk_delay_s = 0.005
+    rogue.behaviour.raw_chunked = [frame(e) for e in EVENTS[:4]]  # then the connection closes
+    async with proxy_for(rogue) as proxy:
+        async with asyncio.timeout(5):  # well inside the idle timeout: the close is seen at once
+            status, got = await _body(proxy.url)
+        assert status == 200 and got.startswith(b"".join(EVENTS[:4]))
+        assert b"broke off" in got and b"[DONE]" not in got
+        assert any(raw_reads)
+        rogue.behaviour.raw_chunked = [frame(e) for e in EVENTS] + [frame(DONE), b"0\r\n\r\n"]
+        assert await _body(proxy.url) == (200, CLEAN)  # and the next answer is whole
