@@ -24,10 +24,14 @@ from __future__ import annotations
 import random
 from array import array
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from bench.prompts import PromptMapper
 from bench.stats import percentile
 from bench.traces import TraceRequest
+
+if TYPE_CHECKING:
+    from engine_sidecar.sim.profiles import Profile
 
 BLOCK_TOKENS = 16  # the simulator's KV block size, as the suite's fleet runs it
 STEP_TOKENS = 8192  # the simulator's max_num_batched_tokens, as the suite's fleet runs it
@@ -57,15 +61,13 @@ def idle_floors(reqs: Sequence[TraceRequest], profile: str, *,
     return [t for _, t in sorted(out)]
 
 
-def alone_ttft(prof: object, ids: array[int], cached: int, step_tokens: int) -> float:
+def alone_ttft(prof: Profile, ids: array[int], cached: int, step_tokens: int) -> float:
     """Seconds to the first token of prompt ``ids`` alone on an idle engine that holds its first
     ``cached`` tokens (whole blocks): the simulator's scheduler, step by step."""
     from engine_sidecar.sim.kvcache import BlockPool  # noqa: PLC0415
-    from engine_sidecar.sim.profiles import Profile  # noqa: PLC0415
     from engine_sidecar.sim.scheduler import Scheduler, SimRequest  # noqa: PLC0415
     from engine_sidecar.sim.tokenizer import WordStream  # noqa: PLC0415
 
-    assert isinstance(prof, Profile)
     blocks = -(-len(ids) // BLOCK_TOKENS) * 2 + 16
     sched = Scheduler(BlockPool(blocks, BLOCK_TOKENS), max_num_seqs=256,
                       max_num_batched_tokens=step_tokens, policy="fcfs", spec_acceptance=(),

@@ -280,14 +280,14 @@ class Splice:
         reader.__class__ = _TappedReader
         reader._protocol = cast(BaseProtocol, self)
         if self._raw_ok:
-            self._tap(reader)
+            self._tap()
         self._idle_timer = self._loop.call_at(self._time() + self._idle, self._check_idle,
                                               context=_QUIET)
         if self._deadline is not None:
             self._deadline_timer = self._loop.call_at(self._deadline, self._deadline_passed,
                                                       context=_QUIET)
 
-    def _tap(self, reader: StreamReader) -> None:
+    def _tap(self) -> None:
         """Put the splice between the engine connection and aiohttp's protocol on it: each read
         still goes to the parser, until one ends between two chunks (``_received``)."""
         proto = self._upstream
