@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +19,16 @@ import openai
 import pytest
 import pytest_asyncio
 
-from contract.client import Backend, Engine, metric, scrape, settled_metric, value, wait_until
+from contract.client import (
+    Backend,
+    Engine,
+    metric,
+    poll,
+    scrape,
+    settled_metric,
+    value,
+    wait_until,
+)
 from contract.conftest import free_port
 
 HITS = "vllm:prefix_cache_hits_total"
@@ -126,6 +136,37 @@ async def test_openai_sdk_streams_through_the_proxy(backend: Backend, proxy: Pro
         assert completion.usage is not None and completion.usage.completion_tokens == 5
     finally:
         await client.close()
+
+
+async def test_vllm_streams_take_the_raw_chunk_path(backend: Backend, proxy: Proxy) -> None:
+    """vLLM (uvicorn) writes each event as one whole HTTP chunk, so once the proxy's parser stands
+    between two chunks the stream's reads go on to the client as they came. Each attempt asks
+    something new: a repeated prompt at temperature 0 would be answered from the response cache,
+    never relayed. An answer that came whole in the proxy's first read proves nothing either way
+    (a loaded machine can hold the proxy up that long), so such an attempt is repeated; an engine
+    whose framing the raw path never takes fails every attempt."""
+    raw = "kvproxy_relay_raw_streams_total"
+    client = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0)
+    try:
+        for attempt in range(5):
+            before = await metric(proxy.url + "/metrics", raw)
+            stream = await client.chat.completions.create(
+                model=backend.model, max_tokens=96, temperature=0, stream=True,
+                extra_body={"ignore_eos": True},
+                messages=[{"role": "user", "content": f"Tell long story {uuid.uuid4().hex} "
+                                                      f"about caches, attempt {attempt}."}])
+            chunks = [chunk async for chunk in stream]
+            assert len(chunks) >= 2
+
+            async def counted(before: float = before) -> bool:
+                # The count follows the engine's last chunk, which can trail the client's [DONE].
+                return await metric(proxy.url + "/metrics", raw) >= before + 1
+
+            if await poll(counted, timeout_s=2.0):
+                return
+    finally:
+        await client.close()
+    pytest.fail("no stream of five went the raw way")
 
 
 async def test_usage_asked_for_the_tenant_is_not_shown_to_the_client(
