@@ -405,6 +405,7 @@ async def _firehose_load(endpoint: Endpoint, args: argparse.Namespace,
                          streams: int) -> tuple[int, float]:
     total = 0
     sent = iter(range(1 << 62))
+    headers = {"Content-Type": "application/json", **dict(endpoint.headers)}
     async with make_session() as session:
 
         async def stream(stop_at: float) -> None:
@@ -413,7 +414,11 @@ async def _firehose_load(endpoint: Endpoint, args: argparse.Namespace,
                 # A unique prompt each time: identical deterministic requests may be coalesced
                 # by a response cache's single flight, which is not what is measured here.
                 body = request_body(endpoint, f"relay {next(sent)}", args.relay_events)
-                async with session.post(endpoint.url, data=body) as resp:
+                # The type said, as a client must: the Rust routers refuse a body without it (415).
+                async with session.post(endpoint.url, data=body, headers=headers) as resp:
+                    if resp.status != 200:
+                        raise RuntimeError(f"the router answered {resp.status} in the relay test: "
+                                           f"{(await resp.read())[:200]!r}")
                     async for chunk in resp.content.iter_any():
                         total += chunk.count(b"data: ")
                         if time.perf_counter() >= stop_at:

@@ -184,6 +184,10 @@ class Commitments:
         if self._kept is not None:
             self._kept += owed_tokens(flight, self._kept_bpt)
 
+    def relayed(self) -> dict[int, int]:
+        """Bytes relayed so far of each answered flight, by ticket."""
+        return {ticket: flight.relayed for ticket, flight in self._answered.items()}
+
     @property
     def waiting_owed(self) -> int:
         """The running total, scaled by ``_SCALE`` (for checking it against a fresh sum)."""

@@ -12,8 +12,12 @@ Rules (pure, no I/O; no clock is read here: callers pass ``now``):
 - A scrape that timed out is not a failing engine's answer but a missing one: a busy engine (or
   the busy process hosting it) answers late, alive. Timeouts alone call an engine UNHEALTHY only
   once it has answered nothing for ``unhealthy_after_failures`` stale periods (``silent_limit_s``);
-  before that it is STALE, still routable. Errors it answers (5xx, garbage, frozen text, refused
-  connections) count at once: a whole fleet that is merely slow never reads as down.
+  before that it is STALE, still routable. Answers on the data plane count (``on_answering``): an
+  engine streaming answers to this proxy is alive, however late its metrics come (an engine's
+  HTTP server saturated by its own streams answers a scrape last), so it stays STALE while it
+  serves, and goes UNHEALTHY once both fall silent (a hung engine answers neither). Errors it
+  answers (5xx, garbage, frozen text, refused connections) count at once: a whole fleet that is
+  merely slow never reads as down.
 - Health moves only along the transition table; any other move raises ``IllegalTransition``;
   ``health_reason`` says why an engine is not HEALTHY.
 - Load between scrapes is ``running + waiting`` of the last snapshot plus the requests dispatched
@@ -101,6 +105,8 @@ class EngineState:
         self.last_error: str | None = None
         self.open_requests = 0
         self.completed = 0  # requests this proxy saw the engine answer in full
+        self.answers = 0  # first bytes and whole answers seen: the data plane's sign of life
+        self.answered_at: float | None = None  # when the data plane was last seen answering
         # What the other proxy processes report in flight here (``proxy.core.sharing``): sent
         # since their last snapshot (counted in the load), and open in all.
         self.remote_pending = 0.0
@@ -165,10 +171,22 @@ class EngineState:
         self.consecutive_failures += 1
         self.last_error = error
         failed = self.consecutive_failures >= self.unhealthy_after_failures
-        if failed and not (unanswered and self.snapshot_age(now) < self.silent_limit_s):
+        if failed and not (unanswered and self.silence(now) < self.silent_limit_s):
             self._move(HealthEvent.FAILED)
         else:
             self.tick(now, self.stale_after_s)
+
+    def on_answering(self, now: float) -> None:
+        """The engine was seen answering requests at ``now`` (first bytes, whole answers, or
+        bytes of a stream), whatever its metrics endpoint does."""
+        self.answered_at = now
+
+    def silence(self, now: float) -> float:
+        """Seconds since the engine was last heard from: a snapshot, or an answer."""
+        age = self.snapshot_age(now)
+        if self.answered_at is None:
+            return age
+        return min(age, max(0.0, now - self.answered_at))
 
     @property
     def silent_limit_s(self) -> float:
@@ -234,6 +252,8 @@ class EngineState:
     def on_complete(self, ticket: int, now: float) -> None:
         """The engine answered the request in full, so its metrics have counted it by now."""
         self.completed += 1
+        self.answers += 1
+        self.answered_at = now
         dispatched = self._dispatched_at.get(ticket)
         if dispatched is not None:
             self._completions.append((dispatched, now))
@@ -242,6 +262,7 @@ class EngineState:
         """The engine answered: the request's prompt is computed, its prefill no longer pending."""
         self._prefill.pop(ticket, None)
         self._tickets_changed += 1
+        self.answers += 1
 
     def on_settle(self, ticket: int | None = None) -> None:
         """The request finished (any outcome).

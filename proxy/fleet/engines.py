@@ -51,6 +51,9 @@ class Engine:
     estimate: OutputEstimate | None = field(default=None, repr=False)
     # The last snapshot fed to ``pressure`` (``judge_pressure``).
     _fed: object = field(default=None, repr=False, compare=False)
+    # The data plane as last looked at (``heard_since_last_look``): answers seen, and bytes
+    # relayed per answered flight.
+    _looked: tuple[int, dict[int, int]] = field(default=(0, {}), repr=False, compare=False)
 
     @property
     def name(self) -> str:
@@ -90,6 +93,16 @@ class Engine:
         owed = self.commitments.owed_blocks(size, self.estimate.bytes_per_token, now)
         committed = projected_usage(snap.kv_usage, owed, size, blocks)
         return (None, None) if committed is None or blocks is None else (committed, size * blocks)
+
+    def heard_since_last_look(self) -> bool:
+        """Whether the engine answered anything since the last call: a first byte or a whole
+        answer, or more bytes of a stream. Looked at when a scrape goes unanswered, so the
+        first look after a quiet spell may date an answer up to that spell late (at most one
+        silent period more for an engine that then hangs)."""
+        answers, relayed = self.state.answers, self.commitments.relayed()
+        before, seen = self._looked
+        self._looked = (answers, relayed)
+        return answers != before or any(n > seen.get(t, n) for t, n in relayed.items())
 
     def _lets_through(self, now: float) -> bool:
         return self.breaker.peek(now) and self.outliers.peek(self.name, now)

@@ -300,7 +300,10 @@ class Scraper:
     def _count(self, engine: Engine, reason: str, detail: str, *,
                unanswered: bool = False) -> None:
         self._metrics.scrape_failures.labels(engine.name, reason).inc()
-        engine.state.on_scrape_failed(self._clock(), detail, unanswered=unanswered)
+        now = self._clock()
+        if unanswered and engine.heard_since_last_look():
+            engine.state.on_answering(now)  # late metrics from an engine still answering
+        engine.state.on_scrape_failed(now, detail, unanswered=unanswered)
 
     def _log_transitions(self) -> None:
         """Log each engine's health once per change, with the reason for it."""

@@ -187,10 +187,11 @@ class Relay:
             self._outcome(engine, Outcome.CLIENT_ERROR, None)
 
     def _book(self, engine: Engine, ticket: int) -> Flight:
-        """The flight of this dispatch, counted in the engine's commitments when they are kept."""
+        """The flight of this dispatch, booked in the engine's commitments: what it owes the KV
+        cache when they are counted (else nothing), and what it relayed (a sign of life)."""
         job = self._job
         if engine.estimate is None:
-            return Flight(0.0, 0.0)
+            return engine.commitments.dispatch(ticket, Flight(0.0, 0.0))
         flight = Flight(job.prompt_tokens.get(engine.name, 0.0),
                         engine.estimate.expected(job.max_tokens))
         return engine.commitments.dispatch(ticket, flight)

@@ -78,3 +78,34 @@ def test_timeouts_never_fail_an_engine_heard_from_within_the_limit(gaps: list[fl
         routable = s.view(now, True).routable
         assert (now < s.silent_limit_s) <= routable
         assert (health(s) is Health.UNHEALTHY) == (now >= s.silent_limit_s)
+
+
+def test_answers_on_the_data_plane_keep_an_engine_with_late_metrics_from_failing() -> None:
+    s = state()
+    s.on_scrape_ok(snap(0.0), 0.0)
+    now = 0.0
+    while now < 10.0:  # metrics late for three silent limits, answers every 0.5 s
+        now += 0.5
+        s.on_answering(now)
+        s.on_scrape_failed(now + 0.1, "scrape timed out", unanswered=True)
+        assert health(s) is not Health.UNHEALTHY and s.view(now + 0.1, True).routable
+    assert health(s) is Health.STALE  # its metrics are old: not fresh, still routable
+    # Then it answers nothing: failed once silent for the limit since its last answer.
+    s.on_scrape_failed(now + 2.9, "scrape timed out", unanswered=True)
+    assert health(s) is Health.STALE
+    s.on_scrape_failed(now + 3.0, "scrape timed out", unanswered=True)
+    assert health(s) is Health.UNHEALTHY
+
+
+def test_a_whole_answer_counts_as_an_answer_but_not_errors() -> None:
+    s = state()
+    s.on_scrape_ok(snap(0.0), 0.0)
+    ticket = s.on_dispatch(0.5)
+    s.on_complete(ticket, 2.5)
+    s.on_settle(ticket)
+    assert s.silence(4.0) == 1.5
+    for now in (3.0, 4.0, 5.0):
+        s.on_scrape_failed(now, "scrape timed out", unanswered=True)
+    assert health(s) is Health.STALE
+    s.on_scrape_failed(5.1, "metrics answered HTTP 500")  # an error still fails it at once
+    assert health(s) is Health.UNHEALTHY
