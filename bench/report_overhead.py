@@ -191,7 +191,7 @@ def overhead_markdown(data: Mapping[str, object], png: str | None) -> str:
         "## Router CPU per request: a + b x tokens", "", fit_text(data), "",
         "## kvproxy relay rate", "", relay_text(data), "",
         "## Targets", "", overhead_targets(overhead_ratios(data)),
-        cpu_targets(data.get("fit"), data.get("relay")), "",
+        cpu_targets(data.get("fit"), data.get("relay"), data.get("relay_by_router")), "",
         "## Routers that did not run", "",
         "\n".join(f"- **{k}**: `{str(v)[:600]}`" for k, v in unavailable.items())
         or "Every router listed ran.", "",

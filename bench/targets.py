@@ -105,10 +105,11 @@ CPU_PEER = "vllm-router/round_robin"
 RELAY_PACED_TARGET = 150_000.0
 
 
-def cpu_targets(fit: object, relay: object) -> str:
+def cpu_targets(fit: object, relay: object, relay_by_router: object = None) -> str:
     """Issue 16's CPU targets: every kvproxy router's b ≤ vllm-router's b and a ≤ 2 x its a (raw,
     and net of idle CPU), and the paced relay rate; the floor references (``bench.floor``) the
-    same way, to show which goals an aiohttp relay can reach at all."""
+    same way, to show which goals an aiohttp relay can reach at all. Where the relay test also
+    ran vllm-router or a floor, kvproxy's rate over theirs, and whether they reach the goal."""
     routers = fit.get("routers", {}) if isinstance(fit, Mapping) else {}
     peer = routers.get(CPU_PEER, {})
     lines = []
@@ -128,6 +129,17 @@ def cpu_targets(fit: object, relay: object) -> str:
     met = _check(rate, RELAY_PACED_TARGET, below=False)
     lines.append(f"- relay, paced: {rate:.0f} events per proxy CPU-second ≥ "
                  f"{RELAY_PACED_TARGET:.0f} — {_verdict(met)}")
+    others = relay_by_router if isinstance(relay_by_router, Mapping) else {}
+    for name, rates in others.items():
+        if name.startswith("kvproxy/") or not isinstance(rates, Mapping):
+            continue
+        theirs = rates.get("paced", {})
+        other = _num(theirs.get("events_per_cpu_s") if isinstance(theirs, Mapping) else None)
+        if math.isnan(other) or other <= 0:
+            continue
+        reach = "reaches" if other >= RELAY_PACED_TARGET else "does not reach"
+        lines.append(f"  - `{name}` in the same test: {other:.0f} (it {reach} the goal); "
+                     f"kvproxy ÷ `{name}`: {rate / other:.2f}")
     return "\n".join(lines)
 
 

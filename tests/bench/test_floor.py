@@ -45,6 +45,17 @@ def test_floor_references_are_judged_against_the_cpu_goals():
     assert "a 0.500 ms ≤ 2 x 0.300 ms — **met**" in text
 
 
+def test_the_relay_goal_is_shown_beside_the_peers_own_rate():
+    kv = {"paced": {"events_per_cpu_s": 90_000.0}}
+    peer = {"paced": {"events_per_cpu_s": 120_000.0}}
+    text = cpu_targets({}, kv, {"kvproxy/round_robin": kv, "vllm-router/round_robin": peer,
+                                "floor/tcp": {"paced": {"error": "x"}}})
+    assert "- relay, paced: 90000 events per proxy CPU-second ≥ 150000 — **not met**" in text
+    assert ("`vllm-router/round_robin` in the same test: 120000 (it does not reach the goal); "
+            "kvproxy ÷ `vllm-router/round_robin`: 0.75") in text
+    assert "floor/tcp" not in text
+
+
 async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
