@@ -302,14 +302,7 @@ class Splice:
     def _received(self, data: bytes) -> None:
         """One read of the engine connection, framing included (hot path)."""
         if not self._raw:
-            parse = self._parse
-            assert parse is not None
-            parse(data)  # aiohttp's parser frames it; its pieces come to ``feed``
-            if not self.chunk_open and self._result is _PENDING and data.endswith(b"\r\n"):
-                # The last callback ended a chunk and nothing of the next one came after its
-                # CRLF (a chunk line never ends in CRLF unless complete, and a complete one
-                # would have begun a chunk): the parser stands between two chunks.
-                self._raw = self.went_raw = True
+            self._observe(data)
             return
         if self._result is not _PENDING:
             return
@@ -324,8 +317,8 @@ class Splice:
             self._deframe(data)
             return
         pos, n = 0, len(data)
-        payloads = []
-        while pos < n:
+        more: list[bytes] | None = None  # the chunks before the last, when a read holds several
+        while True:
             line = data.find(b"\r\n", pos, pos + _MAX_SIZE_LINE)
             head = data[pos:line]
             if line < 0 or not head or head.strip(_HEX):
@@ -341,17 +334,43 @@ class Splice:
                 # split by the framing), so this read goes through it piece by piece.
                 self._deframe(data)
                 return
-            payloads.append(payload)
             pos = end + 2
-        now = self._time()
+            if pos == n:
+                break
+            if more is None:
+                more = [payload]
+            else:
+                more.append(payload)
         flight, tail, capture = self._flight, self._tail, self._capture
-        for payload in payloads:
-            flight.relayed += len(payload)
-            tail(payload)
-            if capture is not None:
-                capture.add(payload)
-        self._last_sent = payloads[-1]
-        self._send(data, now)
+        if more is not None:
+            for piece in more:
+                flight.relayed += len(piece)
+                tail(piece)
+                if capture is not None:
+                    capture.add(piece)
+        flight.relayed += len(payload)
+        tail(payload)
+        if capture is not None:
+            capture.add(payload)
+        self._last_sent = payload
+        now = self._time()
+        if self._held is None and now != self._last:
+            self._last = now  # ``_send``'s common case, without its call
+            self._write(data)
+        else:
+            self._send(data, now)
+
+    def _observe(self, data: bytes) -> None:
+        """A read before the raw path took over: aiohttp's parser frames it (its pieces come to
+        ``feed``); the raw path takes the next read once this one ended between two chunks."""
+        parse = self._parse
+        assert parse is not None
+        parse(data)
+        if not self.chunk_open and self._result is _PENDING and data.endswith(b"\r\n"):
+            # The last callback ended a chunk and nothing of the next one came after its CRLF
+            # (a chunk line never ends in CRLF unless complete, and a complete one would have
+            # begun a chunk): the parser stands between two chunks.
+            self._raw = self.went_raw = True
 
     def _deframe(self, data: bytes) -> None:
         """Chunked framing read piece by piece: each chunk's data goes through ``feed``. The last
