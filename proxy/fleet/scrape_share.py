@@ -117,8 +117,12 @@ class ScrapeShare:
             return "ignored"
         state = engine.state
         if o.snapshot is None:
-            # A sibling's timeout proves the engine slow, not broken, as the worker's own does.
-            state.on_scrape_failed(now, o.detail, unanswered=o.reason == "timeout")
+            # A sibling's timeout proves the engine slow, not broken, as the worker's own does,
+            # and this worker's own requests answered since say it is alive.
+            unanswered = o.reason == "timeout"
+            if unanswered and engine.heard_since_last_look():
+                state.on_answering(now)
+            state.on_scrape_failed(now, o.detail, unanswered=unanswered)
         elif not state.body_is_news(o.digest, o.started, o.fetched_at, settle_s=self._settle_s):
             self._metrics.scrape_failures.labels(engine.name, "frozen").inc()
             state.on_scrape_failed(now, FROZEN)

@@ -202,6 +202,26 @@ def test_relayed_timeouts_prove_the_engine_slow_not_gone_like_own_ones() -> None
     assert engine.state.health is Health.UNHEALTHY
 
 
+def test_relayed_timeouts_do_not_fail_an_engine_answering_this_workers_requests() -> None:
+    rx = _Receiver()
+    engine = rx.fleet.get("e0")
+    rx.relay(_scraped(rx))
+    silent_limit = engine.state.stale_after_s * engine.state.unhealthy_after_failures
+    end = rx.now + 2 * silent_limit
+    while rx.now < end:  # one request answered here between any two relayed timeouts
+        rx.now += 0.5
+        ticket = engine.state.on_dispatch(rx.now)
+        engine.state.on_first_byte(ticket)
+        engine.state.on_settle(ticket)
+        rx.relay(failed_outcome(engine, rx.now, rx.now, "timeout", "scrape timed out"))
+        assert engine.state.health is not Health.UNHEALTHY
+    assert engine.state.health is Health.STALE
+    for _ in range(int(silent_limit / 0.5) + 1):  # then nothing answered here either
+        rx.now += 0.5
+        rx.relay(failed_outcome(engine, rx.now, rx.now, "timeout", "scrape timed out"))
+    assert engine.state.health is Health.UNHEALTHY
+
+
 def test_a_repeat_this_worker_proves_frozen_is_a_failed_scrape_here() -> None:
     rx = _Receiver()
     engine = rx.fleet.get("e0")
