@@ -389,8 +389,8 @@ class Relay:
             failure = await splice.run(reader)
         finally:
             self._ctx.drain.discard_cut(cut)
-        if splice.went_raw:
-            self._ctx.metrics.relay_raw.inc()
+            if splice.went_raw:  # also a stream the client left (its handler is cancelled)
+                self._ctx.metrics.relay_raw.inc()
         outcome = StreamEnd(splice.client_gone, splice.was_cut, failure, splice.tail)
         if splice.client_gone:
             return outcome

@@ -73,7 +73,8 @@ async def test_client_disconnect_aborts_engine_request(make_stack: StackFactory)
         headers={"X-Request-Id": "gone-1"},
     )
     assert resp.status == 200
-    await resp.content.readany()
+    for _ in range(6):  # past the first reads: the relay is on its raw path by now
+        await resp.content.readany()
     engine = resp.headers["X-Engine"]
     resp.close()
     loop = asyncio.get_running_loop()
@@ -84,6 +85,8 @@ async def test_client_disconnect_aborts_engine_request(make_stack: StackFactory)
 
     await stack.wait_for(aborted, timeout_s=2.0)
     assert loop.time() - closed_at < 0.5
+    # The stream was on the raw path when the client left (counted as it ends).
+    assert await stack.metric("kvproxy_relay_raw_streams_total") == 1
 
 
 async def test_client_disconnect_aborts_plain_request(make_stack: StackFactory) -> None:
