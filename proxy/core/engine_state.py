@@ -107,6 +107,7 @@ class EngineState:
         self.completed = 0  # requests this proxy saw the engine answer in full
         self.answers = 0  # first bytes and whole answers seen: the data plane's sign of life
         self.answered_at: float | None = None  # when the data plane was last seen answering
+        self.answers_at_ok = 0  # ``answers`` at the last successful scrape
         # What the other proxy processes report in flight here (``proxy.core.sharing``): sent
         # since their last snapshot (counted in the load), and open in all.
         self.remote_pending = 0.0
@@ -152,6 +153,7 @@ class EngineState:
         self.rates = update_rates(self.rates, self.snapshot, snap)
         self.snapshot = snap
         self.consecutive_failures = 0
+        self.answers_at_ok = self.answers
         self.last_error = None
         self._since_snapshot = {
             t: at for t, at in self._since_snapshot.items() if at is not None and at > snap.taken_at

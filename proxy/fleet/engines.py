@@ -95,12 +95,15 @@ class Engine:
         return (None, None) if committed is None or blocks is None else (committed, size * blocks)
 
     def heard_since_last_look(self) -> bool:
-        """Whether the engine answered anything since the last call: a first byte or a whole
-        answer, or more bytes of a stream. Looked at when a scrape goes unanswered, so the
-        first look after a quiet spell may date an answer up to that spell late (at most one
-        silent period more for an engine that then hangs)."""
+        """Whether the engine answered anything since the last look: a first byte or a whole
+        answer, or more bytes of a stream. Looked at when a scrape goes unanswered; the first
+        failure after a successful scrape looks back to that scrape (answers only: a stream's
+        bytes are compared from the second failure on), so an engine that hangs is not taken
+        for alive on answers older than its last snapshot."""
         answers, relayed = self.state.answers, self.commitments.relayed()
         before, seen = self._looked
+        if self.state.consecutive_failures == 0:
+            before, seen = self.state.answers_at_ok, {}
         self._looked = (answers, relayed)
         return answers != before or any(n > seen.get(t, n) for t, n in relayed.items())
 

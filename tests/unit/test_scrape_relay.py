@@ -222,6 +222,21 @@ def test_relayed_timeouts_do_not_fail_an_engine_answering_this_workers_requests(
     assert engine.state.health is Health.UNHEALTHY
 
 
+def test_answers_older_than_the_last_snapshot_do_not_keep_a_hung_engine_alive() -> None:
+    rx = _Receiver()
+    engine = rx.fleet.get("e0")
+    for _ in range(5):  # answered before the snapshot below was taken
+        ticket = engine.state.on_dispatch(rx.now)
+        engine.state.on_first_byte(ticket)
+        engine.state.on_settle(ticket)
+    rx.relay(_scraped(rx))
+    silent_limit = engine.state.stale_after_s * engine.state.unhealthy_after_failures
+    while rx.now < 10.0 + silent_limit:  # then the engine hangs: no answer of any kind
+        rx.now = round(rx.now + 0.1, 6)
+        rx.relay(failed_outcome(engine, rx.now, rx.now, "timeout", "scrape timed out"))
+    assert engine.state.health is Health.UNHEALTHY  # at the limit from its last snapshot
+
+
 def test_a_repeat_this_worker_proves_frozen_is_a_failed_scrape_here() -> None:
     rx = _Receiver()
     engine = rx.fleet.get("e0")
