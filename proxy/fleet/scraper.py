@@ -30,7 +30,9 @@ Rules:
   and not charged to the engine: an engine is never failed or aged because the proxy was busy
   (staleness itself needs a failed scrape, ``EngineState.tick``). A timeout that is the engine's
   (the loop was on time) is counted as ``timeout`` but marks the engine unanswered, not broken:
-  it goes STALE, and UNHEALTHY only after a long silence (``EngineState.on_scrape_failed``).
+  it goes STALE, and UNHEALTHY only after a long silence (``EngineState.on_scrape_failed``),
+  which the engine's answers to requests since its last scrape break
+  (``Engine.heard_since_last_look``).
 - Frozen metrics: a repeated text is news unless a request dispatched after the previous text was
   fetched completed at least half an interval before this scrape began
   (``EngineState.body_is_news``; the margin lets an exporter that counts a request just after
