@@ -50,6 +50,9 @@ from bench.stats import (
 )
 
 RELAY_ROUTER = "kvproxy/round_robin"  # the one the relay target is judged on
+# By default the relay test also runs the peer the CPU goals compare with, where it is installed:
+# the relay goal is then read beside the peer's own rate on the same machine.
+RELAY_ROUTERS = f"{RELAY_ROUTER},vllm-router/round_robin"
 RAMP_S = 4.0  # streams start spread over this, not in one burst (a steady state, not waves)
 DEFAULT_ROUTERS = ("kvproxy/prefix_affinity,kvproxy/round_robin,vllm-router/round_robin,"
                    "sglang-router/round_robin,litellm/least-busy")
@@ -80,8 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-relay", action="store_true", help="skip the relay-rate test")
     p.add_argument("--relay-only", action="store_true",
                    help="only the relay-rate test (no fleet, no slices, no fit)")
-    p.add_argument("--relay-routers", default=RELAY_ROUTER,
-                   help="routers of the relay test, one after another (e.g. also floor/aiohttp)")
+    p.add_argument("--relay-routers", default=RELAY_ROUTERS,
+                   help="routers of the relay test, one after another (e.g. also floor/tcp); "
+                        "one not installed is listed as unavailable")
     p.add_argument("--relay-events", type=int, default=2000)
     p.add_argument("--relay-s", type=float, default=8.0)
     p.add_argument("--out", type=Path, default=RESULTS)
@@ -135,8 +139,15 @@ def main(argv: list[str] | None = None) -> int:
     if not args.relay_only:
         _measure_fleet(args, spec, routers, levels, fit_tokens, rounds, slice_s, work, result)
     if not args.no_relay:
-        by_router = {r.name: relay_rate(args, work, r)
-                     for r in parse_router_list(args.relay_routers)}
+        by_router = {}
+        unavailable = result["unavailable"]
+        assert isinstance(unavailable, dict)
+        for r in parse_router_list(args.relay_routers):
+            reason = r.unavailable()
+            if reason:
+                unavailable.setdefault(r.name, reason)
+                continue
+            by_router[r.name] = relay_rate(args, work, r)
         result["relay"] = by_router.get(RELAY_ROUTER, {})
         result["relay_by_router"] = by_router
     result["finished_at"] = machine.now_utc()
