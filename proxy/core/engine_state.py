@@ -12,12 +12,12 @@ Rules (pure, no I/O; no clock is read here: callers pass ``now``):
 - A scrape that timed out is not a failing engine's answer but a missing one: a busy engine (or
   the busy process hosting it) answers late, alive. Timeouts alone call an engine UNHEALTHY only
   once it has answered nothing for ``unhealthy_after_failures`` stale periods (``silent_limit_s``);
-  before that it is STALE, still routable. Answers on the data plane count (``on_answering``): an
-  engine streaming answers to this proxy is alive, however late its metrics come (an engine's
-  HTTP server saturated by its own streams answers a scrape last), so it stays STALE while it
-  serves, and goes UNHEALTHY once both fall silent (a hung engine answers neither). Errors it
-  answers (5xx, garbage, frozen text, refused connections) count at once: a whole fleet that is
-  merely slow never reads as down.
+  before that it is STALE, still routable. Answers on the data plane count too (first bytes,
+  whole answers, and ``on_answering`` for a stream's bytes): an engine streaming answers to this
+  proxy is alive, however late its metrics come (an engine's HTTP server saturated by its own
+  streams answers a scrape last), so it stays STALE while it serves, and goes UNHEALTHY once both
+  fall silent (a hung engine answers neither). Errors it answers (5xx, garbage, frozen text,
+  refused connections) count at once: a whole fleet that is merely slow never reads as down.
 - Health moves only along the transition table; any other move raises ``IllegalTransition``;
   ``health_reason`` says why an engine is not HEALTHY.
 - Load between scrapes is ``running + waiting`` of the last snapshot plus the requests dispatched
@@ -105,9 +105,7 @@ class EngineState:
         self.last_error: str | None = None
         self.open_requests = 0
         self.completed = 0  # requests this proxy saw the engine answer in full
-        self.answers = 0  # first bytes and whole answers seen: the data plane's sign of life
         self.answered_at: float | None = None  # when the data plane was last seen answering
-        self.answers_at_ok = 0  # ``answers`` at the last successful scrape
         # What the other proxy processes report in flight here (``proxy.core.sharing``): sent
         # since their last snapshot (counted in the load), and open in all.
         self.remote_pending = 0.0
@@ -153,7 +151,6 @@ class EngineState:
         self.rates = update_rates(self.rates, self.snapshot, snap)
         self.snapshot = snap
         self.consecutive_failures = 0
-        self.answers_at_ok = self.answers
         self.last_error = None
         self._since_snapshot = {
             t: at for t, at in self._since_snapshot.items() if at is not None and at > snap.taken_at
@@ -254,17 +251,18 @@ class EngineState:
     def on_complete(self, ticket: int, now: float) -> None:
         """The engine answered the request in full, so its metrics have counted it by now."""
         self.completed += 1
-        self.answers += 1
         self.answered_at = now
         dispatched = self._dispatched_at.get(ticket)
         if dispatched is not None:
             self._completions.append((dispatched, now))
 
-    def on_first_byte(self, ticket: int) -> None:
-        """The engine answered: the request's prompt is computed, its prefill no longer pending."""
+    def on_first_byte(self, ticket: int, now: float | None = None) -> None:
+        """The engine answered: the request's prompt is computed, its prefill no longer pending
+        (and, given ``now``, the engine was heard from then)."""
         self._prefill.pop(ticket, None)
         self._tickets_changed += 1
-        self.answers += 1
+        if now is not None:
+            self.answered_at = now
 
     def on_settle(self, ticket: int | None = None) -> None:
         """The request finished (any outcome).

@@ -51,9 +51,8 @@ class Engine:
     estimate: OutputEstimate | None = field(default=None, repr=False)
     # The last snapshot fed to ``pressure`` (``judge_pressure``).
     _fed: object = field(default=None, repr=False, compare=False)
-    # The data plane as last looked at (``heard_since_last_look``): answers seen, and bytes
-    # relayed per answered flight.
-    _looked: tuple[int, dict[int, int]] = field(default=(0, {}), repr=False, compare=False)
+    # Bytes relayed per answered flight, as last looked at (``heard_since_last_look``).
+    _looked: dict[int, int] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def name(self) -> str:
@@ -95,17 +94,15 @@ class Engine:
         return (None, None) if committed is None or blocks is None else (committed, size * blocks)
 
     def heard_since_last_look(self) -> bool:
-        """Whether the engine answered anything since the last look: a first byte or a whole
-        answer, or more bytes of a stream. Looked at when a scrape goes unanswered; the first
-        failure after a successful scrape looks back to that scrape (answers only: a stream's
-        bytes are compared from the second failure on), so an engine that hangs is not taken
-        for alive on answers older than its last snapshot."""
-        answers, relayed = self.state.answers, self.commitments.relayed()
-        before, seen = self._looked
-        if self.state.consecutive_failures == 0:
-            before, seen = self.state.answers_at_ok, {}
-        self._looked = (answers, relayed)
-        return answers != before or any(n > seen.get(t, n) for t, n in relayed.items())
+        """Whether an open stream from the engine relayed more bytes since the last look (first
+        bytes and whole answers date ``EngineState.answered_at`` themselves). Looked at when a
+        scrape goes unanswered; the first failure after a successful scrape only takes its
+        baseline, so an engine that hangs is not taken for alive on bytes older than its last
+        snapshot."""
+        relayed = self.commitments.relayed()
+        seen = {} if self.state.consecutive_failures == 0 else self._looked
+        self._looked = relayed
+        return any(n > seen.get(t, n) for t, n in relayed.items())
 
     def _lets_through(self, now: float) -> bool:
         return self.breaker.peek(now) and self.outliers.peek(self.name, now)

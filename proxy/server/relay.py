@@ -206,7 +206,7 @@ class Relay:
 
     def _answered(self, engine: Engine) -> None:
         self._job.first_byte_at = self._ctx.clock()
-        engine.state.on_first_byte(self._ticket)
+        engine.state.on_first_byte(self._ticket, self._job.first_byte_at)
         engine.commitments.first_byte(self._ticket)
         policy = self._ctx.policies.get(self._job.pool)
         if isinstance(policy, ExpectedTTFT):  # announced by ``pick.rank`` under this token

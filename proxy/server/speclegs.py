@@ -95,7 +95,7 @@ class Leg:
                                                    data=orjson.dumps(body), headers=headers,
                                                    **DATA_POST)
                 try:
-                    engine.state.on_first_byte(ticket)
+                    engine.state.on_first_byte(ticket, self.ctx.clock())
                     raw = await _read(resp)
                 finally:
                     resp.close()

@@ -211,7 +211,7 @@ def test_relayed_timeouts_do_not_fail_an_engine_answering_this_workers_requests(
     while rx.now < end:  # one request answered here between any two relayed timeouts
         rx.now += 0.5
         ticket = engine.state.on_dispatch(rx.now)
-        engine.state.on_first_byte(ticket)
+        engine.state.on_first_byte(ticket, rx.now)
         engine.state.on_settle(ticket)
         rx.relay(failed_outcome(engine, rx.now, rx.now, "timeout", "scrape timed out"))
         assert engine.state.health is not Health.UNHEALTHY
@@ -227,7 +227,7 @@ def test_answers_older_than_the_last_snapshot_do_not_keep_a_hung_engine_alive() 
     engine = rx.fleet.get("e0")
     for _ in range(5):  # answered before the snapshot below was taken
         ticket = engine.state.on_dispatch(rx.now)
-        engine.state.on_first_byte(ticket)
+        engine.state.on_first_byte(ticket, rx.now)
         engine.state.on_settle(ticket)
     rx.relay(_scraped(rx))
     silent_limit = engine.state.stale_after_s * engine.state.unhealthy_after_failures
