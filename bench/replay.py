@@ -3,12 +3,13 @@ simulator's engine model, in simulated time (no HTTP, no sleeping, no timing noi
 
 Usage: ``python -m bench.replay --workloads chat [--quick] [--policies expected_ttft,cache_aware]
 [--rate-scale X] [--log decisions.jsonl]``. Prints, per workload and policy, TTFT percentiles
-(engine seconds), the engines' hit rate, requests per engine (busiest / mean) and what the
-decisions cost in cache: how often the pick held less of the prompt than the engine holding
-the most of it really did (from the engines' own block pools), and why, and the hit rate over
-``bench.traces.oracle_hit_rate``, and the workload's idle floor (``bench.idle_floor``: the TTFT
-no router can beat). A policy may carry variants: ``expected_ttft+plain``,
-``expected_ttft+unbounded``, ``expected_ttft+drain`` (``VARIANTS``).
+(engine seconds), ITL p99 (a step's duration over the tokens it gave a request, as the suite's
+client measures between events), the engines' hit rate, requests per engine (busiest / mean)
+and what the decisions cost in cache: how often the pick held less of the prompt than the
+engine holding the most of it really did (from the engines' own block pools), and why, and the
+hit rate over ``bench.traces.oracle_hit_rate``, and the workload's idle floor
+(``bench.idle_floor``: the TTFT no router can beat). A policy may carry variants:
+``expected_ttft+plain``, ``expected_ttft+unbounded``, ``expected_ttft+drain`` (``VARIANTS``).
 
 Rules:
 - Engines are ``bench.calibrate``'s discrete-event model: the simulator's own scheduler, KV block
@@ -242,6 +243,7 @@ class CacheAware:
 @dataclass
 class Outcome:
     ttft: dict[int, float] = field(default_factory=dict)
+    itl: list[float] = field(default_factory=list)
     per_engine: list[int] = field(default_factory=list)
     hit_rate: float = 0.0
     decisions: list[dict[str, Any]] = field(default_factory=list)
@@ -266,6 +268,7 @@ def replay(reqs: Sequence[TraceRequest], router: Router, *, engines: int, profil
     heapq.heapify(events)
     plans: list[Any] = [None] * engines
     arrived: dict[int, float] = {}
+    last_token: dict[int, float] = {}
     end = reqs[-1].arrival_s / rate_scale if reqs else 0.0
 
     def kick(e: int, now: float) -> None:
@@ -304,6 +307,9 @@ def replay(reqs: Sequence[TraceRequest], router: Router, *, engines: int, profil
             continue
         for o in scheds[x].complete(plans[x]):
             rid = int(o.request.request_id)
+            if rid in last_token and o.new_words:
+                out.itl.append((now - last_token[rid]) / len(o.new_words))
+            last_token[rid] = now
             if rid not in out.ttft:
                 out.ttft[rid] = now - arrived[rid]
                 router.first_token(rid, now)
@@ -339,6 +345,7 @@ def summarise(name: str, out: Outcome, reqs: Sequence[TraceRequest]) -> dict[str
     return {
         "router": name, "n": len(ttft),
         "p50": percentile(ttft, 50), "p90": percentile(ttft, 90), "p99": percentile(ttft, 99),
+        "itl_p99": percentile(out.itl, 99) if out.itl else float("nan"),
         "hit": out.hit_rate, "max/mean": max(per) / (sum(per) / len(per)),
         "moved_off_history": len(lost) / max(1, len(d)),
         "tokens_lost": sum(max(x["held"]) - x["held"][x["pick"]] for x in lost),

@@ -54,3 +54,13 @@ def test_variants_set_their_rule_and_unknown_ones_are_refused() -> None:
     assert isinstance(unbounded.policy.holdings, UnboundedHoldings)
     with pytest.raises(ValueError, match="unknown variants"):
         KvproxyRouter("expected_ttft+faster", 2, RoutingConfig())
+
+
+def test_inter_token_gaps_are_the_steps_after_the_first_token() -> None:
+    out = replay(REQS, KvproxyRouter("expected_ttft", 2, RoutingConfig()), engines=2,
+                 profile="llama70b-h100x4", rate_scale=1.0, scrape_s=0.6)
+    # No speculation: one token a step, so every output token after a request's first has one
+    # gap, each at least a decode step long.
+    assert len(out.itl) == sum(r.output_tokens - 1 for r in REQS)
+    assert min(out.itl) > 0.005
+    assert min(out.itl) <= summarise("x", out, REQS)["itl_p99"] <= max(out.itl)  # type: ignore[operator]
