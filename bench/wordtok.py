@@ -7,8 +7,10 @@ Rules:
   word one token, so a simulated engine given it counts the same tokens, fills the same KV blocks
   and takes the same time as one without: a run in precise mode (engines publishing KV events,
   the proxy tokenizing) is comparable with the approximate runs of the same workload.
-- Anything else (the chat template's role markers, punctuation) falls into ``[UNK]``, one token
-  per piece, the same in the engines and the proxy.
+- Anything else (the chat template's role markers, punctuation) is ``[UNK]``, one token per
+  character, the same in the engines and the proxy. No token spans more than one word and its
+  space, as in the byte-level tokenizers of real models, so the proxy can encode a long prompt
+  in spans cut between words (``proxy.fleet.tokenizer``) as it would for them.
 - Saved as a model directory the way Hugging Face saves one: ``tokenizer.json``,
   ``tokenizer_config.json`` (bos and eos), ``chat_template.jinja``.
 """
@@ -33,8 +35,8 @@ def make_word_tokenizer(root: Path) -> Path:
     words = ["".join(p) + " " for p in product(string.ascii_lowercase, repeat=3)]
     vocab = {tok: i for i, tok in enumerate(SPECIAL + words)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    # A word with its space is one piece; whatever lies between words is a piece of its own.
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("[a-z]{3} "), behavior="isolated")
+    # A word with its space is one piece; any other character is a piece of its own.
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("[a-z]{3} |[\\s\\S]"), behavior="isolated")
     tok.save(str(root / "tokenizer.json"))
     (root / "tokenizer_config.json").write_text(json.dumps(
         {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "[UNK]"}))

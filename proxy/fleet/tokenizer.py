@@ -23,6 +23,19 @@ Rules:
   raw text strips nothing around it, and a probe of the loaded tokenizer gives the same ids both
   ways (a pre-tokenizer that treats a text's start specially, such as a Metaspace prefix, fails
   the probe). Otherwise every text is encoded whole.
+- A long piece (``2 * SPAN_CHARS`` or more: a document, a resent history in one message) is
+  encoded in spans of about ``SPAN_CHARS``, each kept the same way, so a request that shares a
+  long text with an earlier one encodes only what is new. A span ends only at a word gap (an
+  ASCII letter or digit, one space, an ASCII letter), before the space (byte-level BPE and
+  Metaspace tokenizers put it in front of the next word) or, where the probe below finds that
+  one wrong, after it (a tokenizer whose words carry the space behind them).
+  Spans are cut at fixed distances from the piece's start, so text is shared when it begins a
+  piece (a message, a system prompt, a document placed first). Used only where the tokenizer
+  has no added token that a piece would not see (every added token is matched on the raw text
+  and strips nothing) and a probe with every word gap of a varied text cut gives the same ids;
+  and checked while serving: the first piece with spans to encode and every ``AUDIT_EVERY``-th
+  after it are encoded whole as well, and one difference turns spans off for good (one warning
+  logged).
 - Anything a request makes fail (a template that raises, content of the wrong type) gives
   ``None``: the request is routed without precise holdings, never refused for it.
 """
@@ -90,6 +103,20 @@ def _template(directory: Path, config: Mapping[str, Any]) -> str | None:
 
 # Pieces shorter than this are encoded each time (a lookup would cost about as much).
 MIN_CACHED_CHARS = 256
+# A piece of twice this or more is encoded in spans of about this many characters (about 500
+# tokens: an encoder call per span costs a few microseconds, the span itself a few hundred).
+SPAN_CHARS = 2048
+# One spanned piece in this many is encoded whole as well, to check the spans (module rules).
+AUDIT_EVERY = 64
+# Where a span may end: before the one space between two words.
+_WORD_GAP = re.compile(r"(?<=[A-Za-z0-9]) (?=[A-Za-z])")
+# Cut at every word gap, these must encode as they do whole (digits, punctuation, runs of spaces
+# and newlines, non-ASCII letters, a contraction next to the gaps).
+_SPAN_PROBES = (
+    "Hello there, world! The 3 engines' caches  hold 1234 blocks;\nnew text: naive cafe x y z.",
+    "it's 2048 tokens a span and 17 spans  in all\n\n  of text x1 y2 z3 don't cut here",
+    "na\u00efve caf\u00e9 r\u00e9sum\u00e9 a b c A B C 9 d\te f\r\ng h.I J",
+)
 _PROBES = ("{a}Hello there,  world!\n{b} x{a}\n\n  y {b}{a}", "{b}  {a}z", "a{a}b{b}c")
 
 
@@ -157,11 +184,25 @@ class PromptTokenizer:
         self._split = _splitter(tokenizer)
         if self._split is not None and not self._probe_agrees():
             self._split = None
+        whole_tokens = self._split is not None or not tokenizer.get_added_tokens_decoder()
+        # Which side of a word gap's space a span ends on: before it where words carry their
+        # leading space (byte-level BPE, Metaspace), after it where they carry the space behind.
+        self._after_space = False
+        self._spans = whole_tokens and self._spans_agree()
+        if whole_tokens and not self._spans:
+            self._after_space = True
+            self._spans = self._spans_agree()
+        self._spanned_pieces = 0
 
     @property
     def segmented(self) -> bool:
         """Whether texts are encoded piece by piece between added tokens (module rules)."""
         return self._split is not None
+
+    @property
+    def spans(self) -> bool:
+        """Whether long pieces are encoded in spans cut at word gaps (module rules)."""
+        return self._spans
 
     def _whole(self, text: str, special: bool) -> list[int]:
         # The batch form skips the character offsets ``encode`` computes and nothing here reads.
@@ -175,8 +216,18 @@ class PromptTokenizer:
         probes = [p.format(a=a, b=b) for p in _PROBES]
         return all(self._segmented(p, cache=False) == self._whole(p, False) for p in probes)
 
+    def _spans_agree(self) -> bool:
+        for probe in _SPAN_PROBES:
+            whole = self._whole(probe, False)
+            for gap in _WORD_GAP.finditer(probe):
+                cut = gap.end() if self._after_space else gap.start()
+                if self._whole(probe[:cut], False) + self._whole(probe[cut:], False) != whole:
+                    return False
+        return True
+
     def _segmented(self, text: str, *, cache: bool = True) -> list[int]:
-        assert self._split is not None
+        if self._split is None:
+            return self._piece(text, cache)
         pattern, token_ids = self._split
         ids: list[int] = []
         for n, piece in enumerate(pattern.split(text)):
@@ -189,16 +240,60 @@ class PromptTokenizer:
     def _piece(self, piece: str, cache: bool) -> list[int]:
         if not cache or len(piece) < MIN_CACHED_CHARS:
             return self._whole(piece, False)
+        if self._spans and len(piece) >= 2 * SPAN_CHARS:
+            return self._spanned(piece)
+        return self._kept(piece)
+
+    def _kept(self, piece: str) -> list[int]:
         found = self.cache.get(piece)
         if found is None:
             found = self._whole(piece, False)
             self.cache.put(piece, found)
         return found
 
+    def _spanned(self, piece: str) -> list[int]:
+        """``piece`` encoded span by span, each kept (the last one too: a history is resent
+        whole; shared spans are used again before the cache's least recent end reaches them).
+        The spans not kept yet are encoded in one call."""
+        spans: list[str] = []
+        start, end = 0, len(piece)
+        while end - start >= 2 * SPAN_CHARS:
+            gap = _WORD_GAP.search(piece, start + SPAN_CHARS)
+            if gap is None:
+                break
+            cut = gap.end() if self._after_space else gap.start()
+            spans.append(piece[start:cut])
+            start = cut
+        spans.append(piece[start:])
+        found = [self.cache.get(span) for span in spans]
+        missing = [n for n, kept in enumerate(found) if kept is None]
+        if missing:
+            encoded = self._tok.encode_batch_fast([spans[n] for n in missing],
+                                                  add_special_tokens=False)
+            for n, encoding in zip(missing, encoded, strict=True):
+                found[n] = encoding.ids
+                self.cache.put(spans[n], encoding.ids)
+        out: list[int] = []
+        for ids in found:
+            out += ids or ()
+        if not missing:
+            return out
+        # Checked only where spans were encoded: the check then costs a fraction of the
+        # encoding a text pays anyway, never a whole encoding where every span was kept.
+        self._spanned_pieces += 1
+        if self._spanned_pieces % AUDIT_EVERY == 1:
+            whole = self._whole(piece, False)
+            if whole != out:
+                self._spans = False
+                log.warning("prompt spans encode differently from the whole text: spans off "
+                            "for this tokenizer")
+                return whole
+        return out
+
     def encode(self, text: str, *, special: bool) -> list[int]:
         cut = len(text) > self.max_chars
         text = text[: self.max_chars]
-        ids = (self._segmented(text) if self._split is not None and not special
+        ids = (self._segmented(text) if (self._split is not None or self._spans) and not special
                else self._whole(text, special))
         return ids[:-CUT_MARGIN] if cut else ids
 

@@ -22,7 +22,13 @@ def test_one_token_per_prompt_word_as_the_engines_count_them(tmp_path: Path) -> 
     assert len(ids) == token_count(text) == 300
     assert 0 not in ids  # no word falls into [UNK]
     chat = tok.request_ids(True, {"messages": [{"role": "user", "content": text}]})
-    assert chat is not None and chat[1:-1] == ids  # the template's markers around the words
+    # The template's markers around the words, a token per character.
+    head, tail = len("<s><|user|>"), len("<|assistant|>")
+    assert chat is not None and len(chat) == head + len(ids) + tail
+    assert chat[head:-tail] == ids and set(chat[:head] + chat[-tail:]) == {0}
+    assert tok.spans  # a long prompt is encoded in spans (between words)
+    long_text = random_tokens(random.Random(4), 3000)
+    assert tok.encode(long_text, special=False) == tok._whole(long_text, False)
 
 
 def test_the_precise_arm_starts_engines_and_proxy_on_the_same_events(tmp_path: Path) -> None:
