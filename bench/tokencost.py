@@ -20,7 +20,7 @@ import time
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from proxy.core.blockhash import PLAIN_ROOT
+from proxy.core.blockhash import PLAIN_ROOT, ChainMemo
 from proxy.core.exact_holdings import PreciseHoldings
 from proxy.core.kvindex import Batch, ExactIndex, Stored
 from proxy.fleet.tokenizer import PromptTokenizer
@@ -97,11 +97,14 @@ def measure(tokenizer: PromptTokenizer, bodies: list[dict[str, object]], engines
             best[name] = min(best[name], 1e6 * spent / len(bodies))
         if shared:
             tokenizer.cache.clear()
+            memo = ChainMemo()
             for body in shared[:DOCUMENTS]:  # each document seen once, with its own question
-                tokenizer.request_ids(True, body)
+                PreciseHoldings(tokenizer.request_ids(True, body) or [], PLAIN_ROOT, MAX_BLOCKS,
+                                memo=memo).keys(BLOCK_SIZE)
             t4 = time.perf_counter()
             for body in shared[DOCUMENTS:]:
-                tokenizer.request_ids(True, body)
+                PreciseHoldings(tokenizer.request_ids(True, body) or [], PLAIN_ROOT, MAX_BLOCKS,
+                                memo=memo).keys(BLOCK_SIZE)
             best["shared_us"] = min(best["shared_us"], 1e6 * (time.perf_counter() - t4)
                                     / max(1, len(shared) - DOCUMENTS))
     best["prompt_tokens"] = sum(len(i) for i in ids) / len(ids)
@@ -156,9 +159,9 @@ def markdown(rows: list[dict[str, float]]) -> list[str]:
         "special tokens between messages, so each message is encoded once and kept "
         "(`SegmentCache`): *tokenize* is a new user message after a shared system prompt, "
         "*resent* the same request again (a conversation resending its history). A long "
-        "message is encoded in spans cut at word gaps, each kept: *shared document* is a user "
-        "message holding one of four documents (each seen once before) and a new question "
-        "(RAG).", "",
+        "message is encoded in spans cut at word gaps, each kept, and runs of block keys "
+        "hashed before are remembered: *shared document* is a user message holding one of four "
+        "documents (each seen once before) and a new question (RAG), tokenized and hashed.", "",
         "| engines | prompt tokens | tokenize µs | resent µs | shared document µs | "
         "block hashing µs | index lookups µs | total µs |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:

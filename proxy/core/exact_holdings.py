@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from proxy.core.blockhash import ChainRoot, chain_keys
+from proxy.core.blockhash import ChainMemo, ChainRoot, chain_keys
 from proxy.core.kvindex import ExactIndex
 
 
@@ -42,13 +42,14 @@ class PreciseHoldings:
     settled: dict[str, int] = field(default_factory=dict)  # engine -> blocks its events reported
     block_sizes: dict[str, int] = field(default_factory=dict)
     _keys: dict[int, list[int]] = field(default_factory=dict)  # block size -> chain keys
+    memo: ChainMemo | None = None  # runs of keys hashed for earlier prompts (shared prefixes)
 
     def keys(self, block_size: int) -> list[int]:
         """The prompt's block keys in ``block_size`` (hashed once per size)."""
         found = self._keys.get(block_size)
         if found is None:
             found = self._keys[block_size] = chain_keys(
-                self.token_ids, block_size, self.root, self.max_blocks)
+                self.token_ids, block_size, self.root, self.max_blocks, self.memo)
         return found
 
     def add(self, engine: str, index: ExactIndex, block_size: int, now: float) -> None:

@@ -11,7 +11,7 @@ Rules:
   small thread pool (the ``tokenizers`` library releases the GIL while it encodes) and the event
   loop keeps relaying other streams meanwhile; a short one is encoded inline, where the thread
   hop would cost more than it saves. Hashing the blocks (Python, holding the GIL) is done on the
-  loop either way.
+  loop either way, with one ``ChainMemo``, so a prefix shared with earlier prompts is hashed once.
 - ``holdings`` answers, for one prepared request, what each in-sync engine holds of its prompt
   (``core.exact_holdings.PreciseHoldings``); engines out of sync, without a publisher, or of a
   pool without a tokenizer are left to the approximate index. A request that cannot be
@@ -30,7 +30,7 @@ from typing import Any
 
 import zmq.asyncio
 
-from proxy.core.blockhash import ChainRoot, root_for, warm_up
+from proxy.core.blockhash import ChainMemo, ChainRoot, root_for, warm_up
 from proxy.core.config import Config
 from proxy.core.exact_holdings import PreciseHoldings
 from proxy.core.inbound import Endpoint, Inbound
@@ -61,6 +61,8 @@ class PreciseRouting:
             for pool in cfg.pools}
         self._tasks: list[asyncio.Task[None]] = []
         self._pool: ThreadPoolExecutor | None = None
+        # Block keys of shared prefixes, hashed once (used on the event loop only).
+        self._memo = ChainMemo()
 
     def start(self) -> None:
         self._pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="kvproxy-tokenize")
@@ -112,7 +114,7 @@ class PreciseRouting:
         # On the event loop: hashing is Python holding the GIL, and on a thread it would make
         # the loop wait for the GIL after every system call (the GIL's switch interval) while
         # the thread hashes; encoding on the thread releases it.
-        found = PreciseHoldings(ids, root, self.cfg.max_prompt_blocks)
+        found = PreciseHoldings(ids, root, self.cfg.max_prompt_blocks, memo=self._memo)
         for size in sizes:
             if size:  # 0: the engine has not said yet; its scraped block size is used later
                 found.keys(size)

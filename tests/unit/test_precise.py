@@ -16,7 +16,15 @@ from sim.kv_subscriber import prompt_keys
 from tokenizer_files import make_tokenizer_dir
 
 from engine_sidecar.sim.kvevents import AllBlocksCleared, BlockRemoved, BlockStored, encode_batch
-from proxy.core.blockhash import chain_keys, hash_block_tokens, int_hash, root_for
+from proxy.core import blockhash
+from proxy.core.blockhash import (
+    MEMO_BLOCKS,
+    ChainMemo,
+    chain_keys,
+    hash_block_tokens,
+    int_hash,
+    root_for,
+)
 from proxy.core.config import Config, RoutingConfig
 from proxy.core.errors import ConfigError
 from proxy.core.exact_holdings import PreciseHoldings
@@ -61,6 +69,67 @@ def test_the_fast_chain_gives_the_independent_hashers_keys(
     want = prompt_keys(ids, block_size, salt) if salt else prompt_keys(ids, block_size)
     got = chain_keys(ids, block_size, root_for(salt), max_blocks)
     assert got == want[:max_blocks] if max_blocks is not None else got == want
+
+
+@given(st.lists(st.integers(0, 1 << 17), min_size=1, max_size=3 * MEMO_BLOCKS * 2),
+       st.lists(st.tuples(st.integers(0, 200), st.lists(st.integers(0, 1 << 17), max_size=70)),
+                min_size=1, max_size=4),
+       st.sampled_from([1, 2, 3]), st.sampled_from([None, 40]), st.integers(1, 4))
+@settings(max_examples=150, deadline=None)
+def test_a_memo_gives_the_same_keys_for_prompts_that_share_prefixes(
+        shared: list[int], variants: list[tuple[int, list[int]]], block_size: int,
+        max_blocks: int | None, repeat: int) -> None:
+    # Prompts that share a prefix of any length, salted or not, and go on differently, some
+    # repeating their runs, hashed through one memo (small, so that runs are also dropped):
+    # each prompt's keys are the independent hasher's.
+    memo = ChainMemo(max_runs=5)
+    for n, (cut, more) in enumerate(variants + variants):
+        ids = (shared[:cut] * repeat)[:3 * MEMO_BLOCKS * 2] + more
+        salt = "s" if n % 2 else None
+        want = prompt_keys(ids, block_size, salt) if salt else prompt_keys(ids, block_size)
+        got = chain_keys(ids, block_size, root_for(salt), max_blocks, memo)
+        assert got == (want[:max_blocks] if max_blocks is not None else want)
+    assert len(memo) <= 5
+
+
+def test_a_prefix_hashed_before_is_looked_up_not_hashed_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    document = list(range(1000, 1000 + 10 * MEMO_BLOCKS * 16))
+    memo = ChainMemo()
+    first = chain_keys(document + [1, 2, 3] * 20, 16, memo=memo)
+    hashed: list[int] = []
+    real = blockhash.hashlib.sha256
+
+    def counting(data: bytes) -> Any:
+        hashed.append(1)
+        return real(data)
+
+    monkeypatch.setattr(blockhash.hashlib, "sha256", counting)
+    second = chain_keys(document + [7, 8, 9] * 20, 16, memo=memo)
+    monkeypatch.undo()
+    assert second[:10 * MEMO_BLOCKS] == first[:10 * MEMO_BLOCKS] and second != first
+    assert memo.hits == 10 and len(hashed) == len(second) - 10 * MEMO_BLOCKS
+    assert second == prompt_keys(document + [7, 8, 9] * 20, 16)
+
+
+def test_runs_of_the_same_tokens_at_other_places_in_the_chain_keep_their_own_keys() -> None:
+    run = list(range(5000, 5000 + MEMO_BLOCKS * 16))
+    memo = ChainMemo()
+    for ids in (run * 3, run * 4 + [1] * 40, run[:100] + run * 2):
+        assert chain_keys(ids, 16, memo=memo) == prompt_keys(ids, 16)
+    assert memo.hits >= 2
+
+
+@pytest.mark.parametrize("edge", [0, 255, 256, (1 << 16) - 1, 1 << 16, (1 << 18) - 1, 1 << 18,
+                                  (1 << 24) + 5, (1 << 32) - 1, 1 << 32, -1])
+def test_ids_at_the_edges_of_the_table_hash_as_the_independent_hasher_does(edge: int) -> None:
+    # The table's range is checked on the ids' machine bytes: each edge of it, and ids that only
+    # a byte past it tells apart, give the independent hasher's keys, with and without a memo.
+    ids = [edge if i % 7 == 3 else 1000 + i for i in range(2 * MEMO_BLOCKS * 4 + 5)]
+    want = prompt_keys(ids, 4)
+    assert chain_keys(ids, 4) == want
+    memo = ChainMemo()
+    assert chain_keys(ids, 4, memo=memo) == want == chain_keys(ids, 4, memo=memo)
 
 
 @pytest.mark.parametrize("int_hashes", [True, False])
