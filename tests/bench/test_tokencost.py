@@ -13,5 +13,7 @@ def test_rows_grow_with_the_prompt_and_the_table_shows_them() -> None:
     assert 0 < small["prompt_tokens"] < large["prompt_tokens"]
     for r in rows:
         assert r["tokenize_us"] > 0 and r["hash_us"] > 0 and r["lookup_us"] > 0
+    for r in rows[::2]:  # the shared documents' hashing, remembered and not, on the same ids
+        assert r["shared_hash_us"] > 0 and r["shared_hash_plain_us"] > 0
     table = "\n".join(tokencost.markdown(rows))
-    assert "| 64 |" in table and "tokenize µs" in table
+    assert "| 64 |" in table and "tokenize µs" in table and "its hashing µs" in table
