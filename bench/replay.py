@@ -9,7 +9,8 @@ and what the decisions cost in cache: how often the pick held less of the prompt
 engine holding the most of it really did (from the engines' own block pools), and why, and the
 hit rate over ``bench.traces.oracle_hit_rate``, and the workload's idle floor
 (``bench.idle_floor``: the TTFT no router can beat). A policy may carry variants:
-``expected_ttft+plain``, ``expected_ttft+unbounded``, ``expected_ttft+drain`` (``VARIANTS``).
+``expected_ttft+plain``, ``expected_ttft+unbounded``, ``expected_ttft+drain``,
+``expected_ttft+nodecode`` (no charge for the streams a prefill stalls) (``VARIANTS``).
 
 Rules:
 - Engines are ``bench.calibrate``'s discrete-event model: the simulator's own scheduler, KV block
@@ -78,7 +79,7 @@ class Router(Protocol):
 # would report), with the blocks of recent dispatches counted as held for ``provisional_s``
 # (engine seconds) as ``proxy.core.kvindex`` counts them; ``provisional_s`` from the replay's
 # ``--provisional-s``.
-VARIANTS = ("abandon", "plain", "unbounded", "drain", "precise")
+VARIANTS = ("abandon", "plain", "unbounded", "drain", "precise", "nodecode")
 
 
 class UnboundedHoldings(ApproxHoldings):
@@ -105,7 +106,9 @@ class KvproxyRouter:
             raise ValueError(f"unknown variants {sorted(unknown)}; known: {', '.join(VARIANTS)}")
         charge = cfg.charge_abandoned or bool({"abandon", "unbounded"} & set(variants))
         self.cfg = cfg = RoutingConfig(**{**cfg.__dict__, "policy": base,
-                                          "charge_abandoned": charge and "plain" not in variants})
+                                          "charge_abandoned": charge and "plain" not in variants,
+                                          "decode_charge": 0.0 if "nodecode" in variants
+                                          else cfg.decode_charge})
         self.drain = "drain" in variants
         self.policy: Policy = _policy(cfg, "unbounded" in variants)
         self.states = [EngineState(f"e{i}", "target", "", stale_after_s=1e9) for i in range(n)]

@@ -124,6 +124,10 @@ class RoutingConfig:
     # of the prompt once more (the cache the move abandons, recomputed later; settled holdings
     # only, never provisional ones); off keeps the plain model.
     charge_abandoned: bool = True
+    # expected_ttft: a pick pays its prompt's compute time times this share for every sequence
+    # decoding there (each one's next token waits for the steps that carry it: an inter-token
+    # stall); 0: only the requests queued for prefill count as delayed.
+    decode_charge: float = 0.1
 
     def __post_init__(self) -> None:
         _require(self.policy in POLICIES, "policy", f"must be one of {', '.join(POLICIES)}")
@@ -137,6 +141,7 @@ class RoutingConfig:
                   "chunk_tokens")
         _require(self.decode_seq_step_s >= 0.0, "decode_seq_step_s", "must be >= 0")
         _require(0.0 <= self.cost_tolerance <= 1.0, "cost_tolerance", "must be in 0..1")
+        _require(0.0 <= self.decode_charge <= 10.0, "decode_charge", "must be in 0..10")
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,15 @@ Rules:
   KV events) count, never provisional ones, so a burst of one new prompt is not charged twice
   for spreading before its first request has been computed anywhere. The shell reports first
   bytes with ``first_byte`` for the requests it announced with ``dispatched``.
+- Each sequence decoding at E waits for the steps that carry the request's prefill: its next
+  token comes ``own / prefill_tps`` late (an inter-token stall; a long uncached prompt on an
+  engine streaming answers is what makes a fleet's ITL tail). ``cfg.decode_charge`` counts a
+  second of that stall, per stream stalled, as that share of a second of first-token wait:
+  ``cost += own / prefill_tps * decoding(E) * decode_charge``. A request E holds nearly whole
+  stalls little there; a new long prompt goes, among engines about as quick, to one streaming
+  fewer answers. The share is small (0.1) because a stall is spread over a stream's tokens
+  where a first-token wait is not, and because at high load every engine streams many answers:
+  weighed one for one, the charge outweighs the queues and the first-token tail grows.
 - The lowest cost wins. Costs within ``cost_tolerance`` (relative) of the lowest are equal
   within the model's accuracy; among them the engine holding the most of the prompt wins (it saves
   the fleet that prefill); among those, waits within the same tolerance of the least are equal,
@@ -131,6 +140,8 @@ def estimate(e: EngineView, held: float, key: RouteKey, mean_prompt: float,
     wait = queued / tps + (1.0 + queued / chunk) * step
     ttft = total / tps + (1.0 + total / chunk) * step
     cost = wait + (ttft - wait) * delayed
+    if own > 0.0 and cfg.decode_charge:
+        cost += own / tps * decoding(e) * cfg.decode_charge
     if abandoned > 0.0:
         cost += (abandoned / tps + abandoned / chunk * step) * delayed
     return Estimate(e.name, wait, ttft, held, cost, e.load)

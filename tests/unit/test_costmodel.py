@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from proxy.core.config import RoutingConfig
 from proxy.core.costmodel import ExpectedTTFT, estimate, queued_tokens
+from proxy.core.errors import ConfigError
 from proxy.core.holdings import ApproxHoldings
 from proxy.core.rates import EngineRates, update_rates
 from proxy.core.routeview import EngineView, RouteKey
@@ -139,7 +140,9 @@ def test_no_reuse_reduces_to_least_load_among_the_least_waits(
     rates = {"prefill_tps": 8000.0, "step_s": 0.03} if measured else {
         "prefill_tps": None, "step_s": None}
     vs = [replace(v, routable=True, fresh=True, **rates) for v in vs]  # type: ignore[arg-type]
-    policy = ExpectedTTFT(CFG)  # nothing observed: no engine holds anything
+    # Without the charge for the streams a prefill stalls: the least wait, then the least load.
+    plain = replace(CFG, decode_charge=0.0)
+    policy = ExpectedTTFT(plain)  # nothing observed: no engine holds anything
     k = key(*chain)
     waits = {e.name: e.wait_s for e in policy.estimates(k, vs)}
     loads = {v.name: v.load for v in vs}
@@ -147,6 +150,10 @@ def test_no_reuse_reduces_to_least_load_among_the_least_waits(
     equal = [n for n, w in waits.items() if w <= min(waits.values()) * (1 + CFG.cost_tolerance)]
     assert pick in equal
     assert loads[pick] == min(loads[n] for n in equal)
+    # With it: among the least costs, and the least wait once the streams' stall is counted.
+    charged = ExpectedTTFT(CFG)
+    costs = {e.name: e.cost_s for e in charged.estimates(k, vs)}
+    assert costs[charged.rank(k, vs)[0]] <= min(costs.values()) * (1 + CFG.cost_tolerance)
 
 
 def test_idle_queues_everywhere_go_to_the_least_loaded_engine() -> None:
@@ -354,3 +361,48 @@ def test_the_abandoned_charge_only_adds_cost(e: EngineView, abandoned: float) ->
     charged = estimate(e, 0.0, k, 1000.0, CFG, delayed=2.0, abandoned=abandoned)
     assert charged.cost_s >= plain.cost_s
     assert (charged.wait_s, charged.ttft_s) == (plain.wait_s, plain.ttft_s)
+
+
+def test_a_long_new_prompt_goes_where_it_stalls_no_stream() -> None:
+    # Idle prefill queues everywhere; a holds the tenant's 1,000-token system prompt and decodes
+    # 4 streams, b holds nothing and decodes none. A new 9,000-token document prompt: the plain
+    # model takes a (1,000 tokens less to compute); charged for the 8,000 tokens' stall of a's
+    # four streams (0.27 s at the default share), b is cheaper by more than the tolerance. The
+    # question after it, whose prompt a holds but 30 tokens, stays on a: stalling four streams
+    # for 30 tokens costs less than computing 9,000 elsewhere.
+    system = key(*range(1, 17), tokens=1000.0)
+    document = key(*range(1, 145), tokens=9000.0)
+    question = key(*range(1, 146), tokens=9030.0)
+    fleet = [idle("a", running=4.0, load=4.0), idle("b")]
+    picks = {}
+    for charge in (0.0, CFG.decode_charge):
+        policy = ExpectedTTFT(replace(CFG, decode_charge=charge))
+        policy.observe(system, "a")
+        picks[charge] = policy.rank(document, fleet)[0]
+        policy.observe(document, "a")
+        assert policy.rank(question, fleet)[0] == "a"
+    assert picks == {0.0: "a", CFG.decode_charge: "b"}
+
+
+@given(engine("e"), st.integers(0, 64), st.floats(0.0, 50_000.0), st.floats(0.0, 4.0))
+def test_the_decode_charge_only_adds_cost_and_grows_with_the_streams_stalled(
+        e: EngineView, more: int, held: float, charge: float) -> None:
+    k = key(1, 2, 3, tokens=20_000.0)
+    cfg = replace(CFG, decode_charge=charge)
+    plain = estimate(e, held, k, 1000.0, replace(CFG, decode_charge=0.0), delayed=2.0)
+    charged = estimate(e, held, k, 1000.0, cfg, delayed=2.0)
+    busier = estimate(replace(e, running=e.running + more, load=e.load + more), held, k, 1000.0,
+                      cfg, delayed=2.0)
+    assert charged.cost_s >= plain.cost_s
+    assert (charged.wait_s, charged.ttft_s) == (plain.wait_s, plain.ttft_s)
+    assert busier.cost_s - busier.wait_s >= charged.cost_s - charged.wait_s - 1e-9
+    # A prompt the engine holds whole stalls nothing there.
+    whole = estimate(e, 20_000.0, k, 1000.0, cfg, delayed=2.0)
+    assert whole.cost_s == estimate(e, 20_000.0, k, 1000.0, replace(CFG, decode_charge=0.0),
+                                    delayed=2.0).cost_s
+
+
+def test_the_decode_charge_is_on_by_default_and_bounded() -> None:
+    assert 0.0 < RoutingConfig().decode_charge <= 1.0
+    with pytest.raises(ConfigError, match="decode_charge"):
+        RoutingConfig(decode_charge=-0.1)
