@@ -377,6 +377,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--provisional-s", type=float, default=15.0,
                    help="engine seconds a dispatch's blocks count as held (+precise)")
     p.add_argument("--log", type=Path, default=None, help="write every decision here (jsonl)")
+    p.add_argument("--decode-charge", type=float, default=RoutingConfig().decode_charge,
+                   help="routing.decode_charge for kvproxy's policies (+nodecode: 0)")
     args = p.parse_args(argv)
     from bench.suite import calibrate  # noqa: PLC0415
 
@@ -396,7 +398,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"p90 {floor['ttft_p90']:.3f} p99 {floor['ttft_p99']:.3f}", flush=True)
         for pol in args.policies.split(","):
             router: Router = (CacheAware(args.engines) if pol == "cache_aware"
-                              else KvproxyRouter(pol, args.engines, RoutingConfig()))
+                              else KvproxyRouter(pol, args.engines, RoutingConfig(
+                                  decode_charge=args.decode_charge)))
             if isinstance(router, KvproxyRouter):
                 router.provisional_s = args.provisional_s
             out = replay(reqs, router, engines=args.engines, profile=args.profile,

@@ -25,7 +25,8 @@ def _run(router: object) -> dict[str, object]:
 
 
 @pytest.mark.parametrize("policy", ["expected_ttft", "prefix_affinity", "round_robin",
-                                    "expected_ttft+abandon", "expected_ttft+drain"])
+                                    "expected_ttft+abandon", "expected_ttft+drain",
+                                    "expected_ttft+nodecode"])
 def test_kvproxy_policies_serve_every_request(policy: str) -> None:
     _run(KvproxyRouter(policy, 2, RoutingConfig()))
 
@@ -54,6 +55,10 @@ def test_variants_set_their_rule_and_unknown_ones_are_refused() -> None:
     assert isinstance(unbounded.policy.holdings, UnboundedHoldings)
     with pytest.raises(ValueError, match="unknown variants"):
         KvproxyRouter("expected_ttft+faster", 2, RoutingConfig())
+    assert KvproxyRouter("expected_ttft", 2, RoutingConfig()).cfg.decode_charge > 0.0
+    assert KvproxyRouter("expected_ttft+nodecode", 2, RoutingConfig()).cfg.decode_charge == 0.0
+    shared = KvproxyRouter("expected_ttft", 2, RoutingConfig(decode_charge=0.5))
+    assert shared.cfg.decode_charge == 0.5
 
 
 def test_inter_token_gaps_are_the_steps_after_the_first_token() -> None:
