@@ -44,9 +44,9 @@ Rules:
   second of that stall, per stream stalled, as that share of a second of first-token wait:
   ``cost += own / prefill_tps * decoding(E) * decode_charge``. A request E holds nearly whole
   stalls little there; a new long prompt goes, among engines about as quick, to one streaming
-  fewer answers. The share is small (0.1) because a stall is spread over a stream's tokens
-  where a first-token wait is not, and because at high load every engine streams many answers:
-  weighed one for one, the charge outweighs the queues and the first-token tail grows.
+  fewer answers. The share is small (0.1, chosen on the routing suite): weighed one for one, at
+  high load, where every engine streams many answers, the charge outweighs the queues and the
+  first-token tail grows.
 - The lowest cost wins. Costs within ``cost_tolerance`` (relative) of the lowest are equal
   within the model's accuracy; among them the engine holding the most of the prompt wins (it saves
   the fleet that prefill); among those, waits within the same tolerance of the least are equal,
