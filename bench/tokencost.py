@@ -195,12 +195,13 @@ def _or_dash(us: float) -> str:
     return "—" if us != us else f"{us:.1f}"
 
 
-if __name__ == "__main__":  # a quick look without the rest of bench.decision
-    print("\n".join(markdown(run(50, 2))))
-
-
 def _shared_hashing(row: dict[str, float]) -> str:
     kept, plain = row.get("shared_hash_us"), row.get("shared_hash_plain_us")
     if kept is None or plain is None:
         return "—"
     return f"{kept:.1f} ({plain:.1f})"
+
+
+if __name__ == "__main__":  # a quick look without the rest of bench.decision
+    print("\n".join(markdown(run(50, 2))))
+
