@@ -2,15 +2,19 @@
 simulator's engine model, in simulated time (no HTTP, no sleeping, no timing noise).
 
 Usage: ``python -m bench.replay --workloads chat [--quick] [--policies expected_ttft,cache_aware]
-[--rate-scale X] [--log decisions.jsonl]``. Prints, per workload and policy, TTFT percentiles
-(engine seconds), ITL p99 (a step's duration over the tokens it gave a request, as the suite's
-client measures between events), the engines' hit rate, requests per engine (busiest / mean)
-and what the decisions cost in cache: how often the pick held less of the prompt than the
-engine holding the most of it really did (from the engines' own block pools), and why, and the
-hit rate over ``bench.traces.oracle_hit_rate``, and the workload's idle floor
-(``bench.idle_floor``: the TTFT no router can beat). A policy may carry variants:
-``expected_ttft+plain``, ``expected_ttft+unbounded``, ``expected_ttft+drain``,
-``expected_ttft+nodecode`` (no charge for the streams a prefill stalls) (``VARIANTS``).
+[--rate-scale X] [--log decisions.jsonl] [--calibration]``. Prints, per workload and policy, TTFT
+percentiles (engine seconds), ITL p99 (a step's duration over the tokens it gave a request, as the
+suite's client measures between events), the engines' hit rate, requests per engine (busiest / mean)
+and what the decisions cost in cache: how often the pick held less of the prompt than the engine
+holding the most of it really did (from the engines' own block pools), and why, and the hit rate
+over ``bench.traces.oracle_hit_rate``, and the workload's idle floor (``bench.idle_floor``: the TTFT
+no router can beat), and, for the cost model, how its prediction came true: each request's real TTFT
+over the TTFT the model predicted at the engine it picked (``real/predicted``, median and 10th/90th
+percentiles; ``--calibration`` adds the table by predicted bin). The log (``--log``) holds every
+decision with each engine's estimate (wait, cost, held tokens, TTFT), the pick's prediction and the
+TTFT it came to. A policy may carry variants: ``expected_ttft+plain``, ``expected_ttft+unbounded``,
+``expected_ttft+drain``, ``expected_ttft+nodecode`` (no charge for the streams a prefill stalls)
+(``VARIANTS``).
 
 Rules:
 - Engines are ``bench.calibrate``'s discrete-event model: the simulator's own scheduler, KV block
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import heapq
+import itertools
 import json
 import random
 import sys
@@ -168,7 +173,8 @@ class KvproxyRouter:
         views = self._views(now)
         info: dict[str, Any] = {}
         if isinstance(self.policy, ExpectedTTFT):
-            info["est"] = {e.name: (round(e.wait_s, 3), round(e.cost_s, 3), e.held)
+            info["est"] = {e.name: (round(e.wait_s, 3), round(e.cost_s, 3), e.held,
+                                    round(e.ttft_s, 4))
                            for e in self.policy.estimates(key, views)}
             info["views"] = {v.name: (v.running, v.waiting, v.load, v.pending, v.prefill)
                              for v in views}
@@ -176,6 +182,8 @@ class KvproxyRouter:
         name = ranked[0]
         prefill = self.policy.uncached_tokens(key, name)
         info["believed_held"] = key.tokens - prefill
+        if "est" in info:
+            info["predicted"] = info["est"][name][3]  # the pick's own TTFT estimate
         self.policy.observe(key, name)
         if isinstance(self.policy, ExpectedTTFT):
             self.policy.dispatched(rid, key)
@@ -337,6 +345,30 @@ def _audit(rid: int, req: TraceRequest, e: int, info: dict[str, Any], sim: Any,
             "held": held, **info}
 
 
+# Predicted-TTFT bins of the calibration table (engine seconds).
+CALIBRATION_BINS = (0.0, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, float("inf"))
+
+
+def calibration(out: Outcome) -> list[dict[str, Any]]:
+    """The cost model against what happened: per bin of the pick's predicted TTFT, the
+    requests, their predicted and real TTFT (medians) and the real one over the predicted
+    (median, and its 10th and 90th percentiles). Empty for a policy that predicts nothing."""
+    pairs = [(x["predicted"], out.ttft[x["rid"]]) for x in out.decisions
+             if "predicted" in x and x["rid"] in out.ttft and x["predicted"] > 0.0]
+    rows = []
+    for lo, hi in itertools.pairwise(CALIBRATION_BINS):
+        got = [(p, t) for p, t in pairs if lo <= p < hi]
+        if not got:
+            continue
+        ratios = [t / p for p, t in got]
+        rows.append({"from_s": lo, "to_s": hi, "n": len(got),
+                     "predicted_p50": percentile([p for p, _ in got], 50),
+                     "real_p50": percentile([t for _, t in got], 50),
+                     "ratio_p10": percentile(ratios, 10), "ratio_p50": percentile(ratios, 50),
+                     "ratio_p90": percentile(ratios, 90)})
+    return rows
+
+
 def summarise(name: str, out: Outcome, reqs: Sequence[TraceRequest]) -> dict[str, Any]:
     ttft = list(out.ttft.values())
     d = out.decisions
@@ -353,7 +385,18 @@ def summarise(name: str, out: Outcome, reqs: Sequence[TraceRequest]) -> dict[str
         "moved_off_history": len(lost) / max(1, len(d)),
         "tokens_lost": sum(max(x["held"]) - x["held"][x["pick"]] for x in lost),
         "moved_index_blind": len(unknown),
+        **_calibrated(out),
     }
+
+
+def _calibrated(out: Outcome) -> dict[str, float]:
+    """Real TTFT over the pick's predicted one, every request (median and the middle 80 %)."""
+    ratios = [out.ttft[x["rid"]] / x["predicted"] for x in out.decisions
+              if x.get("predicted", 0.0) > 0.0 and x["rid"] in out.ttft]
+    if not ratios:
+        return {}
+    return {"real/predicted": percentile(ratios, 50), "real/predicted_p10": percentile(ratios, 10),
+            "real/predicted_p90": percentile(ratios, 90)}
 
 
 def _believed_at_best(x: dict[str, Any]) -> float:
@@ -377,6 +420,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--provisional-s", type=float, default=15.0,
                    help="engine seconds a dispatch's blocks count as held (+precise)")
     p.add_argument("--log", type=Path, default=None, help="write every decision here (jsonl)")
+    p.add_argument("--calibration", action="store_true",
+                   help="print the cost model's predicted TTFT against the real one, by bin")
     p.add_argument("--decode-charge", type=float, default=RoutingConfig().decode_charge,
                    help="routing.decode_charge for kvproxy's policies (+nodecode: 0)")
     args = p.parse_args(argv)
@@ -408,10 +453,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             s["hit/oracle"] = s["hit"] / oracle if oracle else float("nan")
             print("  ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
                             for k, v in s.items()), flush=True)
+            if args.calibration:
+                for row in calibration(out):
+                    print(f"    predicted {row['from_s']:g}-{row['to_s']:g} s: n {row['n']}  "
+                          f"predicted p50 {row['predicted_p50']:.3f}  real p50 "
+                          f"{row['real_p50']:.3f}  real/predicted p10/p50/p90 "
+                          f"{row['ratio_p10']:.2f}/{row['ratio_p50']:.2f}/{row['ratio_p90']:.2f}",
+                          flush=True)
             if args.log:
                 with (args.log.parent / f"{args.log.stem}-{w.name}-{pol}.jsonl").open("w") as f:
-                    for x in out.decisions:
-                        f.write(json.dumps(x) + "\n")
+                    for x in out.decisions:  # each decision with the TTFT it came to
+                        f.write(json.dumps({**x, "ttft": out.ttft.get(x["rid"])}) + "\n")
     return 0
 
 

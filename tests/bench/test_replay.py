@@ -3,7 +3,14 @@ the simulator's scheduler (catches API drift in either), and its audit sees what
 
 import pytest
 
-from bench.replay import CacheAware, KvproxyRouter, UnboundedHoldings, replay, summarise
+from bench.replay import (
+    CacheAware,
+    KvproxyRouter,
+    UnboundedHoldings,
+    calibration,
+    replay,
+    summarise,
+)
 from bench.traces import TraceRequest
 from proxy.core.config import RoutingConfig
 from proxy.core.costmodel import ExpectedTTFT
@@ -69,3 +76,22 @@ def test_inter_token_gaps_are_the_steps_after_the_first_token() -> None:
     assert len(out.itl) == sum(r.output_tokens - 1 for r in REQS)
     assert min(out.itl) > 0.005
     assert min(out.itl) <= summarise("x", out, REQS)["itl_p99"] <= max(out.itl)  # type: ignore[operator]
+
+
+def test_calibration_pairs_each_pick_with_its_prediction() -> None:
+    out = replay(REQS, KvproxyRouter("expected_ttft", 2, RoutingConfig()), engines=2,
+                 profile="llama70b-h100x4", rate_scale=1.0, scrape_s=0.6)
+    rows = calibration(out)
+    assert sum(r["n"] for r in rows) == len(REQS)
+    for r in rows:
+        assert r["from_s"] <= r["predicted_p50"] < r["to_s"]
+        assert 0.0 < r["ratio_p10"] <= r["ratio_p50"] <= r["ratio_p90"]
+    # Every prediction is the picked engine's own estimate, and the summary's ratio is the real
+    # TTFT over it, request by request.
+    ratios = sorted(out.ttft[x["rid"]] / x["predicted"] for x in out.decisions)
+    assert all(x["predicted"] == x["est"][f"e{x['pick']}"][3] for x in out.decisions)
+    s = summarise("x", out, REQS)
+    assert ratios[0] <= s["real/predicted"] <= ratios[-1]  # type: ignore[operator]
+    # A policy without a model predicts nothing.
+    assert calibration(replay(REQS, CacheAware(2), engines=2, profile="llama70b-h100x4",
+                              rate_scale=1.0, scrape_s=0.6)) == []

@@ -246,8 +246,8 @@ async def vllm_backend(log_dir: Path) -> AsyncIterator[Backend]:
     events = KvEventsAt(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{free_port()}")
     env = {**os.environ, "KVPROXY_VLLM_PYTHON": python, "KVPROXY_TINY_TARGET": models["target"],
            "KVPROXY_TINY_DRAFT": models["draft"], "KVPROXY_TARGET_NAME": MODEL,
-           "KVPROXY_KV_EVENTS_ENDPOINT": f"tcp://*:{port}",
-           "KVPROXY_KV_EVENTS_REPLAY": events.replay_at}
+           "KVPROXY_TEST_KV_EVENTS_ENDPOINT": f"tcp://*:{port}",
+           "KVPROXY_TEST_KV_EVENTS_REPLAY": events.replay_at}
     proc_a, a = _start_sidecar("cpu-test-a", env, log_dir)
     proc_b, b = _start_sidecar("cpu-test-b", env, log_dir)
     backend = Backend("vllm", a, b, procs=[proc_a, proc_b], timings={"models_s": gen_s},

@@ -132,6 +132,25 @@ def test_env_and_cli_errors(env: dict[str, str], overrides: list[str], field: st
     assert str(info.value).startswith(field)
 
 
+def test_variables_the_project_reads_itself_never_look_like_proxy_settings() -> None:
+    """A profile's or a test's own ``KVPROXY_*`` variable that starts like a config section
+    would stop ``kvproxy serve`` from starting in a shell that exports it."""
+    import re  # noqa: PLC0415
+
+    reserved = tuple(ENV_PREFIX + s.upper() + "_" for s in SCALAR_SECTIONS)
+    own: set[str] = set()
+    for pattern in ("profiles/*.toml", "tests/**/conftest.py", "deploy/**/*", "compose.yaml"):
+        for path in ROOT.glob(pattern):
+            if path.is_file():
+                own |= set(re.findall(r"\$\{(KVPROXY_[A-Z0-9_]+)", path.read_text("utf-8")))
+                own |= set(re.findall(r'"(KVPROXY_[A-Z0-9_]+)":', path.read_text("utf-8")))
+    paths = scalar_paths(Config, SCALAR_SECTIONS)
+    settings = {ENV_PREFIX + p.replace(".", "_").upper() for p in paths}
+    assert own, "no project variables found: the globs above are stale"
+    clashes = sorted(v for v in own - settings if v.startswith(reserved))
+    assert not clashes
+
+
 def engines_toml(*urls: str, names: tuple[str, ...] | None = None) -> str:
     names = names or tuple(f"e{i}" for i in range(len(urls)))
     body = "".join(
