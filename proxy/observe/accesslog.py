@@ -48,6 +48,7 @@ FIELDS: tuple[str, ...] = (
     "retries",
     "prompt_tokens",
     "output_tokens",
+    "dispatch_s",
     "ttft_s",
     "duration_s",
 )
@@ -61,6 +62,7 @@ class AccessJob(Protocol):
     request_id: str
     started_at: float
     first_byte_at: float | None
+    dispatched_at: float | None
     tenant: str | None
     model: str | None
     asked_pool: str | None
@@ -81,6 +83,8 @@ def access_fields(job: AccessJob, now: float) -> dict[str, Any]:
     usage = job.usage
     degraded_from = job.asked_pool if job.asked_pool not in (None, job.pool) else None
     ttft = None if job.first_byte_at is None else round(job.first_byte_at - job.started_at, 6)
+    sent = job.dispatched_at
+    dispatch = None if sent is None else round(sent - job.started_at, 6)
     cached = job.engine == "cache"
     return {
         "request_id": job.request_id,
@@ -99,6 +103,7 @@ def access_fields(job: AccessJob, now: float) -> dict[str, Any]:
         "retries": job.retries,
         "prompt_tokens": None if usage is None else usage.prompt,
         "output_tokens": None if usage is None else usage.completion,
+        "dispatch_s": dispatch,
         "ttft_s": ttft,
         "duration_s": round(now - job.started_at, 6),
     }

@@ -288,6 +288,8 @@ def _observe(ctx: ShellContext, job: Job) -> None:
     m.duration_by(job.pool, status).observe(now - job.started_at)
     if job.first_byte_at is not None:
         m.ttft_by(job.pool).observe(job.first_byte_at - job.started_at)
+    if job.dispatched_at is not None:
+        m.dispatch_by(job.pool).observe(job.dispatched_at - job.started_at)
     _account(ctx, job, status)
     if ctx.cfg.log.access:
         accesslog.emit(accesslog.access_fields(job, now))

@@ -28,6 +28,9 @@ class Job:
     engine: str = "none"
     status: int = 0
     first_byte_at: float | None = None
+    # When the request was first sent to an engine: the proxy's own share of the first-token time
+    # ends here (body, admission and any hold, routing).
+    dispatched_at: float | None = None
     # Sees the engine's status and every byte relayed (response cache, token accounting).
     recorder: Recorder | None = None
     extra_headers: dict[str, str] = field(default_factory=dict)

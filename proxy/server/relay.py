@@ -137,6 +137,8 @@ class Relay:
 
     async def _exchange(self, engine: Engine) -> web.StreamResponse:
         self._sent_at = self._gate(engine)
+        if self._job.dispatched_at is None:
+            self._job.dispatched_at = self._sent_at
         ticket = self._dispatch(engine)
         # try/finally rather than an async context manager: the same settling, without an async
         # generator and its two steps per request.

@@ -91,7 +91,7 @@ async def test_success_line_names_who_what_where_and_the_engines_usage(
     assert (line["cache"], line["retries"]) == ("BYPASS", 0)
     assert line["prompt_tokens"] == usage["prompt_tokens"] > 0
     assert line["output_tokens"] == usage["completion_tokens"] > 0
-    assert 0 <= line["ttft_s"] <= line["duration_s"]
+    assert 0 <= line["dispatch_s"] <= line["ttft_s"] <= line["duration_s"]
     # The API key the SDK client sends never reaches the line.
     await stack.client.chat.completions.create(
         **chat_body("again"), extra_headers={"X-Request-Id": "ok-2"}
@@ -132,6 +132,7 @@ async def test_shed_line_says_why(make_stack: StackFactory, access: AccessLines)
     line = await access.one("shed")
     assert (line["status"], line["reason"], line["priority"]) == (503, "kv_pressure", "sheddable")
     assert (line["pool"], line["engine"], line["ttft_s"]) == ("target", None, None)
+    assert line["dispatch_s"] is None  # refused before any engine was asked
     assert (line["prompt_tokens"], line["output_tokens"]) == (None, None)
 
 

@@ -104,6 +104,7 @@ async def test_own_metrics_are_kvproxy_only(stack: Stack) -> None:
     for expected in (
         "kvproxy_requests_total",
         "kvproxy_time_to_first_byte_seconds_bucket",
+        "kvproxy_dispatch_seconds_bucket",
         "kvproxy_request_duration_seconds_bucket",
         "kvproxy_scrape_duration_seconds_bucket",
         "kvproxy_engine_kv_usage",
@@ -112,3 +113,8 @@ async def test_own_metrics_are_kvproxy_only(stack: Stack) -> None:
     ):
         assert expected in names
     assert await stack.metric("kvproxy_requests_total", status="200", pool="target") == 1
+    # The proxy's own part of the request (arrival to dispatch) is inside its first-byte time.
+    assert await stack.metric("kvproxy_dispatch_seconds_count", pool="target") == 1
+    dispatch = await stack.metric("kvproxy_dispatch_seconds_sum", pool="target")
+    first_byte = await stack.metric("kvproxy_time_to_first_byte_seconds_sum", pool="target")
+    assert 0.0 < dispatch <= first_byte
