@@ -8,9 +8,11 @@ Rules:
   (``upstream.max_connections_per_engine``) is enforced by routing instead, which sheds at once.
 - Redirects are never followed on the data path (``DATA_POST``): an engine's 3xx would otherwise
   re-send a client's prompt to whatever address the engine names. A 3xx is an engine failure.
-- To engines: nothing hop-by-hop, no client credentials (``Authorization``, ``api-key``,
-  ``x-api-key``), no cookies (neither the client's nor any an engine set: the sessions keep no
-  cookie jar), no ``Host``, and nothing that describes the client's network path
+- To engines: nothing hop-by-hop, nothing that describes the client's body (``Content-Encoding``,
+  digests, ``Expect``: the engine gets JSON the proxy wrote), no client credentials
+  (``Authorization``, ``api-key``, ``x-api-key``), no cookies (neither the client's nor any an
+  engine set: the sessions keep no cookie jar), no ``Host``, and nothing that describes the
+  client's network path
   (``Forwarded``, ``X-Forwarded-*``, ``X-Real-IP``, ``Via`` and the CDN variants of them).
 - To clients, an allow-list: of an engine's response headers only ``Content-Type``,
   ``Cache-Control``, ``Retry-After``/``Retry-After-Ms`` and the ``openai-*`` and ``x-ratelimit-*``
@@ -51,8 +53,12 @@ HOP_BY_HOP = frozenset(
 # Never forwarded to an engine, on top of the hop-by-hop set.
 # The client's credentials are for the proxy; an engine gets only its own (``api_key_env``).
 # Where the client sits on the network is none of an engine's business.
+# What described the client's body describes nothing the engine gets: the proxy reads the body
+# (decoding a compressed one) and sends JSON of its own, so its encoding, digests and any
+# ``Expect`` are the client's hop only.
 _REQUEST_DROP = frozenset(
     {"host", "authorization", "api-key", "x-api-key", "content-length", "accept-encoding",
+     "content-encoding", "content-md5", "content-digest", "repr-digest", "digest", "expect",
      "cookie", "cookie2", "forwarded", "via", "x-real-ip", "x-client-ip", "true-client-ip",
      "cf-connecting-ip", "fastly-client-ip", "x-cluster-client-ip"}
 )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gzip
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -179,6 +180,32 @@ async def test_hop_by_hop_forwarded_and_authorization_not_passed(recorder: Recor
     assert lower["x-request-id"] == "rid-7"
     assert lower["host"] == recorder.url.removeprefix("http://")
     assert "priority" not in sent_body  # the pool runs no priority scheduling
+
+
+async def test_a_compressed_body_reaches_the_engine_as_the_json_the_proxy_wrote(
+    recorder: Recorder,
+) -> None:
+    # The proxy decodes the client's gzip body and sends JSON of its own: were the client's
+    # Content-Encoding passed on, the engine would fail to decode plain JSON (a 500 from it, and
+    # a few such requests would open every engine's breaker).
+    pool = PoolConfig("target", "served-name", (EngineConfig("rec", recorder.url),))
+    server = ProxyServer(Config(server=ServerConfig(port=0), pools=(pool,)))
+    await server.start()
+    try:
+        async with aiohttp.ClientSession() as http:
+            await _wait_routable(http, server.url)
+            body = {"model": "served-name", "messages": [{"role": "user", "content": "zip"}]}
+            headers = {"Content-Encoding": "gzip", "Content-Type": "application/json",
+                       "Content-MD5": "bogus", "Digest": "sha-256=bogus"}
+            async with http.post(server.url + "/v1/chat/completions",
+                                 data=gzip.compress(orjson.dumps(body)), headers=headers) as resp:
+                assert resp.status == 200, await resp.text()
+    finally:
+        await server.stop()
+    ((got, sent_body),) = recorder.seen
+    lower = {k.lower() for k in got}
+    assert not lower & {"content-encoding", "content-md5", "digest"}
+    assert sent_body["messages"] == body["messages"]
 
 
 async def _wait_routable(http: aiohttp.ClientSession, url: str) -> None:
