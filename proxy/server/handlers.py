@@ -48,7 +48,7 @@ from proxy.server import specanswer
 from proxy.server.admit import HOLDING, need_tokens
 from proxy.server.body import read_body
 from proxy.server.context import ShellContext
-from proxy.server.job import Job
+from proxy.server.job import Job, deadline_error
 from proxy.server.keys import MODELS, REQUEST_ID, SHELL, WORKER
 from proxy.server.pick import rank
 from proxy.server.relay import CLIENT_CLOSED, Relay
@@ -113,10 +113,13 @@ async def _serve(
         body=inbound.body,
         cache_control=request.headers.get("Cache-Control"),
         prompt_chars=len(inbound.prompt_text),
+        wait_s=None if job.deadline is None else job.deadline - asyncio.get_running_loop().time(),
     )
     # Entered and left in this frame (no context manager, no nested coroutine per stream).
     completed = False
     try:
+        if visit.late:  # its deadline ran out waiting for an identical request's answer
+            raise deadline_error(job)
         response = await _without_engine(request, ctx, job, visit, inbound=inbound,
                                          priority=priority)
         if response is None:

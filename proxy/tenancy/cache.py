@@ -6,7 +6,9 @@ Rules:
   ``Fill`` when the answer may be stored. The holder of a ``Fill`` must call ``finish`` exactly once
   (``async with`` does it); only a fill whose recorder saw a normally completed answer stores it.
 - Identical concurrent misses in this process coalesce: the first is the leader and goes to an
-  engine, the others wait (up to ``single_flight_timeout_s``) and are answered from its result. If
+  engine, the others wait (up to ``single_flight_timeout_s``, or what is left of the request's own
+  deadline when that is less: it then ends in the client's timeout) and are answered from its
+  result. If
   the leader ends without an answer to keep (an error, a cut stream, an answer too large or not
   mergeable, one from another pool), every waiter goes to an engine at once, each on its own: they
   form no new flight, since an answer that could not be kept once is likely not to be kept again,
@@ -94,6 +96,8 @@ class Lookup:
     entry: CachedResponse | None = None
     fill: Fill | None = None
     coalesced: bool = False
+    # The request's own deadline passed while it waited for an identical request's answer.
+    late: bool = False
 
 
 @dataclass
@@ -150,20 +154,26 @@ class ResponseCache:
         self.metrics.lookups_by("bypass").inc()
         self.metrics.bypass_by(policy.reason).inc()
 
-    async def lookup(self, req: CacheRequest, policy: CachePolicy | None = None) -> Lookup:
-        """HIT, MISS or BYPASS for ``req``; ``policy``: its policy when the caller has it."""
+    async def lookup(self, req: CacheRequest, policy: CachePolicy | None = None, *,
+                     wait_s: float | None = None) -> Lookup:
+        """HIT, MISS or BYPASS for ``req``; ``policy``: its policy when the caller has it;
+        ``wait_s``: what is left of the request's own deadline, which bounds a wait for an
+        identical request's answer (``Lookup.late`` when it ran out there)."""
         if policy is None:
             policy = self.policy(req)
         if policy.bypass or not policy.read:
             self.count_bypass(policy)
             fill = Fill(self, req, self.key(req), None) if policy.write else None
             return Lookup("BYPASS", fill=fill)
-        result = await self._lookup(req, self.key(req))
+        result = await self._lookup(req, self.key(req), wait_s)
         self.metrics.lookups_by("hit" if result.entry else "miss").inc()
         return result
 
-    async def _lookup(self, req: CacheRequest, key: str) -> Lookup:
-        deadline = self._clock() + self.cfg.single_flight_timeout_s
+    async def _lookup(self, req: CacheRequest, key: str, wait_s: float | None) -> Lookup:
+        limit = self.cfg.single_flight_timeout_s
+        late_first = wait_s is not None and wait_s < limit  # the client's deadline ends first
+        deadline = self._clock() + (max(0.0, wait_s) if late_first and wait_s is not None
+                                    else limit)
         waited = False
         while True:
             flight = self._flights.get(key)
@@ -184,8 +194,8 @@ class ResponseCache:
             assert flight is not None
             waited = True
             if not await self._wait(flight, deadline):
-                self.metrics.coalesced.labels("timeout").inc()
-                return Lookup("MISS")
+                self.metrics.coalesced.labels("deadline" if late_first else "timeout").inc()
+                return Lookup("MISS", coalesced=True, late=late_first)
             # Answered from the flight itself: the leader may have landed already, and its store
             # may have failed (Redis down) without that making this a miss.
             entry = _usable(req, flight.entry)

@@ -52,6 +52,8 @@ class Visit:
     recorder: Recording | Fill | None = None
     # The tenant's limits lease while it has something to settle (None: unlimited traffic).
     lease: Lease | None = None
+    # The request's deadline passed while it waited for an identical request's answer.
+    late: bool = False
 
     @property
     def hit(self) -> bool:
@@ -137,6 +139,7 @@ class FrontDoor:
         body: Mapping[str, Any],
         cache_control: str | None,
         prompt_chars: int,
+        wait_s: float | None = None,
     ) -> Visit:
         """Admit (429 when over a limit) and look the request up in the cache. The caller must
         ``leave`` the visit exactly once, however the request ends (``try``/``finally``)."""
@@ -150,11 +153,12 @@ class FrontDoor:
         else:
             req = CacheRequest(tenant, model, endpoint, body, cache_control)
             try:
-                lookup = await self.cache.lookup(req, policy)
+                lookup = await self.cache.lookup(req, policy, wait_s=wait_s)
             except BaseException:
                 await self._settle(visit)
                 raise
             visit.entry, visit.x_cache, visit.recorder = lookup.entry, lookup.status, lookup.fill
+            visit.late = lookup.late
         if visit.recorder is None and visit.entry is None and self.cfg.limits.enabled:
             limit = self.cfg.cache.max_entry_bytes
             visit.recorder = Recording(chat=visit.chat, max_bytes=limit)

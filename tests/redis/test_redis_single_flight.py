@@ -110,3 +110,25 @@ async def test_streamed_tool_requests_bypass_the_cache(make_stack: StackFactory)
     assert resp.status == 200 and resp.headers["X-Cache"] == "BYPASS"
     resp, _ = await stack.post({**body, "tool_choice": "none"})
     assert resp.status == 200 and resp.headers["X-Cache"] == "MISS"
+
+
+async def test_a_waiter_keeps_its_own_deadline(make_stack: StackFactory) -> None:
+    # The leader's answer takes DELAY_S x 3; an identical request with a one-second deadline
+    # must not wait for it: it ends in its own timeout (504), not in the leader's answer.
+    stack = await make_stack(door_config(), engines=1)
+    await stack.faults(header_delay_s=DELAY_S * 3)
+    body = chat("A slow answer everyone asks for.")
+    leader = asyncio.create_task(stack.post(body))
+    for _ in range(100):  # until the leader's flight is on (its engine request has started)
+        if await stack.metric("kvproxy_inflight_requests") >= 1:
+            break
+        await asyncio.sleep(0.02)
+    started = time.monotonic()
+    resp, raw = await stack.post(body, **{"X-Request-Timeout": "1"})
+    waited = time.monotonic() - started
+    assert resp.status == 504 and orjson.loads(raw)["error"]["type"] == "timeout"
+    assert 0.9 <= waited < DELAY_S * 3 - 0.3, waited
+    assert await stack.metric("kvproxy_cache_coalesced_waits_total", outcome="deadline") == 1
+    first, _ = await leader
+    assert (first.status, first.headers["X-Cache"]) == (200, "MISS")
+    assert await stack.engine_requests() == 1  # the late waiter never reached an engine
