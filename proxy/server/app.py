@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequenc
 
 import aiohttp
 import orjson
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 
 from proxy.core.admission import Admission
 from proxy.core.config import Config
@@ -297,6 +297,11 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
 
 async def _server_header(request: web.Request, response: web.StreamResponse) -> None:
     response.headers["Server"] = SERVER_NAME
+    if request.version < HttpVersion11 and response.content_length is None:
+        # An HTTP/1.0 client has no chunked framing: a body without a length (a stream) ends only
+        # when the connection closes, so it must close even if the client asked to keep it alive
+        # (aiohttp would keep it open until its keep-alive timeout, the client none the wiser).
+        response.force_close()
 
 
 def render(exc: KvproxyError) -> web.Response:

@@ -195,3 +195,24 @@ def test_events_read_together_are_written_together_byte_exact(
     # A chunked engine body gives one piece per HTTP chunk: the burst's were joined into one
     # write. A sized body gives one piece per read: nothing to join.
     assert any(held > 1 for held in flushes) is not sized
+
+
+async def test_an_http10_stream_closes_its_connection_even_when_asked_to_keep_it(
+    rogue: RogueEngine,
+) -> None:
+    # HTTP/1.0 has no chunked framing: a stream's end is the connection's close. Asked to keep
+    # the connection alive, the proxy must still close it at the stream's end, or the client
+    # waits for the keep-alive timeout to see its answer end.
+    rogue.behaviour.stream_pieces = PIECES
+    async with proxy_for(rogue) as proxy:
+        body = orjson.dumps(chat(stream=True))
+        reader, writer = await connect(proxy.url)
+        writer.write(f"POST {CHAT} HTTP/1.0\r\nHost: kvproxy\r\nConnection: keep-alive\r\n"
+                     f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+                     .encode() + body)
+        async with asyncio.timeout(5):
+            raw = await reader.read(-1)
+        await close(writer)
+    head, _, got = raw.partition(b"\r\n\r\n")
+    assert head.split(b"\r\n")[0].split()[1] == b"200"
+    assert got.endswith(b"data: [DONE]\n\n")
