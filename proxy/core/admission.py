@@ -19,7 +19,9 @@ Rules:
 - Commitments: an engine is also closed to a sheddable or standard request that would itself take
   the engine's committed KV (reported usage plus what the proxy's in-flight requests still owe) to
   the class's committed mark (``pressure.committed_sheddable`` / ``committed_standard``
-  ``shed_above``; ``need_tokens``: its prompt plus its expected output).
+  ``shed_above``; ``need_tokens``: its prompt plus its expected output). A request that alone
+  reaches the mark (``kv_share``) could never pass it: it counts as just under the mark, so an
+  engine with next to nothing committed (under ``EMPTY_KV``) takes it, and a busy one does not.
 - Pure: no clock, no I/O. The only state is the per-(pool, class) shedding flag.
 """
 
@@ -92,6 +94,18 @@ def parse_priority(header: str | None, body_value: object) -> Priority:
     )
 
 
+# Committed KV under this share counts as an empty engine: it takes even a request that alone
+# reaches a committed mark (``kv_share``).
+EMPTY_KV = 0.01
+
+
+def kv_share(need_tokens: float, capacity_tokens: float, mark: float) -> float:
+    """The share of an engine's KV a request needing ``need_tokens`` counts for against
+    ``mark``: its own, or, when that alone reaches the mark, just under it (``EMPTY_KV`` below):
+    an oversized request waits for an empty engine instead of being refused for ever."""
+    return min(need_tokens / capacity_tokens, max(0.0, mark - EMPTY_KV))
+
+
 # The lowest pressure level that closes an engine to each class; critical is never closed by it.
 _CLOSED_AT = {Priority.SHEDDABLE: Level.SHEDDABLE, Priority.STANDARD: Level.STANDARD}
 
@@ -149,7 +163,7 @@ class Admission:
         if cls is Priority.CRITICAL or p.committed_kv is None or not p.capacity_tokens:
             return False
         mark = self._committed_above[cls]
-        return p.committed_kv + need_tokens / p.capacity_tokens >= mark
+        return p.committed_kv + kv_share(need_tokens, p.capacity_tokens, mark) >= mark
 
     def decide(self, pool: str, cls: Priority, engines: Sequence[EngineView],
                need_tokens: float = 0.0) -> Decision:

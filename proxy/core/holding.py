@@ -44,7 +44,7 @@ from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from proxy.core.admission import REASON_KV, Admission, Priority
+from proxy.core.admission import REASON_KV, Admission, Priority, kv_share
 from proxy.core.config import PressureConfig
 from proxy.core.pressure import (
     REASON_COMMITTED,
@@ -116,7 +116,8 @@ def room_short(views: Sequence[EngineView], mark: float, need_tokens: float) -> 
     """KV tokens the emptiest fresh engine must free before a request needing ``need_tokens``
     fits under ``mark`` (0: it fits); None when no engine's commitments are known."""
     shorts = [
-        (p.committed_kv - mark) * p.capacity_tokens + need_tokens
+        (p.committed_kv - mark + kv_share(need_tokens, p.capacity_tokens, mark))
+        * p.capacity_tokens
         for v in views if v.routable and v.fresh
         if (p := v.pressure).committed_kv is not None and p.capacity_tokens
     ]

@@ -5,10 +5,11 @@ from pathlib import Path
 
 import pytest
 
-from proxy.core.admission import Admission, Priority
+from proxy.core.admission import EMPTY_KV, Admission, Priority
 from proxy.core.config import AdmissionConfig, ClassThreshold, PressureConfig
 from proxy.core.configload import load_config
 from proxy.core.errors import ConfigError
+from proxy.core.holding import room_short
 from proxy.core.pressure import REASON_COMMITTED, Level, PressureTracker
 from proxy.core.routing import EngineView
 
@@ -80,3 +81,28 @@ def test_config_names_a_bad_mark(tmp_path: Path) -> None:
     path.write_text("[pressure.committed_standard]\nshed_above = 0.8\nadmit_below = 0.7\n")
     with pytest.raises(ConfigError, match="committed_sheddable"):
         load_config(str(path), {}, [])  # sheddable's default 0.90 would close after standard
+
+
+def test_a_request_that_alone_reaches_the_mark_waits_for_an_empty_engine_not_for_ever() -> None:
+    # 12 000 tokens on an engine of 10 000: no amount of draining would take committed KV plus
+    # it under a mark, so an empty engine takes it (the engine answers it, or refuses it as too
+    # long), and any engine with work committed does not.
+    adm = Admission(ADM)
+    for cls in (Priority.SHEDDABLE, Priority.STANDARD):
+        assert not adm.closed(view(0.0), cls, need_tokens=12_000)
+        assert not adm.closed(view(EMPTY_KV / 2), cls, need_tokens=9_500)
+        assert adm.closed(view(EMPTY_KV), cls, need_tokens=12_000)
+        assert adm.closed(view(0.3), cls, need_tokens=12_000)
+    # Below the mark nothing changes: the request's own share counts.
+    assert not adm.closed(view(0.0), Priority.SHEDDABLE, need_tokens=8_000)
+    assert adm.closed(view(0.2), Priority.SHEDDABLE, need_tokens=8_000)  # 1.0 >= 0.90
+
+
+def test_the_hold_asks_an_oversized_request_for_an_empty_engine() -> None:
+    # What the emptiest engine must free: its committed work (less the empty share), not an
+    # amount no engine could ever free.
+    views = [view(0.5), view(0.25)]
+    assert room_short(views, 0.9, need_tokens=50_000) == pytest.approx(
+        (0.25 - EMPTY_KV) * 10_000)
+    assert room_short(views, 0.9, need_tokens=1_000) == 0.0
+    assert room_short([view(0.0)], 0.9, need_tokens=50_000) == 0.0
