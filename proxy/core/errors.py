@@ -85,6 +85,14 @@ class PayloadTooLarge(ClientError):
     closes_connection = True
 
 
+class ExpectationFailed(ClientError):
+    """An ``Expect`` the proxy does not meet (anything but ``100-continue``)."""
+
+    status = 417
+    default_code = "expectation_failed"
+    closes_connection = True
+
+
 class RequestTimeout(ClientError):
     """The client did not send its whole body within ``server.body_timeout_s``."""
 

@@ -25,12 +25,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequenc
 
 import aiohttp
 import orjson
-from aiohttp import HttpVersion11, web
+from aiohttp import HttpVersion11, hdrs, web
 
 from proxy.core.admission import Admission
 from proxy.core.config import Config
 from proxy.core.door_config import DoorConfig
-from proxy.core.errors import KvproxyError
+from proxy.core.errors import ExpectationFailed, KvproxyError, PayloadTooLarge
 from proxy.core.isolation import TenantSalts
 from proxy.core.routing import make_policy
 from proxy.core.sharing import Outbox
@@ -136,8 +136,8 @@ def _context(
 
 
 def _routes(app: web.Application) -> None:
-    app.router.add_post("/v1/chat/completions", handlers.chat_completions)
-    app.router.add_post("/v1/completions", handlers.completions)
+    app.router.add_post("/v1/chat/completions", handlers.chat_completions, expect_handler=_expect)
+    app.router.add_post("/v1/completions", handlers.completions, expect_handler=_expect)
     app.router.add_get("/v1/models", handlers.models)
     app.router.add_get("/v1/models/{model:.+}", handlers.model)
     app.router.add_get("/health", handlers.health)
@@ -292,6 +292,29 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         response = render(KvproxyError("internal error in the proxy"))
     if not response.prepared:
         response.headers.setdefault("X-Request-Id", request[REQUEST_ID])
+    return response
+
+
+async def _expect(request: web.Request) -> web.StreamResponse | None:
+    """A client's ``Expect``, answered before its body as every refusal is (this runs ahead of the
+    middleware): ``100 Continue`` only for a body the proxy would read, a body announced over
+    ``server.max_body_bytes`` refused at once (413, before the client sends it), and any other
+    expectation refused (417)."""
+    if request.headers.get(hdrs.EXPECT, "").lower() == "100-continue":
+        limit = request.app[SHELL].cfg.server.max_body_bytes
+        length = request.content_length
+        if length is None or length <= limit:
+            if request.version >= HttpVersion11:
+                await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+                request.writer.output_size = 0  # the answer's own head is yet to come
+            return None
+        error: KvproxyError = PayloadTooLarge(
+            f"request body of {length} bytes exceeds the limit of {limit} bytes")
+    else:
+        error = ExpectationFailed("the only expectation the proxy meets is 100-continue")
+    response = render(error)
+    response.force_close()
+    response.headers["X-Request-Id"] = handlers.request_id(request)
     return response
 
 

@@ -6,6 +6,7 @@ Real servers on loopback: the proxy in front of rogue engines (or the simulated 
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import aiohttp
@@ -19,7 +20,7 @@ from proxy.core.config import TelemetryConfig, UpstreamConfig
 from proxy.core.door_config import LimitsConfig
 
 from .rogue import RogueEngine
-from .shell import CHAT, COMPLETIONS, chat, proxy_for, server_config
+from .shell import CHAT, COMPLETIONS, chat, close, connect, head, proxy_for, server_config
 
 
 async def _post(
@@ -265,3 +266,56 @@ async def test_a_request_without_an_id_gets_a_fresh_one_the_engine_sees_too(
     assert ids[0] != ids[1]
     sent = [{k.lower(): v for k, v in s.headers.items()} for s in rogue.requests_to(CHAT)]
     assert [s.get("x-request-id") for s in sent] == ids, sent
+
+
+# --- Expect ---------------------------------------------------------------------------------------
+
+
+async def _exchange(url: str, request: bytes) -> bytes:
+    """What the proxy writes back on one connection until it closes it."""
+    reader, writer = await connect(url)
+    writer.write(request)
+    try:
+        async with asyncio.timeout(5):
+            return await reader.read(-1)
+    finally:
+        await close(writer)
+
+
+async def test_an_unknown_expectation_is_an_openai_shaped_417(rogue: RogueEngine) -> None:
+    async with proxy_for(rogue) as proxy:
+        raw = await _exchange(proxy.url, head("POST", CHAT, Expect="200-ok",
+                                              Content_Type="application/json",
+                                              Content_Length="2") + b"{}")
+    status_line, _, rest = raw.partition(b"\r\n")
+    assert status_line.split()[1] == b"417"
+    headers, _, body = rest.partition(b"\r\n\r\n")
+    assert b"x-request-id: " in headers.lower()
+    assert "100-continue" in _error(body)["message"]
+    assert rogue.requests_to(CHAT) == []
+
+
+async def test_a_body_announced_too_large_is_refused_before_it_is_invited(
+    rogue: RogueEngine,
+) -> None:
+    async with proxy_for(rogue) as proxy:
+        raw = await _exchange(proxy.url, head("POST", CHAT, Expect="100-continue",
+                                              Content_Type="application/json",
+                                              Content_Length=str(10**9)))
+    assert raw.startswith(b"HTTP/1.1 413 ")  # no "100 Continue" first: nothing was invited
+    assert _error(raw.partition(b"\r\n\r\n")[2])["code"] == "payload_too_large"
+
+
+async def test_a_continued_body_is_answered_as_usual(rogue: RogueEngine) -> None:
+    body = orjson.dumps(chat())
+    async with proxy_for(rogue) as proxy:
+        reader, writer = await connect(proxy.url)
+        writer.write(head("POST", CHAT, Expect="100-continue", Content_Type="application/json",
+                          Content_Length=str(len(body)), Connection="close"))
+        async with asyncio.timeout(5):
+            assert await reader.readuntil(b"\r\n\r\n") == b"HTTP/1.1 100 Continue\r\n\r\n"
+            writer.write(body)
+            raw = await reader.read(-1)
+        await close(writer)
+    assert raw.startswith(b"HTTP/1.1 200 ")
+    assert len(rogue.requests_to(CHAT)) == 1
