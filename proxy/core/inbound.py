@@ -49,15 +49,28 @@ def parse_body(raw: bytes, max_depth: int = DEFAULT_MAX_DEPTH) -> dict[str, Any]
     except orjson.JSONDecodeError as exc:
         if "depth" in str(exc) or "recursion" in str(exc):
             raise _too_deep_error(max_depth) from None  # beyond orjson's own limit, and ours
-        raise BadRequest(f"request body is not valid JSON: {exc}", param=None) from None
+        raise BadRequest(_syntax_error(exc), param=None) from None
     if not isinstance(value, dict):
-        kind = type(value).__name__
+        kind = _JSON_KINDS.get(type(value), "a JSON value")
         raise BadRequest(f"request body must be a JSON object, not {kind}", param=None)
     # Each level opens with a bracket, so a body with no more brackets than the limit (strings'
     # included) cannot be too deep: the usual body is not walked at all.
     if raw.count(b"[") + raw.count(b"{") > max_depth and too_deep(value, max_depth):
         raise _too_deep_error(max_depth)
     return value
+
+
+# What a client sent, named in JSON's words (not Python's).
+_JSON_KINDS: dict[type, str] = {list: "an array", str: "a string", int: "a number",
+                                float: "a number", bool: "a boolean", type(None): "null"}
+
+
+def _syntax_error(exc: orjson.JSONDecodeError) -> str:
+    """Where a body stops being JSON, in the proxy's own words (the parser's text is not a
+    message for clients)."""
+    if "utf-8" in exc.msg.lower():
+        return "request body is not valid UTF-8 text"
+    return f"request body is not valid JSON (line {exc.lineno}, column {exc.colno})"
 
 
 def _too_deep_error(max_depth: int) -> BadRequest:

@@ -43,11 +43,21 @@ class ModelEntry:
     alias: bool
 
 
+# A client's name echoed in an error is cut to this many characters: a refusal must not cost
+# more than the request that caused it.
+SHOWN_CHARS = 128
+
+
+def shown(name: str) -> str:
+    """``name`` quoted for an error message, cut to ``SHOWN_CHARS``."""
+    return repr(name) if len(name) <= SHOWN_CHARS else f"{name[:SHOWN_CHARS]!r}..."
+
+
 def resolve_model(cfg: Config, model: str) -> PoolPlan:
     """The pools (in degrade order) serving requests for ``model``."""
     entry = find_model(cfg, model)
     if entry is None:
-        raise NotFound(f"The model {model!r} does not exist", param="model")
+        raise NotFound(f"The model {shown(model)} does not exist", param="model")
     pools = entry.pools if cfg.admission.degrade_to_draft else entry.pools[:1]
     return PoolPlan(pools)
 

@@ -37,6 +37,7 @@ from proxy.core.pools import (
     find_model,
     model_names,
     resolve_model,
+    shown,
     upstream_model,
 )
 from proxy.core.usage import usage_of_body, with_usage
@@ -324,7 +325,7 @@ async def model(request: web.Request) -> web.Response:
     name = request.match_info["model"]
     entry = find_model(ctx.cfg, name)
     if entry is None:
-        raise NotFound(f"The model {name!r} does not exist", param="model")
+        raise NotFound(f"The model {shown(name)} does not exist", param="model")
     return _json(_model_card(ctx, entry))
 
 

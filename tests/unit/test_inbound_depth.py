@@ -36,3 +36,17 @@ def test_a_deep_body_is_refused_whatever_its_strings_hold() -> None:
     raw = orjson.dumps({"a": "x" * 1000, "b": nested(10)})
     with pytest.raises(BadRequest, match="nested more than 8 levels"):
         parse_body(raw, 8)
+
+
+@pytest.mark.parametrize(("raw", "words"), [
+    (b"null", "not null"), (b"[1]", "not an array"), (b'"s"', "not a string"),
+    (b"1.5", "not a number"), (b"true", "not a boolean"),
+    (b'{"a": 1,}', "not valid JSON (line 1, column"), (b'{"a": "\xff"}', "not valid UTF-8"),
+    (b'{"a": "\xed\xa0\x80"}', "not valid UTF-8"), (b'{"a": "\\ud800"}', "not valid JSON"),
+])
+def test_a_body_that_is_not_an_object_is_named_in_jsons_words(raw: bytes, words: str) -> None:
+    with pytest.raises(BadRequest) as info:
+        parse_body(raw)
+    message = str(info.value)
+    assert words in message
+    assert not any(name in message for name in ("NoneType", "list", "str ", "orjson", "char "))

@@ -4,6 +4,7 @@ from proxy.core.config import AdmissionConfig, Config
 from proxy.core.errors import NotFound
 from proxy.core.fleet_config import AliasConfig, EngineConfig, PoolConfig
 from proxy.core.pools import (
+    SHOWN_CHARS,
     ModelEntry,
     PoolPlan,
     find_model,
@@ -72,6 +73,15 @@ def test_unknown_model() -> None:
     assert info.value.status == 404 and info.value.code == "model_not_found"
     assert info.value.param == "model"
     assert find_model(config(), "gpt-9") is None
+    assert "'gpt-9'" in str(info.value)
+
+
+def test_an_unknown_model_name_is_echoed_cut() -> None:
+    # A 100 KB model name must not come back as a 100 KB error.
+    with pytest.raises(NotFound) as info:
+        resolve_model(config(), "x" * 100_000)
+    message = str(info.value)
+    assert len(message) < SHOWN_CHARS + 64 and "xxx'..." in message
 
 
 def test_upstream_model() -> None:
