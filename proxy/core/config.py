@@ -249,6 +249,10 @@ class UpstreamConfig:
     # that excess work queues in the engine's waiting queue, which the proxy sees and routes by.
     max_connections_per_engine: int = 2048
     retries: int = 1
+    # The most bytes of a non-streamed answer (JSON, or an engine's error body) read from an
+    # engine: such an answer is held whole before it is passed on. Streams are relayed as they
+    # come and are bounded by the client's reading instead.
+    max_response_bytes: int = 64 * 1024 * 1024
 
     def __post_init__(self) -> None:
         _positive(
@@ -258,6 +262,7 @@ class UpstreamConfig:
             "response_timeout_s",
             "idle_timeout_s",
             "max_connections_per_engine",
+            "max_response_bytes",
         )
         _require(0 <= self.retries <= 3, "retries", "must be in 0..3")
 

@@ -141,12 +141,26 @@ def _connection_tokens(headers: Mapping[str, str]) -> frozenset[str]:
     return frozenset(t.strip().lower() for t in value.split(",") if t.strip())
 
 
+class AnswerTooLarge(aiohttp.ClientPayloadError):
+    """A non-streamed answer past ``upstream.max_response_bytes``."""
+
+
 def retryable_status(status: int) -> bool:
     return status == 429 or status >= 500
 
 
 def redirect_status(status: int) -> bool:
     return 300 <= status < 400
+
+
+def unusable(status: int, headers: Mapping[str, str]) -> bool:
+    """A final status that is no answer to relay (a 1xx, 101 included, or one past 599), or a
+    body encoded (``Content-Encoding``) although the proxy never asks for an encoding: the client
+    would get bytes it cannot read, with no header saying why."""
+    if status < 200 or status >= 600:
+        return True
+    encoding = headers.get("Content-Encoding")
+    return encoding is not None and encoding.strip().lower() not in ("", "identity")
 
 
 def translate(exc: BaseException, engine: str, phase: str) -> UpstreamError:
@@ -163,6 +177,8 @@ def _kind(exc: BaseException) -> str:
         return "connection refused or unreachable"
     if isinstance(exc, aiohttp.ServerDisconnectedError | ConnectionResetError):
         return "connection closed by the engine"
+    if isinstance(exc, AnswerTooLarge):
+        return "answer larger than the proxy accepts (upstream.max_response_bytes)"
     if isinstance(exc, aiohttp.ClientPayloadError):
         return "malformed response body"
     if isinstance(exc, aiohttp.ClientResponseError):

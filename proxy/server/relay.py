@@ -73,15 +73,17 @@ from proxy.core.usage import UsageStrip, usage_of_body
 from proxy.fleet.engines import Engine
 from proxy.fleet.upstream import (
     DATA_POST,
+    AnswerTooLarge,
     redirect_status,
     response_headers,
     retryable_status,
     translate,
+    unusable,
 )
 from proxy.server.context import ShellContext
 from proxy.server.ending import Ending, StreamEnd, cut_event, tell_recorder
 from proxy.server.job import Job, deadline_error
-from proxy.server.splice import Capture, DeadlinePassed, Splice
+from proxy.server.splice import BodyWatch, Capture, DeadlinePassed, Splice
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +105,23 @@ class _Retry(Exception):
         super().__init__(str(error))
         self.error = error
         self.reason = reason
+
+
+async def _read_capped(resp: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The whole body of ``resp``, refused (``AnswerTooLarge``) past ``limit`` bytes: by its
+    announced length before anything is read, else as it arrives."""
+    length = resp.content_length
+    if length is not None and length > limit:
+        raise AnswerTooLarge(f"answer of {length} bytes announced, over {limit}")
+    content = resp.content
+    chunks: list[bytes] = []
+    size = 0
+    while chunk := await content.readany():
+        size += len(chunk)
+        if size > limit:
+            raise AnswerTooLarge(f"answer over {limit} bytes")
+        chunks.append(chunk)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 class Relay:
@@ -241,13 +260,30 @@ class Relay:
             # answer exists yet, so another engine may serve it.
             self._outcome(engine, Outcome.FAILURE, "connect", Result.CONNECT)
             raise _Retry(translate(exc, engine.name, "connect"), "connect") from None
+        except aiohttp.ClientResponseError as exc:
+            # A head that is not HTTP (garbage, oversized, contradictory framing): no answer
+            # exists either, and the engine is at fault.
+            self._outcome(engine, Outcome.FAILURE, "malformed_head")
+            raise _Retry(translate(exc, engine.name, "first_byte"), "malformed_head") from None
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise self._failed(engine, exc, "first_byte") from None
         if retryable_status(resp.status):
             raise await self._refused(engine, resp)
         if redirect_status(resp.status):
             raise self._redirected(engine, resp)
+        if unusable(resp.status, resp.headers):
+            raise self._unusable(engine, resp)
         return resp
+
+    def _unusable(self, engine: Engine, resp: aiohttp.ClientResponse) -> _Retry:
+        """A final status that is no answer (1xx, 101 included, or past 599), or a body in an
+        encoding the proxy never asked for: relayed, the client could not read it; a failure."""
+        status, encoding = resp.status, resp.headers.get("Content-Encoding", "")
+        resp.close()
+        self._outcome(engine, Outcome.FAILURE, f"http_{status}")
+        what = f"answered HTTP {status}" if encoding == "" or not 200 <= status < 600 else (
+            f"answered in an encoding it was not asked for ({encoding[:32]!r})")
+        return _Retry(UpstreamError(f"engine {engine.name} {what}"), f"http_{status}")
 
     def _redirected(self, engine: Engine, resp: aiohttp.ClientResponse) -> _Retry:
         """An engine's 3xx: never followed (it would re-send the prompt elsewhere); a failure."""
@@ -319,11 +355,16 @@ class Relay:
             deadline = self._first_byte_deadline
         elif self._job.deadline is not None and self._job.deadline <= deadline:
             deadline, self._deadline_binds = self._job.deadline, True
+        # Most plain answers came whole with their head: only a body still to come is watched.
+        watch = None if resp.content.is_eof() else BodyWatch(resp.content)
         try:
             async with asyncio.timeout_at(deadline):
-                body = await resp.read()
+                body = await _read_capped(resp, self._up.max_response_bytes)
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise self._failed(engine, exc, "body") from None
+        finally:
+            if watch is not None:
+                watch.release()
         self._outcome(engine, classify_status(resp.status), f"http_{resp.status}")
         if resp.status < 300:
             engine.state.on_complete(self._ticket, self._ctx.clock())
@@ -340,11 +381,15 @@ class Relay:
 
     async def _stream(self, engine: Engine, resp: aiohttp.ClientResponse) -> web.StreamResponse:
         reader = resp.content
+        watch = None if reader.is_eof() else BodyWatch(reader)
         try:
             async with asyncio.timeout_at(self._first_byte_deadline):
                 first = await reader.readany()
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise self._failed(engine, exc, "first_byte") from None
+        finally:
+            if watch is not None:
+                watch.release()
         out = web.StreamResponse(
             status=resp.status, headers=response_headers(resp.headers) | self._job.client_headers()
         )

@@ -111,6 +111,38 @@ class _TappedReader(StreamReader):
         cast("Splice", self._protocol).end(exc)
 
 
+class BodyWatch:
+    """Watches an engine connection while a plain (not spliced) answer is read whole: if the
+    connection is lost with the body unfinished and its reader not ended (aiohttp's C parser,
+    having refused the framing, drops the reader), the reader is failed so the read ends now,
+    not at its timeout. ``release`` hands the connection back to aiohttp's protocol."""
+
+    __slots__ = ("_original", "_reader", "_transport")
+
+    def __init__(self, reader: StreamReader) -> None:
+        self._reader: StreamReader | None = reader
+        proto = reader._protocol
+        transport = getattr(proto, "transport", None)
+        self._transport: asyncio.Transport | None = None
+        self._original: Any = None
+        if transport is not None and hasattr(transport, "set_protocol"):
+            self._transport, self._original = transport, proto
+            transport.set_protocol(_UpstreamTap(proto.data_received,
+                                                cast(asyncio.Protocol, proto), self._lost))
+
+    def _lost(self) -> None:
+        reader = self._reader
+        if reader is not None and not reader.is_eof() and reader.exception() is None:
+            reader.set_exception(ClientPayloadError(
+                "the engine's connection closed before the answer ended"))
+
+    def release(self) -> None:
+        transport, self._transport = self._transport, None
+        if transport is not None and not transport.is_closing():
+            transport.set_protocol(self._original)
+        self._reader = self._original = None
+
+
 class _Spent:
     """What an engine connection's body reader reports to once its tap has ended: nothing. The
     pooled connection keeps its last reader until it is reused; pointing that reader here lets
@@ -141,15 +173,21 @@ class _Spent:
 
 
 class _UpstreamTap(asyncio.Protocol):
-    """Stands in for aiohttp's protocol on the engine connection while a splice relays its body:
-    the reads go to the splice (``Splice._received``), everything else to aiohttp's protocol."""
+    """Stands in for aiohttp's protocol on the engine connection while a body is read: the reads
+    go to ``received`` (the splice's, or aiohttp's own), everything else to aiohttp's protocol,
+    and once that protocol has taken the connection's loss, ``lost`` is told. aiohttp's C parser
+    drops a body whose framing it refused without ending its reader (the connection closes, the
+    reader waits for ever); ``lost`` ends it."""
 
-    def __init__(self, received: Callable[[bytes], None], original: asyncio.Protocol) -> None:
+    def __init__(self, received: Callable[[bytes], None], original: asyncio.Protocol,
+                 lost: Callable[[], None]) -> None:
         self.data_received = received  # type: ignore[method-assign,assignment]  # no frame between
         self._original = original
+        self._lost = lost
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._original.connection_lost(exc)
+        self._lost()
 
     def eof_received(self) -> bool | None:
         return self._original.eof_received()
@@ -279,8 +317,7 @@ class Splice:
         self._upstream = reader._protocol
         reader.__class__ = _TappedReader
         reader._protocol = cast(BaseProtocol, self)
-        if self._raw_ok:
-            self._tap()
+        self._tap()  # the raw path takes over only where ``_raw_ok``
         self._idle_timer = self._loop.call_at(self._time() + self._idle, self._check_idle,
                                               context=_QUIET)
         if self._deadline is not None:
@@ -297,7 +334,14 @@ class Splice:
         self._original = proto
         self._parse = proto.data_received  # type: ignore[union-attr]
         self._tapped = transport
-        transport.set_protocol(_UpstreamTap(self._received, cast(asyncio.Protocol, proto)))
+        transport.set_protocol(_UpstreamTap(self._received, cast(asyncio.Protocol, proto),
+                                            self._lost))
+
+    def _lost(self) -> None:
+        """The engine connection is gone: a body aiohttp did not end (its parser refused the
+        framing, and dropped the reader) ends here, as broken."""
+        if self._result is _PENDING:
+            self.end(ClientPayloadError("the engine's connection closed before the answer ended"))
 
     def _received(self, data: bytes) -> None:
         """One read of the engine connection, framing included (hot path)."""
@@ -366,7 +410,8 @@ class Splice:
         parse = self._parse
         assert parse is not None
         parse(data)
-        if not self.chunk_open and self._result is _PENDING and data.endswith(b"\r\n"):
+        if (self._raw_ok and not self.chunk_open and self._result is _PENDING
+                and data.endswith(b"\r\n")):
             # The last callback ended a chunk and nothing of the next one came after its CRLF
             # (a chunk line never ends in CRLF unless complete, and a complete one would have
             # begun a chunk): the parser stands between two chunks.

@@ -42,7 +42,7 @@ class Behaviour:
     metrics_hold: bool = False
     # Completions: "ok" answers normally, "hang" never answers, "hold" answers normally once
     # ``RogueEngine.release`` is set, "status" answers ``completion_status`` with
-    # ``completion_headers`` and an empty body.
+    # ``completion_headers`` and an empty body, "garbage" writes a head that is not HTTP.
     completions: str = "ok"
     completion_status: int = 200
     completion_headers: dict[str, str] = field(default_factory=dict)
@@ -61,6 +61,8 @@ class Behaviour:
     # else the connection is closed after them), ``chunk_delay_s`` apart: what reaches the
     # proxy's reads is under the test's control.
     raw_chunked: list[bytes] = field(default_factory=list)
+    # The same for a non-streamed answer (a JSON head, then these bytes as they are).
+    raw_plain: list[bytes] = field(default_factory=list)
     # When > 0: only the first this many pieces wait ``chunk_delay_s`` before them; the rest
     # follow at once, in one burst (the proxy reads several chunks at a time).
     burst_after: int = 0
@@ -179,9 +181,20 @@ class RogueEngine:
             await self.release.wait()
         if b.completions == "status":
             return web.Response(status=b.completion_status, headers=b.completion_headers)
+        if b.completions == "garbage":  # a head that is not HTTP, then nothing
+            assert request.transport is not None
+            request.transport.write(b"SSH-2.0-not-http\r\n\r\n")
+            request.transport.close()
+            await asyncio.Event().wait()
         body = orjson.loads(self.seen[-1].body or b"{}")
         if body.get("stream"):
             return await self._stream(request)
+        if b.raw_plain:
+            out = web.StreamResponse(headers={"Content-Type": "application/json",
+                                              **b.completion_headers})
+            await out.prepare(request)
+            await self._raw_chunked(request, out, b.raw_plain)
+            return out
         answer = {
             "id": "cmpl-rogue", "object": "chat.completion", "model": self.model,
             "choices": [{"index": 0, "finish_reason": "stop",
@@ -204,7 +217,7 @@ class RogueEngine:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, b.send_buffer_bytes)
         await out.prepare(request)
         if b.raw_chunked:
-            await self._raw_chunked(request, out)
+            await self._raw_chunked(request, out, b.raw_chunked)
             return out
         finished = False
         self.stream_bytes_sent.append(0)
@@ -221,17 +234,18 @@ class RogueEngine:
                 self.streams_cut += 1
         return out
 
-    async def _raw_chunked(self, request: web.Request, out: web.StreamResponse) -> None:
+    async def _raw_chunked(self, request: web.Request, out: web.StreamResponse,
+                           pieces: list[bytes]) -> None:
         b = self.behaviour
         writer, transport = request.writer, request.transport
         assert transport is not None
         self.raw_peers.append(transport.get_extra_info("peername"))
         writer.send_headers()  # type: ignore[attr-defined]  # the head, before the raw bytes
-        for piece in b.raw_chunked:
+        for piece in pieces:
             if b.chunk_delay_s:
                 await asyncio.sleep(b.chunk_delay_s)
             transport.write(piece)
-        if not b.raw_chunked[-1].endswith(b"0\r\n\r\n"):
+        if not pieces[-1].endswith(b"0\r\n\r\n"):
             transport.close()  # a body without its last chunk: the engine died mid-answer
         out._eof_sent = True  # type: ignore[attr-defined]  # the body's own last chunk was sent
 
