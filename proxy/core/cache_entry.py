@@ -7,7 +7,10 @@ Rules (pure, no I/O):
 - Complete means at least one choice and every choice finished with a ``finish_reason`` other than
   ``abort`` (``is_finished``); an entry that does not hold such an answer does not decode.
 - An entry names the tenant and model it belongs to; decoding checks both, so even a key collision
-  or a corrupted store could not hand an answer across tenants. Garbage decodes to ``EntryError``.
+  or a corrupted store could not hand an answer across tenants. Garbage decodes to ``EntryError``,
+  and so does an answer of the wrong shape (``well_formed``: the fields a replay reads, and the
+  answer's own head and usage, of the types the OpenAI API gives them): the store is not trusted
+  to hold what the proxy wrote.
 """
 
 from __future__ import annotations
@@ -59,7 +62,53 @@ def decode_entry(raw: bytes, *, tenant: str, model: str) -> CachedResponse:
     response = doc.get("r")
     if not isinstance(response, dict) or not is_finished(response):
         raise EntryError("entry holds no complete response")
-    return CachedResponse(tenant, model, bool(doc.get("chat")), response)
+    chat = doc.get("chat")
+    if not isinstance(chat, bool) or not well_formed(response, chat=chat):
+        raise EntryError("entry holds an answer of the wrong shape")
+    return CachedResponse(tenant, model, chat, response)
+
+
+_HEAD_TYPES: dict[str, type | tuple[type, ...]] = {
+    "id": str, "object": str, "created": int, "model": str, "system_fingerprint": (str, type(None)),
+}
+
+
+def _int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def well_formed(response: dict[str, Any], *, chat: bool) -> bool:
+    """Whether ``response`` has the shape an answer of its endpoint has, as far as a replay and
+    the accounting read it: head fields of their types, integer usage counts, and choices with an
+    integer index, text (completions) or a message object (chat) whose role and content are text
+    and whose tool calls are objects."""
+    for name, kind in _HEAD_TYPES.items():
+        if name in response and not isinstance(response[name], kind):
+            return False
+    usage = response.get("usage")
+    if usage is not None and not (isinstance(usage, dict) and all(
+            _int(usage[k]) for k in ("prompt_tokens", "completion_tokens", "total_tokens")
+            if k in usage)):
+        return False
+    return all(_choice_well_formed(c, chat) for c in response["choices"])
+
+
+def _choice_well_formed(choice: dict[str, Any], chat: bool) -> bool:
+    if "index" in choice and not _int(choice["index"]):
+        return False
+    if not isinstance(choice.get("finish_reason"), str):
+        return False
+    if not chat:
+        return isinstance(choice.get("text", ""), str)
+    message = choice.get("message")
+    if not isinstance(message, dict):
+        return False
+    if not isinstance(message.get("role", "assistant"), str):
+        return False
+    if not isinstance(message.get("content") or "", str):
+        return False
+    calls = message.get("tool_calls")
+    return calls is None or (isinstance(calls, list) and all(isinstance(c, dict) for c in calls))
 
 
 def usage_tokens(response: dict[str, Any]) -> int | None:

@@ -199,11 +199,13 @@ async def replay(
             body=entry.json_body(), content_type="application/json", headers=out_headers
         )
     out_headers["Cache-Control"] = "no-cache"
+    # The whole body first: once the head is out, nothing may fail to write it.
+    body = replay_sse(entry, include_usage=include_usage)
     out = web.StreamResponse(headers=out_headers)
     out.content_type = "text/event-stream"
     await out.prepare(request)
     with contextlib.suppress(ConnectionResetError):
-        await out.write(replay_sse(entry, include_usage=include_usage))
+        await out.write(body)
         await out.write_eof()
     return out
 

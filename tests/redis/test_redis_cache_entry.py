@@ -160,6 +160,40 @@ def test_entry_encoding_binds_tenant_and_model() -> None:
             decode_entry(garbage, tenant="acme", model="m")
 
 
+@pytest.mark.parametrize("bad", [
+    {"message": "hi"}, {"message": 3}, {"message": ["x"]}, {"message": {"role": 1}},
+    {"message": {"content": {"x": 1}}}, {"message": {"tool_calls": ["x", 3]}},
+    {"message": {"tool_calls": "x"}}, {"index": "0"}, {"index": True},
+])
+def test_a_stored_chat_answer_of_the_wrong_shape_does_not_decode(bad: dict[str, Any]) -> None:
+    # Whatever the store holds under a tenant's key, only an answer a replay can render decodes:
+    # the rest is a miss, refreshed by the engine's answer, never a broken stream.
+    choice = {"index": 0, "finish_reason": "stop",
+              "message": {"role": "assistant", "content": "x"}} | bad
+    ok = {"choices": [{"index": 0, "finish_reason": "stop",
+                       "message": {"role": "assistant", "content": "x"}}]}
+    assert decode_entry(CachedResponse("acme", "m", True, ok).encode(), tenant="acme", model="m")
+    raw = CachedResponse("acme", "m", True, {"choices": [choice]}).encode()
+    with pytest.raises(EntryError, match="wrong shape"):
+        decode_entry(raw, tenant="acme", model="m")
+
+
+@pytest.mark.parametrize("bad", [
+    {"usage": "lots"}, {"usage": {"total_tokens": "2"}}, {"id": {"x": 1}}, {"created": "now"},
+    {"model": 3}, {"object": None},
+])
+def test_a_stored_answer_with_a_head_or_usage_of_the_wrong_type_does_not_decode(
+    bad: dict[str, Any],
+) -> None:
+    response = {"choices": [{"index": 0, "text": "x", "finish_reason": "stop"}]} | bad
+    raw = CachedResponse("acme", "m", False, response).encode()
+    with pytest.raises(EntryError, match="wrong shape"):
+        decode_entry(raw, tenant="acme", model="m")
+    raw = CachedResponse("acme", "m", False, {"choices": [{"text": 7, "finish_reason": "stop"}]})
+    with pytest.raises(EntryError, match="wrong shape"):
+        decode_entry(raw.encode(), tenant="acme", model="m")
+
+
 def test_a_long_stream_fed_at_once_assembles_every_choice() -> None:
     # The relay hands the whole stream over in one piece at its end: thousands of events.
     def chunk(index: int, text: str, finish: str | None = None) -> dict[str, Any]:
