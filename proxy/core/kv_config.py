@@ -87,7 +87,8 @@ class KvEventsConfig:
     max_blocks_per_engine: int = 262_144
     # A message larger than this is dropped by the socket (vLLM's batches are kilobytes).
     max_message_bytes: int = 16 * 1024 * 1024
-    # Events in one batch, hashes in one event: more is a bad batch, dropped whole.
+    # Events in one batch, hashes in one event: more is a bad batch, dropped whole (and so is a
+    # batch with more hashes in all than ``max_blocks_per_engine``).
     max_events_per_batch: int = 65_536
     max_hashes_per_event: int = 65_536
     # A replay must answer within this, or the gap is given up on (the index restarts empty).
@@ -100,8 +101,10 @@ class KvEventsConfig:
     provisional_s: float = 5.0
     # The longest prompt prefix hashed for matching, in blocks.
     max_prompt_blocks: int = 4096
-    # The ZMQ receive high-water mark: batches queued in the socket before it drops.
-    rcvhwm: int = 100_000
+    # The ZMQ receive high-water mark: batches queued in the socket before it drops (a drop is a
+    # gap, filled by replay). An engine publishes a batch a step, tens a second: this is minutes
+    # of them, and bounds what a publisher can make the proxy queue.
+    rcvhwm: int = 10_000
 
     def __post_init__(self) -> None:
         for name in ("max_blocks_per_engine", "max_events_per_batch", "max_hashes_per_event",

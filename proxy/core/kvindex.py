@@ -65,6 +65,9 @@ class Batch:
 class Limits:
     max_events: int = 65_536
     max_hashes: int = 65_536
+    # Block hashes in one batch, all events together: a batch storing more than an index holds
+    # says nothing an index could keep, and would cost seconds of the event loop to apply.
+    max_batch_hashes: int = 262_144
 
 
 def wire_key(value: object) -> int:
@@ -118,8 +121,18 @@ def parse_batch(body: object, limits: Limits = Limits()) -> Batch:
         raise BadBatch("the rank is not an integer in 0..63")
     if not isinstance(events, list) or len(events) > limits.max_events:
         raise BadBatch("events is not a list of bounded length")
-    parsed = (_event(e, limits) for e in events)
-    return Batch(float(ts), tuple(e for e in parsed if e is not None), rank)
+    parsed: list[Event] = []
+    hashes = 0
+    for e in events:
+        event = _event(e, limits)
+        if event is None:
+            continue
+        if not isinstance(event, Cleared):
+            hashes += len(event.keys)
+            if hashes > limits.max_batch_hashes:
+                raise BadBatch("the batch holds more block hashes than an index keeps")
+        parsed.append(event)
+    return Batch(float(ts), tuple(parsed), rank)
 
 
 class ExactIndex:
@@ -145,13 +158,16 @@ class ExactIndex:
 
     def apply(self, batch: Batch) -> None:
         bit = 1 << batch.rank
+        cleared = False  # the rank holds nothing since the last clear: another is a no-op
         for event in batch.events:
             if isinstance(event, Stored):
                 self._store(event, bit)
+                cleared = False
             elif isinstance(event, Removed):
                 self._remove(event.keys, bit)
-            else:
+            elif not cleared:
                 self._clear(bit)
+                cleared = True
 
     def _store(self, event: Stored, bit: int) -> None:
         self.block_size = event.block_size

@@ -16,6 +16,13 @@ Rules:
   the approximate index when a publisher refuses, disconnects, or falls silent (``kvstate``), with
   one log line per move and a count in ``kvproxy_kv_event_fallbacks``. A bind that fails is
   retried every ``_REOPEN_S`` seconds.
+- A publisher is not trusted to be kind to the event loop: the listener yields to the loop after
+  every ``_YIELD_BYTES`` of messages it applied and after every replayed batch, a replay ends at
+  its deadline however fast its batches come, a sequence number from ``MAX_SEQ`` up (no publisher
+  reaches it) and a batch of a rank the engine does not have are bad messages, a gap right after
+  a replay that failed is given up on at once (no second wait while the socket fills), index
+  restarts are logged at most once per ``_WARN_EVERY_S`` (the rest counted), and nothing a message
+  does can end the listener: an unexpected error is logged and counted as a bad message.
 """
 
 from __future__ import annotations
@@ -42,6 +49,9 @@ END_SEQ = b"\xff" * 8
 _POLL_MS = 500
 _REOPEN_S = 5.0
 _DRAIN = 256  # batches taken per wake-up at most, so one busy engine cannot hold the loop
+_YIELD_BYTES = 1 << 20  # message bytes applied between two yields to the event loop
+MAX_SEQ = 1 << 63  # vLLM counts from 0 by one a step: a number this high is not a publisher's
+_WARN_EVERY_S = 10.0
 _FALLBACKS = (Mode.REFUSED, Mode.DISCONNECTED, Mode.SILENT)
 
 
@@ -73,9 +83,14 @@ class EngineListener:
         self.index = ExactIndex(cfg.max_blocks_per_engine, cfg.provisional_s)
         self.listening = Listening(cfg.silent_after_s)
         self.ranks = [_Rank(i, ep, rp) for i, (ep, rp) in enumerate(events.endpoints())]
-        self._limits = Limits(cfg.max_events_per_batch, cfg.max_hashes_per_event)
+        self._limits = Limits(cfg.max_events_per_batch, cfg.max_hashes_per_event,
+                              cfg.max_blocks_per_engine)
         self._metrics = metrics
         self._clock = clock
+        self._topic = events.topic.encode()
+        self._replay_failed_at = float("-inf")
+        self._warned_at = float("-inf")
+        self._unwarned = 0  # index restarts not logged since the last line
         self.ctx: zmq.asyncio.Context | None = None  # the owner's, set before ``run``
 
     @property
@@ -172,10 +187,18 @@ class EngineListener:
         try:
             if len(frames) != 3 or len(frames[1]) != 8:
                 raise BadBatch("not [topic, seq, payload]")
+            if self._topic and frames[0] != self._topic:
+                raise BadBatch("another topic")  # the socket subscribes by prefix
+            seq = int.from_bytes(frames[1], "big")
+            if seq >= MAX_SEQ:
+                raise BadBatch("a sequence number no publisher reaches")
             # The socket already refused anything over max_message_bytes; msgpack bounds every
             # container by the payload's own length.
             body = msgpack.unpackb(frames[2], raw=False)
-            return int.from_bytes(frames[1], "big"), parse_batch(body, self._limits)
+            batch = parse_batch(body, self._limits)
+            if batch.rank >= len(self.ranks):
+                raise BadBatch("a rank this engine does not have")
+            return seq, batch
         except (BadBatch, ValueError, TypeError, msgpack.UnpackException):
             self._metrics.bad.labels(self.engine).inc()
             return None
@@ -184,12 +207,22 @@ class EngineListener:
         """Every batch already queued on the rank's socket, up to ``_DRAIN``: one wake-up of
         the poller per burst rather than per batch (an engine publishes one batch a step)."""
         assert r.sub is not None
+        work = 0
         for _ in range(_DRAIN):
             try:
                 frames = await r.sub.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            await self._on_message(r, frames)
+            try:
+                await self._on_message(r, frames)
+            except Exception:  # a message must never end the listener
+                self._metrics.bad.labels(self.engine).inc()
+                log.warning("engine %s: a KV-event message could not be applied", self.engine,
+                            exc_info=True)
+            work += sum(len(f) for f in frames)
+            if work >= _YIELD_BYTES:  # big batches: let the loop run between them
+                work = 0
+                await asyncio.sleep(0)
 
     async def _on_message(self, r: _Rank, frames: list[bytes]) -> None:
         decoded = self._decode(frames)
@@ -204,7 +237,8 @@ class EngineListener:
         if verdict is Seq.GAP:
             if r.seq.expected is not None:  # not merely joining a running publisher
                 self._metrics.gaps.labels(self.engine).inc()
-            await self._replay(r, r.seq.expected or 0)
+            if self._clock() - self._replay_failed_at >= self.cfg.replay_timeout_s:
+                await self._replay(r, r.seq.expected or 0)
             verdict = r.seq.classify(seq)
             if verdict is Seq.GAP:
                 self._give_up(r, seq)
@@ -229,8 +263,14 @@ class EngineListener:
     def _restart(self, reason: str) -> None:
         self.index.reset()
         self._metrics.restarts.labels(self.engine, reason).inc()
-        log.warning("engine %s: KV-event index emptied (%s)", self.engine,
-                    reason.replace("_", " "))
+        now = self._clock()
+        if now - self._warned_at < _WARN_EVERY_S:
+            self._unwarned += 1  # a storm of them is one line, not one per batch
+            return
+        also = f"; {self._unwarned} more since the last line" if self._unwarned else ""
+        self._warned_at, self._unwarned = now, 0
+        log.warning("engine %s: KV-event index emptied (%s%s)", self.engine,
+                    reason.replace("_", " "), also)
 
     async def _replay(self, r: _Rank, start: int) -> None:
         """Ask the rank's replay socket for every batch from ``start`` on and apply them."""
@@ -240,9 +280,11 @@ class EngineListener:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.max_message_bytes)
         outcome = "filled"
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.cfg.replay_timeout_s
         try:
             sock.connect(r.replay)
-            async with asyncio.timeout(self.cfg.replay_timeout_s):
+            async with asyncio.timeout_at(deadline):
                 await sock.send_multipart([b"", start.to_bytes(8, "big")])
                 while True:
                     frames = await sock.recv_multipart()
@@ -250,8 +292,14 @@ class EngineListener:
                         break
                     if not self._replayed(r, frames):
                         outcome = "partial"
+                    # A receive that finds a batch queued returns without yielding: the deadline
+                    # is checked here, and the loop gets its turn between batches.
+                    if loop.time() >= deadline:
+                        raise TimeoutError
+                    await asyncio.sleep(0)
         except (TimeoutError, zmq.ZMQError):
             outcome = "failed"
+            self._replay_failed_at = self._clock()
         finally:
             sock.close(linger=0)
         self._metrics.replays.labels(self.engine, outcome).inc()

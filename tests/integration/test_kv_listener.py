@@ -9,6 +9,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
 
+import msgpack
 import pytest
 import zmq
 import zmq.asyncio
@@ -99,7 +100,7 @@ async def listening(ctx: zmq.asyncio.Context, endpoint: str, replay: str | None,
                     **cfg: float) -> AsyncIterator[tuple[EngineListener, KvEventMetrics]]:
     metrics = KvEventMetrics(CollectorRegistry())
     listener = EngineListener("e1", EngineEvents(endpoint, replay),
-                              KvEventsConfig(replay_timeout_s=2.0, **cfg), metrics,  # type: ignore[arg-type]
+                              KvEventsConfig(**{"replay_timeout_s": 2.0, **cfg}), metrics,  # type: ignore[arg-type]
                               time.monotonic)
     listener.ctx = ctx
     task = asyncio.create_task(listener.run(), name="test-listener")
@@ -183,5 +184,110 @@ async def test_a_publisher_that_refuses_is_a_fallback_and_a_silent_one_too(
             await prime(pub, listener)
             await until(lambda: listener.precise, "publishing again")
             assert count(metrics, "fallbacks", engine="e1", state="silent") == 1
+    finally:
+        await pub.close()
+
+
+async def _ticks(gaps: list[float], stop: asyncio.Event) -> None:
+    """The longest the event loop went without running this task, kept in ``gaps``."""
+    last = time.monotonic()
+    while not stop.is_set():
+        await asyncio.sleep(0.01)
+        now = time.monotonic()
+        gaps.append(now - last)
+        last = now
+
+
+class _EndlessReplay:
+    """A replay socket with a batch always queued: pyzmq then hands back a finished future for
+    each receive, so awaiting it never gives the event loop a turn (what a publisher that
+    answers a replay for ever, as fast as it can, does to the proxy)."""
+
+    def __init__(self) -> None:
+        self.seq = 0
+        self.payloads = [Publisher.batch(t)[0] for t in range(64)]
+
+    def setsockopt(self, *args: object) -> None:
+        pass
+
+    def connect(self, endpoint: str) -> None:
+        pass
+
+    def close(self, linger: int = 0) -> None:
+        pass
+
+    def send_multipart(self, frames: list[bytes]) -> asyncio.Future[None]:
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        done.set_result(None)
+        return done
+
+    def recv_multipart(self) -> asyncio.Future[list[bytes]]:
+        ready: asyncio.Future[list[bytes]] = asyncio.get_running_loop().create_future()
+        ready.set_result([b"", b"", self.seq.to_bytes(8, "big"), self.payloads[self.seq % 64]])
+        self.seq += 1
+        return ready
+
+
+async def test_a_replay_that_never_ends_stops_at_its_deadline_and_never_holds_the_loop(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    metrics = KvEventMetrics(CollectorRegistry())
+    listener = EngineListener("e1", EngineEvents("tcp://127.0.0.1:1", "tcp://127.0.0.1:2"),
+                              KvEventsConfig(replay_timeout_s=0.5), metrics, time.monotonic)
+    endless = _EndlessReplay()
+    listener._socket = lambda kind: endless  # type: ignore[assignment,method-assign,return-value]
+    stop = asyncio.Event()
+    gaps: list[float] = []
+    ticker = asyncio.create_task(_ticks(gaps, stop))
+    await asyncio.sleep(0.02)
+    started = time.monotonic()
+    try:
+        await listener._replay(listener.ranks[0], 0)
+    finally:
+        stop.set()
+        await ticker
+    assert time.monotonic() - started < 1.5
+    assert count(metrics, "replays", engine="e1", outcome="failed") == 1
+    assert endless.seq > 0 and max(gaps) < 0.25, max(gaps)
+
+
+async def test_numbers_no_publisher_reaches_and_ranks_it_lacks_are_bad_messages(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    pub = Publisher(ctx)
+    try:
+        async with listening(ctx, pub.endpoint, pub.replay_endpoint) as (listener, metrics):
+            await until(lambda: listener.precise, "in sync")
+            n = await prime(pub, listener)
+            huge, huge_key = Publisher.batch(9)
+            await pub.pub.send_multipart([b"", b"\xff" * 8, huge])  # 2**64 - 1
+            other = msgpack.packb([1.0, [], 1])  # rank 1 of a one-rank engine
+            await pub.pub.send_multipart([b"", n.to_bytes(8, "big"), other])
+            late, late_key = Publisher.batch(10)
+            await pub.send(n, late)
+            await until(lambda: late_key in listener.index, "the next good batch")
+            assert count(metrics, "bad", engine="e1") == 2
+            assert huge_key not in listener.index and listener.row()["last_seq"] == n
+            assert listener.precise
+    finally:
+        await pub.close()
+
+
+async def test_a_storm_of_restarts_is_one_log_line(
+    ctx: zmq.asyncio.Context, caplog: pytest.LogCaptureFixture
+) -> None:
+    pub = Publisher(ctx)
+    try:
+        async with listening(ctx, pub.endpoint, pub.replay_endpoint) as (listener, metrics):
+            await until(lambda: listener.precise, "in sync")
+            await prime(pub, listener)
+            with caplog.at_level("WARNING", logger="proxy.fleet.kvevents"):
+                for i in range(50):  # every one a restart (seq 0 again and again)
+                    await pub.pub.send_multipart([b"", (0).to_bytes(8, "big"),
+                                                  Publisher.batch(2000 + i)[0]])
+                await until(lambda: count(metrics, "restarts", engine="e1",
+                                          reason="publisher_restarted") >= 50, "restarts")
+            lines = [r for r in caplog.records if "index emptied" in r.getMessage()]
+            assert len(lines) == 1
     finally:
         await pub.close()

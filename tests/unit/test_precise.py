@@ -30,7 +30,7 @@ from proxy.core.errors import ConfigError
 from proxy.core.exact_holdings import PreciseHoldings
 from proxy.core.fleet_config import EngineConfig, PoolConfig
 from proxy.core.kv_config import EngineEvents
-from proxy.core.kvindex import BadBatch, Batch, ExactIndex, Removed, Stored, parse_batch
+from proxy.core.kvindex import BadBatch, Batch, ExactIndex, Limits, Removed, Stored, parse_batch
 from proxy.core.kvstate import IllegalMove, Listening, Mode, Seq, Sequencer
 from proxy.core.routing import PrefixAffinity, RouteKey
 from proxy.fleet.tokenizer import load_tokenizer
@@ -300,3 +300,34 @@ def test_the_pool_tokenizer_renders_chat_as_the_hf_template_does(tmp_path: Path)
     assert tok.request_ids(False, {"prompt": [5, 6, 7]}) == [5, 6, 7]
     assert tok.request_ids(True, {"messages": [{"role": "user", "content": 3}]}) is None
     assert tok.request_ids(True, {"messages": "no"}) is None
+
+
+def test_a_batch_holding_more_hashes_than_an_index_keeps_is_bad() -> None:
+    limits = Limits(max_events=64, max_hashes=64, max_batch_hashes=100)
+    event = {"type": "BlockStored", "block_hashes": list(range(60)), "block_size": 16}
+    assert len(parse_batch([1.0, [event], 0], limits).events) == 1
+    with pytest.raises(BadBatch, match="more block hashes"):
+        parse_batch([1.0, [event, event], 0], limits)  # 120 in all
+    cleared = {"type": "AllBlocksCleared"}
+    assert len(parse_batch([1.0, [cleared] * 64, 0], limits).events) == 64
+
+
+def test_a_run_of_clears_costs_one_pass_over_the_index(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Rank 1 clearing over and over while rank 0 holds many blocks: one rebuild, not one per
+    # event (each is a pass over every block).
+    index = ExactIndex(1 << 20)
+    index.apply(parse_batch([1.0, [{"type": "BlockStored", "block_hashes": list(range(5000)),
+                                    "block_size": 16}], 0]))
+    index.apply(parse_batch([1.0, [{"type": "BlockStored", "block_hashes": [1, 2, 9999],
+                                    "block_size": 16}], 1]))
+    passes = []
+    clear = ExactIndex._clear
+    monkeypatch.setattr(ExactIndex, "_clear", lambda self, bit: (passes.append(bit),
+                                                                   clear(self, bit))[1])
+    storm = [{"type": "AllBlocksCleared"}] * 200
+    index.apply(parse_batch([1.0, storm, 1]))
+    assert passes == [2] and len(index) == 5000 and 9999 not in index
+    stored = {"type": "BlockStored", "block_hashes": [7], "block_size": 16}
+    index.apply(parse_batch([1.0, [{"type": "AllBlocksCleared"}, stored,
+                                   {"type": "AllBlocksCleared"}], 1]))
+    assert passes == [2, 2, 2]  # a store in between: the next clear has work again
