@@ -51,8 +51,11 @@ def wait_until(level: float, need: float, per_min: int) -> float:
 
 
 def retry_after_header(seconds: float) -> int:
-    """Whole seconds for ``Retry-After``; never 0, which clients read as "retry at once"."""
-    return max(1, math.ceil(seconds))
+    """Whole seconds for ``Retry-After``, 1 to 3600; never 0, which clients read as "retry at
+    once", and never a figure no client should wait for (what is not finite counts as 1)."""
+    if not math.isfinite(seconds):
+        return 1
+    return min(3600, max(1, math.ceil(seconds)))
 
 
 @dataclass

@@ -43,8 +43,15 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local function level(key, per_min)
   local v = redis.call('HMGET', key, 'level', 'updated')
-  if not v[1] then return per_min end
-  return math.min(per_min, tonumber(v[1]) + math.max(0, now - tonumber(v[2])) * per_min / 60)
+  local lv, up = tonumber(v[1]), tonumber(v[2])
+  -- What is not a bucket this script wrote (missing, not finite, or updated in the future) is
+  -- forgotten: a full bucket. A debt is kept to an hour of refill.
+  if not lv or not up or lv ~= lv or up ~= up or lv == math.huge or lv == -math.huge
+      or up > now + 1 then
+    return per_min
+  end
+  lv = math.max(lv, -60 * per_min)
+  return math.min(per_min, lv + math.max(0, now - up) * per_min / 60)
 end
 local function put(key, value, per_min)
   redis.call('HSET', key, 'level', tostring(value), 'updated', tostring(now))
@@ -140,12 +147,18 @@ class RedisLimits:
         await self._link.run("limits_renew", lambda r: self._renew([streams_key], args, client=r))
 
 
+# The longest wait a limit can ask for: a token debt is kept to an hour of refill.
+MAX_WAIT_S = 3600.0
+
+
 def _verdict(raw: object) -> Verdict:
     try:
         assert isinstance(raw, list) and len(raw) == 3
         allowed, limit, wait = raw
         name = limit.decode() if isinstance(limit, bytes) else str(limit)
-        return Verdict(bool(int(allowed)), name, float(wait))
+        seconds = float(wait)
+        assert 0.0 <= seconds <= MAX_WAIT_S  # NaN and infinities included
+        return Verdict(bool(int(allowed)), name, seconds)
     except (AssertionError, ValueError, TypeError):
         raise RedisUnavailable(f"unexpected limits reply {raw!r:.80}") from None
 

@@ -10,7 +10,7 @@ from redisproc import SLOW_OK, RedisFactory, RedisServer
 
 from proxy.core.door_config import LimitsConfig, RedisConfig
 from proxy.core.errors import RateLimited
-from proxy.core.limit_rules import Limits, LocalLimits
+from proxy.core.limit_rules import Limits, LocalLimits, retry_after_header
 from proxy.tenancy.ratelimit import RedisLimits, RequestGate
 from proxy.tenancy.redis_link import RedisLink
 
@@ -172,3 +172,28 @@ async def test_unlimited_traffic_has_no_lease_to_settle() -> None:
     assert not lease.pending
     unlimited = await RequestGate(gate_cfg(), None).admit("acme")  # on, but every limit 0
     assert not unlimited.pending
+
+
+@pytest.mark.parametrize(("level", "updated"), [
+    ("-inf", "1"), ("inf", "1"), ("nan", "1"), ("-1e300", "1"), ("0.5", "1e300"),
+])
+async def test_a_tampered_bucket_is_forgotten_not_a_500_nor_a_refusal_for_ever(
+    redis_server: RedisServer, level: str, updated: str,
+) -> None:
+    # Whatever another process wrote into a tenant's bucket, the gate answers: the bucket is
+    # read as full (a value no script of the proxy writes), never as an endless wait.
+    link = RedisLink(RedisConfig(url=redis_server.url, **SLOW_OK))
+    gate = RequestGate(gate_cfg(requests_per_min=60, tokens_per_min=1000), link)
+    try:
+        for name in ("requests", "tokens"):
+            await link.client.hset(link.tenant_key("acme", name),
+                                   mapping={"level": level, "updated": updated})
+        lease = await gate.admit("acme")
+        await lease.settle(10)
+    finally:
+        await link.close()
+
+
+def test_retry_after_stays_a_header_a_client_can_use() -> None:
+    assert retry_after_header(float("inf")) == 1 and retry_after_header(float("nan")) == 1
+    assert retry_after_header(1e300) == 3600 and retry_after_header(-5.0) == 1
