@@ -18,8 +18,8 @@ from proxy.core.cache_key import CacheConfig
 from proxy.core.errors import ConfigError
 from proxy.core.limit_rules import Limits
 
-TENANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\Z")  # \Z: no newline after it
+_HEX64 = re.compile(r"[0-9a-f]{64}\Z")
 SECTIONS = ("auth", "cache", "redis", "limits")
 
 

@@ -39,6 +39,7 @@ from proxy.tenancy.cache_store import CacheBackend, MemoryBackend, RedisBackend
 from proxy.tenancy.redis_link import RedisLink, RedisUnavailable
 
 log = logging.getLogger("kvproxy.cache")
+ENTRY_OVERHEAD_BYTES = 4096
 
 
 class CacheMetrics:
@@ -360,7 +361,8 @@ def make_cache(
     """The configured cache; the Redis backend only when configured and a Redis link exists."""
     backend: CacheBackend
     if cfg.backend == "redis" and link is not None:
-        backend = RedisBackend(link)
+        # An entry wraps an answer of at most max_entry_bytes in a few fields of its own.
+        backend = RedisBackend(link, cfg.max_entry_bytes + ENTRY_OVERHEAD_BYTES)
     else:
         if cfg.backend == "redis":
             log.warning("cache.backend = 'redis' but no [redis] url: using the in-process cache")

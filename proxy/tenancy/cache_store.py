@@ -70,18 +70,24 @@ class MemoryBackend:
 
 
 class RedisBackend:
-    """Entries as plain Redis strings with a TTL (``SET ... PX``)."""
+    """Entries as plain Redis strings with a TTL (``SET ... PX``). A read takes at most
+    ``max_bytes`` + 1 bytes (``GETRANGE``): an entry larger than any this proxy stores, whoever
+    wrote it, is refused without being read whole."""
 
     suspends = True
 
-    def __init__(self, link: RedisLink) -> None:
+    def __init__(self, link: RedisLink, max_bytes: int = 1 << 30) -> None:
         self._link = link
+        self._max_bytes = max_bytes
 
     async def get(self, key: str) -> bytes | None:
-        value = await self._link.run("cache_get", lambda r: r.get(self._link.key("cache", key)))
-        if value is not None and not isinstance(value, bytes):
+        name = self._link.key("cache", key)
+        value = await self._link.run("cache_get", lambda r: r.getrange(name, 0, self._max_bytes))
+        if not isinstance(value, bytes):
             raise EntryError("unexpected value type")
-        return value
+        if len(value) > self._max_bytes:
+            raise EntryError("entry larger than cache.max_entry_bytes")
+        return value or None  # a missing key reads as empty
 
     async def set(self, key: str, value: bytes, ttl_s: float) -> None:
         ttl_ms = max(1, int(ttl_s * 1000))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ import orjson
 
 from proxy.core.breaker import Breaker, BreakerState, Outcome
 from proxy.core.errors import ConfigError
-from proxy.core.fleet_config import EngineConfig
+from proxy.core.fleet_config import POOL_NAME, EngineConfig
 from proxy.fleet.periodic import every
 from proxy.tenancy.redis_link import RedisClient, RedisLink, RedisUnavailable
 
@@ -165,9 +166,25 @@ class EngineRecord:
             return None
         name = doc.get("name") or f"{pool}@{str(url).split('://', 1)[-1]}"
         metrics_url = doc.get("metrics_url")
-        return cls(str(name), str(pool), str(model), str(url),
-                   metrics_url if isinstance(metrics_url, str) else None,
+        if not isinstance(metrics_url, str):
+            metrics_url = None
+        # A record's fields become header values, metric labels, log lines and the names other
+        # replicas exchange: what is not a short, plain name or URL is not a record.
+        if not (isinstance(name, str) and _RECORD_NAME.fullmatch(name)
+                and POOL_NAME.fullmatch(str(pool)) and _plain(str(model), 256)
+                and _plain(str(url), 2048) and (metrics_url is None or _plain(metrics_url, 2048))):
+            return None
+        return cls(name, str(pool), str(model), str(url), metrics_url,
                    doc.get("ready") is not False, doc.get("draining") is True)  # fmt: skip
+
+
+# An engine's name, as a sidecar advertises it (``pool@host:port`` by default, IPv6 included).
+_RECORD_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:@\[\]-]{0,127}")
+
+
+def _plain(value: str, limit: int) -> bool:
+    """Printable, no spaces, at most ``limit`` characters."""
+    return 0 < len(value) <= limit and value.isprintable() and " " not in value
 
 
 def record_key(link: RedisLink, pool: str, url: str) -> str:

@@ -10,7 +10,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from redisproc import SLOW_OK, RedisFactory, RedisServer
 
-from proxy.core.cache_entry import replay_sse
+from proxy.core.cache_entry import CachedResponse, replay_sse
 from proxy.core.cache_key import CacheConfig
 from proxy.core.door_config import RedisConfig
 from proxy.tenancy.cache import CacheRequest, ResponseCache, make_cache
@@ -348,3 +348,28 @@ async def test_a_stream_without_usage_cannot_answer_a_client_that_wants_usage(
         await refresh.fill.finish(completed=False)
     await fill_json(cache, request(), "with usage")
     assert (await cache.lookup(request(stream=True, stream_options=usage))).status == "HIT"
+
+
+async def test_a_stored_value_larger_than_any_entry_is_refused_without_reading_it_whole(
+    redis_server: RedisServer,
+) -> None:
+    # Another writer put 2 MB under a tenant's key; the proxy stores at most max_entry_bytes
+    # (here 64 KB): the read takes no more than that, and the request is a miss.
+    registry = CollectorRegistry()
+    link = RedisLink(RedisConfig(url=redis_server.url, **SLOW_OK), registry=registry)
+    cache = make_cache(CacheConfig(backend="redis", secret=SECRET, max_entry_bytes=65536), link,
+                       registry=registry)
+    try:
+        req = request(content="big")
+        assert await fill_json(cache, req, "small") == "MISS"
+        assert (await cache.lookup(req)).status == "HIT"
+        name = link.key("cache", cache.key(req))
+        huge = CachedResponse("t", "m", True, orjson.loads(answer("x" * 2_000_000)))
+        await link.client.set(name, huge.encode())  # a valid entry, but no proxy stores it
+        assert (await cache.lookup(req)).status == "MISS"
+        errors = registry.get_sample_value("kvproxy_cache_errors_total", {"op": "decode"})
+        assert errors == 1
+        assert isinstance(cache.backend, RedisBackend)
+        assert await cache.backend.get("never-stored") is None
+    finally:
+        await link.close()

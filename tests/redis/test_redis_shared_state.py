@@ -177,3 +177,24 @@ def test_registry_sync_adds_and_removes_discovered_engines_only() -> None:
     assert fleet.engines == {"t0": ("target", "static")}
     sync([])
     assert fleet.engines == {"t0": ("target", "static")}
+
+
+def test_a_record_whose_fields_are_not_plain_names_is_not_a_record() -> None:
+    # Its name becomes a header value, a metric label, a log line and what replicas exchange.
+    def doc(**fields: object) -> bytes:
+        base = {"name": "target@10.0.0.5:8000", "role": "target", "model": "meta/llama-3.1",
+                "engine_url": "http://10.0.0.5:8000"}
+        return orjson.dumps(base | fields)
+
+    assert EngineRecord.decode(doc()) is not None
+    assert EngineRecord.decode(doc(name=None, engine_url="http://[::1]:8000")) is not None
+    for bad in ({"name": "bad\r\nX-Evil: 1"}, {"name": "x" * 300}, {"name": {"x": 1}},
+                {"name": "a b"}, {"role": "no such\npool"}, {"model": "m\x00"},
+                {"engine_url": "http://h:1/\r\n"}, {"metrics_url": "http://h:1/\nx"}):
+        assert EngineRecord.decode(doc(**bad)) is None, bad
+
+
+def test_a_tenant_name_with_a_newline_after_it_is_not_a_name() -> None:
+    from proxy.core.door_config import TENANT_NAME  # noqa: PLC0415
+
+    assert TENANT_NAME.match("acme") and not TENANT_NAME.match("acme\n")
