@@ -6,6 +6,9 @@ Rules:
   inside one client request is exactly the latency Redis trouble must not add.
 - A failed or timed-out operation raises ``RedisUnavailable`` and puts the link in back-off for
   ``retry_after_failure_s``: during back-off calls fail at once instead of each paying the timeout.
+  A command the server refused (a key of another type, a script's error: one key's trouble, which
+  anyone with access to Redis can cause) fails only itself (errors ``kind="refused"``); refusals
+  that say the server cannot serve (read-only, out of memory, loading, busy) back off as failures.
   Callers turn ``RedisUnavailable`` into their fallback (a cache miss, a local limit) and a metric.
 - Keys are all under ``key_prefix``; per-tenant keys carry a ``{tenant}`` hash tag, so one tenant's
   keys share a Redis Cluster slot and a Lua script may touch all of them.
@@ -23,7 +26,7 @@ import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry, Counter
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import RedisError
+from redis.exceptions import OutOfMemoryError, ReadOnlyError, RedisError, ResponseError
 from redis.maint_notifications import MaintNotificationsConfig
 
 from proxy.core.door_config import RedisConfig
@@ -99,6 +102,14 @@ class RedisLink:
         try:
             async with asyncio.timeout(self.cfg.op_timeout_s):
                 return await call(self.client)
+        except ResponseError as exc:
+            if _server_wide(exc):
+                self._failed(op, exc)
+                raise RedisUnavailable(f"redis {op}: {type(exc).__name__}", "error") from None
+            # The server refused this command (a key of the wrong type, a script's error): this
+            # operation fails, as a miss or a local decision; Redis itself is fine for the rest.
+            self.metrics.errors.labels(op, "refused").inc()
+            raise RedisUnavailable(f"redis {op}: the command was refused", "refused") from None
         except (RedisError, OSError, TimeoutError) as exc:
             self._failed(op, exc)
             kind = "timeout" if isinstance(exc, TimeoutError) else "error"
@@ -114,3 +125,14 @@ class RedisLink:
 
     async def close(self) -> None:
         await self.client.aclose()
+
+
+# Replies that say the server, not one key, cannot serve: read-only, out of memory, busy with a
+# script, loading, no master.
+_SERVER_WIDE = ("BUSY", "LOADING", "MASTERDOWN", "READONLY", "OOM", "NOREPLICAS", "TRYAGAIN")
+
+
+def _server_wide(exc: ResponseError) -> bool:
+    if isinstance(exc, ReadOnlyError | OutOfMemoryError):
+        return True
+    return str(exc).split(" ", 1)[0].upper() in _SERVER_WIDE

@@ -97,6 +97,12 @@ class HasState(Protocol):
     state: EngineState
 
 
+_APPEND = """
+redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], '*', 'm', ARGV[1])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+"""
+
+
 class RedisStreamBus:
     """One Redis stream that every replica appends to and reads from."""
 
@@ -107,6 +113,7 @@ class RedisStreamBus:
         self._ttl_ms = max(1, int(ttl_s * 1000))
         self._last: str | None = None
         self.live = False
+        self._append = link.client.register_script(_APPEND)
 
     def listen(self, wake: Callable[[], None]) -> bool:
         # A read that does not block cannot say when entries arrive: the rounds keep polling.
@@ -114,14 +121,10 @@ class RedisStreamBus:
 
     async def publish(self, payload: bytes) -> None:
         key, maxlen, ttl = self._key, self._maxlen, self._ttl_ms
-
-        async def write(r: RedisClient) -> None:
-            async with r.pipeline(transaction=False) as pipe:
-                pipe.xadd(key, {"m": payload}, maxlen=maxlen, approximate=True)
-                pipe.pexpire(key, ttl)
-                await pipe.execute()
-
-        await self._run("sharing_publish", write)
+        # One script: the stream's lifetime is renewed only by an append that worked, so a key
+        # that cannot take one (another type, or no stream id left) expires instead of living on.
+        await self._run("sharing_publish",
+                        lambda r: self._append(keys=[key], args=[payload, maxlen, ttl], client=r))
 
     async def fetch(self) -> list[bytes]:
         key = self._key

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -197,3 +198,48 @@ async def test_a_tampered_bucket_is_forgotten_not_a_500_nor_a_refusal_for_ever(
 def test_retry_after_stays_a_header_a_client_can_use() -> None:
     assert retry_after_header(float("inf")) == 1 and retry_after_header(float("nan")) == 1
     assert retry_after_header(1e300) == 3600 and retry_after_header(-5.0) == 1
+
+
+async def test_one_key_of_the_wrong_type_fails_only_its_own_operation(
+    redis_server: RedisServer,
+) -> None:
+    # Someone wrote a string where acme's bucket hash lives: acme's limits fall back to this
+    # replica, and Redis stays in use for every other tenant and feature (no link-wide back-off).
+    link = RedisLink(RedisConfig(url=redis_server.url, **SLOW_OK))
+    registry = CollectorRegistry()
+    gate = RequestGate(gate_cfg(requests_per_min=60), link, registry=registry)
+    try:
+        await link.client.set(link.tenant_key("acme", "requests"), "garbage")
+        for _ in range(3):
+            await (await gate.admit("acme")).settle(0)
+        assert link.available
+        assert registry.get_sample_value("kvproxy_ratelimit_fallbacks_total", {"op": "admit"}) == 3
+        await (await gate.admit("other")).settle(0)
+        assert await link.client.exists(link.tenant_key("other", "requests"))
+        errors = link.metrics.errors.labels("limits_admit", "refused")._value.get()
+        assert errors == 3
+    finally:
+        await link.close()
+
+
+async def test_a_routing_stream_that_cannot_take_an_append_is_not_kept_alive(
+    redis_server: RedisServer,
+) -> None:
+    # The stream's key holds another type: the publish fails, and does not renew the key's
+    # lifetime, so it expires and the next replica to publish starts a fresh stream.
+    from proxy.tenancy.hub import BusDown  # noqa: PLC0415
+    from proxy.tenancy.shared_routing import RedisStreamBus  # noqa: PLC0415
+
+    link = RedisLink(RedisConfig(url=redis_server.url, **SLOW_OK))
+    bus = RedisStreamBus(link, maxlen=100, ttl_s=30.0)
+    key = link.key("routing")
+    try:
+        await link.client.set(key, "not a stream", px=400)
+        with contextlib.suppress(BusDown):
+            await bus.publish(b"x")
+        assert 0 < await link.client.pttl(key) <= 400
+        await asyncio.sleep(0.5)
+        await bus.publish(b"y")
+        assert await link.client.xlen(key) == 1 and await link.client.pttl(key) > 29_000
+    finally:
+        await link.close()
