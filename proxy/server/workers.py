@@ -44,8 +44,16 @@ _EXIT_GRACE_S = 10.0
 
 
 def reserve_port(host: str, port: int) -> tuple[socket.socket, int]:
-    """A socket bound (not listening) to ``host:port`` with ``SO_REUSEPORT``, and its port."""
+    """A socket bound (not listening) to ``host:port`` with ``SO_REUSEPORT``, and its port.
+
+    The port must be free first: a plain bind (without ``SO_REUSEPORT``) is tried and released.
+    ``SO_REUSEPORT`` alone would let this proxy join another one already serving the port (any
+    process of the same user may), each taking a share of the clients with nothing shared."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is not a user
+        probe.bind((host, port))  # EADDRINUSE: someone serves it
+        port = int(probe.getsockname()[1])
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -305,3 +305,20 @@ async def test_a_sibling_takes_over_the_scrapes_of_a_dead_worker_and_nothing_goe
             if await _scraped_by(other) == settled:
                 break
     await _assert_healthy(other, len(engines))
+
+
+async def test_a_second_proxy_on_the_same_port_refuses_to_start(
+    parent: Parent, tmp_path: Path
+) -> None:
+    # SO_REUSEPORT would let it join the first one's port and take a share of its clients.
+    port = parent.url.rsplit(":", 1)[1]
+    config = tmp_path / "second.toml"
+    config.write_text("[[pools]]\nname = \"target\"\nmodel = \"m\"\n[[pools.engines]]\n"
+                      "name = \"x\"\nurl = \"http://127.0.0.1:9\"\n")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "proxy", "serve", "--config", str(config), "--port", port,
+        "--workers", "2", stderr=asyncio.subprocess.PIPE)
+    async with asyncio.timeout(60):
+        _, err = await proc.communicate()
+    assert proc.returncode == 1
+    assert b"in use" in err.lower()
