@@ -165,10 +165,11 @@ def settle_heap(young_threshold: int, middle_threshold: int) -> None:
 
 
 def stop_event() -> asyncio.Event:
-    """An event set by the first SIGTERM or SIGINT."""
+    """An event set by the first SIGTERM, SIGINT or SIGHUP (a closed terminal, or a supervisor's
+    hang-up: drained like a stop, never the default of dying mid-stream)."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         loop.add_signal_handler(sig, _on_signal, sig, stop)
     return stop
 

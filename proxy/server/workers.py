@@ -77,6 +77,7 @@ class Supervisor:
         self.ready = asyncio.Event()
         self.failed = asyncio.Event()
         self.stopping = False
+        self._stopped = asyncio.Event()  # set with ``stopping``: ends a restart's back-off
         self.restarts = 0
         self._hello: set[int] = set()
 
@@ -97,7 +98,9 @@ class Supervisor:
             self.procs[index] = proc
             code = await proc.wait()
             if self.stopping:
-                return code
+                # Our own SIGTERM, reaching a worker before it could take it gracefully (it was
+                # still starting, so it served no one), is a clean stop too.
+                return 0 if code == -signal.SIGTERM else code
             if not self.ready.is_set():
                 log.error("worker %d exited with status %d before the proxy served", index, code)
                 self.failed.set()
@@ -106,15 +109,17 @@ class Supervisor:
                 backoff = _BACKOFF_S
             log.warning("worker %d (pid %d) exited with status %d; restarting it in %.1f s",
                         index, proc.pid, code, backoff)  # fmt: skip
-            await asyncio.sleep(backoff)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopped.wait(), backoff)
             if self.stopping:
-                return code
+                return 0  # stopped while waiting to restart: nothing of it to drain
             backoff = min(_BACKOFF_MAX_S, backoff * 2)
             self.restarts += 1
 
     async def stop(self, tasks: Sequence[asyncio.Task[int]]) -> bool:
         """SIGTERM every worker, wait for them to drain; True when all exited 0."""
         self.stopping = True
+        self._stopped.set()
         for proc in self.procs.values():
             if proc.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
@@ -128,7 +133,10 @@ class Supervisor:
                     proc.kill()
         if pending:
             await asyncio.wait(pending)
-        return all(t.result() == 0 for t in tasks)
+        unclean = {i: t.result() for i, t in enumerate(tasks) if t.result() != 0}
+        if unclean:
+            log.error("workers that did not stop cleanly (index: status): %s", unclean)
+        return not unclean
 
 
 async def run_workers(cfg: Config, command: Sequence[str], count: int) -> int:

@@ -1,4 +1,5 @@
-"""``kvproxy serve`` as a real process: SIGTERM drains open streams, then the process exits 0."""
+"""``kvproxy serve`` as a real process: SIGTERM (or SIGHUP) drains open streams, then the process
+exits 0."""
 
 from __future__ import annotations
 
@@ -80,8 +81,9 @@ async def engines(tmp_path: Path) -> AsyncIterator[list[str]]:
         await proc.wait()
 
 
-async def test_sigterm_drains_open_streams_then_exits_zero(
-    engines: list[str], tmp_path: Path
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["sigterm", "sighup"])
+async def test_a_stop_signal_drains_open_streams_then_exits_zero(
+    engines: list[str], tmp_path: Path, sig: signal.Signals
 ) -> None:
     port = _free_ports(1)
     config = tmp_path / "kvproxy.toml"
@@ -101,7 +103,7 @@ async def test_sigterm_drains_open_streams_then_exits_zero(
         async with http.post(url + "/v1/completions", json=body) as stream:
             assert stream.status == 200
             received = await stream.content.readany()
-            proxy.send_signal(signal.SIGTERM)
+            proxy.send_signal(sig)
             await _expect_refusing(http, url)
             received += await stream.content.read()
         assert received.endswith(b"data: [DONE]\n\n")

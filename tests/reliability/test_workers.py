@@ -322,3 +322,16 @@ async def test_a_second_proxy_on_the_same_port_refuses_to_start(
         _, err = await proc.communicate()
     assert proc.returncode == 1
     assert b"in use" in err.lower()
+
+
+async def test_a_stop_while_a_worker_waits_to_restart_is_prompt_and_clean(parent: Parent) -> None:
+    # Worker 0 dies; the parent waits its back-off before starting it again. A SIGTERM in that
+    # wait ends it at once: nothing of that worker is left to drain, so the stop is clean.
+    pid = parent.workers()[0][0]
+    os.kill(pid, signal.SIGKILL)
+    async with asyncio.timeout(5):
+        while not any("worker 0" in line and "restarting" in line for line in parent.log):  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+    parent.proc.send_signal(signal.SIGTERM)
+    async with asyncio.timeout(15):
+        assert await parent.proc.wait() == 0
