@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 GAUGE_MERGE: dict[str, str] = {
     "kvproxy_inflight_requests": "sum",
+    "kvproxy_held_requests": "sum",
     "kvproxy_engine_inflight": "sum",
     "kvproxy_sharing_live": "min",
     "kvproxy_sharing_peers": "min",
@@ -42,9 +43,12 @@ def _pick(rule: str, a: float, b: float) -> float:
 
 
 def _rule(family: Metric, sample: str) -> str:
+    # prometheus-client writes a counter's ``_created`` as a gauge family of its own.
+    if sample.endswith("_created") or family.name.endswith("_created"):
+        return "min"
     if family.type == "gauge":
         return GAUGE_MERGE.get(family.name, "max")
-    return "min" if sample.endswith("_created") else "sum"
+    return "sum"
 
 
 @dataclass

@@ -58,3 +58,19 @@ def test_pool_gauges_measure_the_shed_rate_over_a_window() -> None:
     assert math.isnan(values["kvproxy_pool_kv_usage[('pool', 'draft')]"])
     gauges.refresh(rows, sheds, now=200.0)  # nothing shed in the last minute
     assert _values(generate_latest(r))["kvproxy_pool_shed_rate[('pool', 'target')]"] == 0.0
+
+
+def test_held_requests_add_up_and_created_times_keep_the_earliest() -> None:
+    def worker(held: float, created: float) -> str:
+        r = CollectorRegistry()
+        Gauge("kvproxy_held_requests", "h", ["pool"], registry=r).labels("t").set(held)
+        text = generate_latest(r).decode()
+        # A counter's _created, as prometheus-client writes it: a gauge family of its own.
+        return text + ("# HELP kvproxy_requests_created r\n# TYPE kvproxy_requests_created gauge\n"
+                       f'kvproxy_requests_created{{pool="t"}} {created}\n')
+
+    merged = merge_expositions([worker(3, 1_800_000_100.0), worker(2, 1_800_000_000.0)])
+    samples = {s.name: s.value for f in text_string_to_metric_families(merged.decode())
+               for s in f.samples}
+    assert samples["kvproxy_held_requests"] == 5
+    assert samples["kvproxy_requests_created"] == 1_800_000_000.0
