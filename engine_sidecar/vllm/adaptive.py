@@ -23,6 +23,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import aiohttp
+import orjson
 from aiohttp import web
 
 from engine_sidecar.speculation import schedule as sch
@@ -205,7 +206,9 @@ async def post_schedule(request: web.Request) -> web.Response:
     handle = controller.engine
     assert isinstance(handle, VllmEngineHandle)
     try:
-        body = await request.json()
+        # orjson: bounded nesting (a deep body is a decode error, not a RecursionError) and no
+        # integers past 64 bits.
+        body = orjson.loads(await request.read())
         raw = body[sch.SCHEDULE_FIELD] if isinstance(body, dict) else None
         schedule = sch.validate(raw, max_k=handle.sup.profile.engine.num_speculative_tokens)
     except (ValueError, KeyError) as exc:
