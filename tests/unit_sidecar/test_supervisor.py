@@ -278,7 +278,8 @@ def test_engine_registered_in_redis_with_ttl_and_removed_on_drain(sidecar_factor
 
 
 def test_a_schedule_body_nested_too_deep_is_a_400(sidecar_factory) -> None:
-    sc = sidecar_factory(extra_sidecar="\n[speculation]\nadaptive = true\ncoordination = \"local\"\n")
+    sc = sidecar_factory(
+        extra_sidecar='\n[speculation]\nadaptive = true\ncoordination = "local"\n')
     wait_for(lambda: get(sc.url + "/ready")[0] == 200, what="sidecar ready")
     for body in (b"[" * 100_000 + b"]" * 100_000, b'{"schedule": [[1, 256, ' + b"9" * 40 + b"]]}"):
         req = urllib.request.Request(sc.url + "/speculation", data=body,
