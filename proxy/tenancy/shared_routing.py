@@ -112,6 +112,7 @@ class RedisStreamBus:
         self._maxlen = maxlen
         self._ttl_ms = max(1, int(ttl_s * 1000))
         self._last: str | None = None
+        self._empty_reads = 0
         self.live = False
         self._append = link.client.register_script(_APPEND)
 
@@ -143,7 +144,25 @@ class RedisStreamBus:
                 self._last = entry_id
                 if payload is not None:
                     out.append(payload)
+        if out:
+            self._empty_reads = 0
+        else:
+            self._empty_reads += 1
+            if self._empty_reads % _CHECK_AFTER_EMPTY == 0:
+                await self._behind_the_cursor()
         return out
+
+    async def _behind_the_cursor(self) -> None:
+        """A stream whose newest entry is older than this reader's cursor was made anew (its key
+        expired or was deleted, Redis restarted, an entry far in the future went): reading on
+        from the cursor would see nothing for ever, so the cursor follows the stream back."""
+        key, last = self._key, self._last
+        newest: object = await self._run("sharing_read", lambda r: r.xrevrange(key, count=1))
+        entries = _entries(newest)
+        head = entries[-1][0] if entries else "0-0"
+        if last is not None and _stream_id(head) < _stream_id(last):
+            log.info("the routing stream was made anew; reading it from its newest entry")
+            self._last = head
 
     async def _run(self, op: str, call: Callable[[RedisClient], Awaitable[T]]) -> T:
         try:
@@ -153,6 +172,19 @@ class RedisStreamBus:
             raise BusDown(str(exc)) from None
         self.live = True
         return result
+
+
+# Empty reads in a row after which a reader checks that the stream is not behind its cursor.
+_CHECK_AFTER_EMPTY = 40
+
+
+def _stream_id(entry_id: str) -> tuple[int, int]:
+    """A stream entry id as numbers, for ordering (``ms-seq``)."""
+    ms, _, seq = entry_id.partition("-")
+    try:
+        return int(ms), int(seq or 0)
+    except ValueError:
+        return (0, 0)
 
 
 def _entries(raw: object) -> list[tuple[str, bytes | None]]:

@@ -243,3 +243,31 @@ async def test_a_routing_stream_that_cannot_take_an_append_is_not_kept_alive(
         assert await link.client.xlen(key) == 1 and await link.client.pttl(key) > 29_000
     finally:
         await link.close()
+
+
+async def test_a_reader_follows_a_stream_made_anew_behind_its_cursor(
+    redis_server: RedisServer,
+) -> None:
+    # An entry far in the future moved every reader's cursor there; the key then went. Without
+    # following the stream back, the replicas would never hear each other again.
+    from proxy.tenancy.shared_routing import _CHECK_AFTER_EMPTY, RedisStreamBus  # noqa: PLC0415
+
+    link = RedisLink(RedisConfig(url=redis_server.url, **SLOW_OK))
+    reader = RedisStreamBus(link, maxlen=100, ttl_s=30.0)
+    writer = RedisStreamBus(link, maxlen=100, ttl_s=30.0)
+    key = link.key("routing")
+    try:
+        await link.client.xadd(key, {"m": b"junk"}, id="99999999999999-0")
+        assert await reader.fetch() == []  # the cursor starts at the newest: the junk
+        await link.client.delete(key)
+        await writer.publish(b"hello")
+        heard: list[bytes] = []
+        for _ in range(_CHECK_AFTER_EMPTY + 2):
+            heard += await reader.fetch()
+            if heard:
+                break
+        await writer.publish(b"again")
+        heard += await reader.fetch()
+        assert heard == [b"again"]
+    finally:
+        await link.close()
