@@ -286,5 +286,6 @@ def test_a_schedule_body_nested_too_deep_is_a_400(sidecar_factory) -> None:
                                      headers={"Content-Type": "application/json"})
         with pytest.raises(urllib.error.HTTPError) as info:
             urllib.request.urlopen(req, timeout=10)
+        info.value.close()  # the error holds the answer's connection
         assert info.value.code == 400
     assert sc.proc.poll() is None
