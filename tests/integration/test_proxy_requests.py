@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import gzip
 from collections.abc import AsyncIterator
@@ -141,35 +142,42 @@ async def recorder() -> AsyncIterator[Recorder]:
     await runner.cleanup()
 
 
-async def test_hop_by_hop_forwarded_and_authorization_not_passed(recorder: Recorder) -> None:
+@contextlib.asynccontextmanager
+async def _proxy_before(recorder: Recorder) -> AsyncIterator[tuple[str, aiohttp.ClientSession]]:
+    """A started proxy whose one engine is ``recorder``, once routable, and a client session."""
     pool = PoolConfig("target", "served-name", (EngineConfig("rec", recorder.url),))
     server = ProxyServer(Config(server=ServerConfig(port=0), pools=(pool,)))
     await server.start()
     try:
         async with aiohttp.ClientSession() as http:
             await _wait_routable(http, server.url)
-            headers = {
-                "Authorization": "Bearer sk-secret",
-                "Proxy-Authorization": "Basic abc",
-                "api-key": "sk-azure-style",
-                "x-api-key": "sk-anthropic-style",
-                "X-Forwarded-For": "10.0.0.1",
-                "X-Forwarded-Proto": "https",
-                "Forwarded": "for=10.0.0.1",
-                "Connection": "keep-alive, X-Hop-Secret",
-                "X-Hop-Secret": "hop",
-                "Keep-Alive": "timeout=5",
-                "TE": "trailers",
-                "X-Custom": "kept",
-                "X-Request-Id": "rid-7",
-            }
-            body = {"model": "served-name", "messages": [{"role": "user", "content": "x"}]}
-            async with http.post(
-                server.url + "/v1/chat/completions", json=body | {"priority": 3}, headers=headers
-            ) as resp:
-                assert resp.status == 200
+            yield server.url, http
     finally:
         await server.stop()
+
+
+async def test_hop_by_hop_forwarded_and_authorization_not_passed(recorder: Recorder) -> None:
+    async with _proxy_before(recorder) as (url, http):
+        headers = {
+            "Authorization": "Bearer sk-secret",
+            "Proxy-Authorization": "Basic abc",
+            "api-key": "sk-azure-style",
+            "x-api-key": "sk-anthropic-style",
+            "X-Forwarded-For": "10.0.0.1",
+            "X-Forwarded-Proto": "https",
+            "Forwarded": "for=10.0.0.1",
+            "Connection": "keep-alive, X-Hop-Secret",
+            "X-Hop-Secret": "hop",
+            "Keep-Alive": "timeout=5",
+            "TE": "trailers",
+            "X-Custom": "kept",
+            "X-Request-Id": "rid-7",
+        }
+        body = {"model": "served-name", "messages": [{"role": "user", "content": "x"}]}
+        async with http.post(
+            url + "/v1/chat/completions", json=body | {"priority": 3}, headers=headers
+        ) as resp:
+            assert resp.status == 200
     ((got, sent_body),) = recorder.seen
     lower = {k.lower(): v for k, v in got.items()}
     for gone in ("authorization", "proxy-authorization", "api-key", "x-api-key",
@@ -188,20 +196,13 @@ async def test_a_compressed_body_reaches_the_engine_as_the_json_the_proxy_wrote(
     # The proxy decodes the client's gzip body and sends JSON of its own: were the client's
     # Content-Encoding passed on, the engine would fail to decode plain JSON (a 500 from it, and
     # a few such requests would open every engine's breaker).
-    pool = PoolConfig("target", "served-name", (EngineConfig("rec", recorder.url),))
-    server = ProxyServer(Config(server=ServerConfig(port=0), pools=(pool,)))
-    await server.start()
-    try:
-        async with aiohttp.ClientSession() as http:
-            await _wait_routable(http, server.url)
-            body = {"model": "served-name", "messages": [{"role": "user", "content": "zip"}]}
-            headers = {"Content-Encoding": "gzip", "Content-Type": "application/json",
-                       "Content-MD5": "bogus", "Digest": "sha-256=bogus"}
-            async with http.post(server.url + "/v1/chat/completions",
-                                 data=gzip.compress(orjson.dumps(body)), headers=headers) as resp:
-                assert resp.status == 200, await resp.text()
-    finally:
-        await server.stop()
+    body = {"model": "served-name", "messages": [{"role": "user", "content": "zip"}]}
+    headers = {"Content-Encoding": "gzip", "Content-Type": "application/json",
+               "Content-MD5": "bogus", "Digest": "sha-256=bogus"}
+    async with _proxy_before(recorder) as (url, http), http.post(
+        url + "/v1/chat/completions", data=gzip.compress(orjson.dumps(body)), headers=headers
+    ) as resp:
+        assert resp.status == 200, await resp.text()
     ((got, sent_body),) = recorder.seen
     lower = {k.lower() for k in got}
     assert not lower & {"content-encoding", "content-md5", "digest"}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import AsyncIterator
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -12,8 +13,10 @@ from redisproc import SLOW_OK, RedisFactory, RedisServer
 from proxy.core.door_config import LimitsConfig, RedisConfig
 from proxy.core.errors import RateLimited
 from proxy.core.limit_rules import Limits, LocalLimits, retry_after_header
+from proxy.tenancy.hub import BusDown
 from proxy.tenancy.ratelimit import RedisLimits, RequestGate
 from proxy.tenancy.redis_link import RedisLink
+from proxy.tenancy.shared_routing import _CHECK_AFTER_EMPTY, RedisStreamBus
 
 
 def gate_cfg(**limits: int) -> LimitsConfig:
@@ -222,52 +225,47 @@ async def test_one_key_of_the_wrong_type_fails_only_its_own_operation(
         await link.close()
 
 
+@pytest.fixture
+async def stream_link(redis_server: RedisServer) -> AsyncIterator[RedisLink]:
+    """A link for the routing stream's tests (its key: ``link.key("routing")``)."""
+    link = RedisLink(RedisConfig(url=redis_server.url, **SLOW_OK))
+    yield link
+    await link.close()
+
+
 async def test_a_routing_stream_that_cannot_take_an_append_is_not_kept_alive(
-    redis_server: RedisServer,
+    stream_link: RedisLink,
 ) -> None:
     # The stream's key holds another type: the publish fails, and does not renew the key's
     # lifetime, so it expires and the next replica to publish starts a fresh stream.
-    from proxy.tenancy.hub import BusDown  # noqa: PLC0415
-    from proxy.tenancy.shared_routing import RedisStreamBus  # noqa: PLC0415
-
-    link = RedisLink(RedisConfig(url=redis_server.url, **SLOW_OK))
+    link, key = stream_link, stream_link.key("routing")
     bus = RedisStreamBus(link, maxlen=100, ttl_s=30.0)
-    key = link.key("routing")
-    try:
-        await link.client.set(key, "not a stream", px=400)
-        with contextlib.suppress(BusDown):
-            await bus.publish(b"x")
-        assert 0 < await link.client.pttl(key) <= 400
-        await asyncio.sleep(0.5)
-        await bus.publish(b"y")
-        assert await link.client.xlen(key) == 1 and await link.client.pttl(key) > 29_000
-    finally:
-        await link.close()
+    await link.client.set(key, "not a stream", px=400)
+    with contextlib.suppress(BusDown):
+        await bus.publish(b"x")
+    assert 0 < await link.client.pttl(key) <= 400
+    await asyncio.sleep(0.5)
+    await bus.publish(b"y")
+    assert await link.client.xlen(key) == 1 and await link.client.pttl(key) > 29_000
 
 
 async def test_a_reader_follows_a_stream_made_anew_behind_its_cursor(
-    redis_server: RedisServer,
+    stream_link: RedisLink,
 ) -> None:
     # An entry far in the future moved every reader's cursor there; the key then went. Without
     # following the stream back, the replicas would never hear each other again.
-    from proxy.tenancy.shared_routing import _CHECK_AFTER_EMPTY, RedisStreamBus  # noqa: PLC0415
-
-    link = RedisLink(RedisConfig(url=redis_server.url, **SLOW_OK))
+    link, key = stream_link, stream_link.key("routing")
     reader = RedisStreamBus(link, maxlen=100, ttl_s=30.0)
     writer = RedisStreamBus(link, maxlen=100, ttl_s=30.0)
-    key = link.key("routing")
-    try:
-        await link.client.xadd(key, {"m": b"junk"}, id="99999999999999-0")
-        assert await reader.fetch() == []  # the cursor starts at the newest: the junk
-        await link.client.delete(key)
-        await writer.publish(b"hello")
-        heard: list[bytes] = []
-        for _ in range(_CHECK_AFTER_EMPTY + 2):
-            heard += await reader.fetch()
-            if heard:
-                break
-        await writer.publish(b"again")
+    await link.client.xadd(key, {"m": b"junk"}, id="99999999999999-0")
+    assert await reader.fetch() == []  # the cursor starts at the newest: the junk
+    await link.client.delete(key)
+    await writer.publish(b"hello")
+    heard: list[bytes] = []
+    for _ in range(_CHECK_AFTER_EMPTY + 2):
         heard += await reader.fetch()
-        assert heard == [b"again"]
-    finally:
-        await link.close()
+        if heard:
+            break
+    await writer.publish(b"again")
+    heard += await reader.fetch()
+    assert heard == [b"again"]
