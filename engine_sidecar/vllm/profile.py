@@ -14,6 +14,7 @@ Rules:
 from __future__ import annotations
 
 import json
+import math
 import re
 import tomllib
 from collections.abc import Mapping, Sequence
@@ -147,13 +148,20 @@ def expand_env(value: str, env: Mapping[str, str]) -> str:
 
     def sub(match: re.Match[str]) -> str:
         name, default = match.group(1), match.group(2)
+        if default is not None and "${" in default:
+            raise ValueError("a ${...} reference inside another's default is not read")
         if env.get(name):
             return env[name]
         if default is not None:
             return default
         raise KeyError(name)
 
-    return _ENV_REF.sub(sub, value)
+    out = _ENV_REF.sub(sub, value)
+    if "${" in value and "${" in _ENV_REF.sub("", value):
+        # A reference the pattern does not read (unterminated, or one inside another's
+        # default): left as it is, it would reach vLLM's command line as literal text.
+        raise ValueError("a ${...} reference that is not ${NAME} or ${NAME:-default}")
+    return out
 
 
 def _expand_tree(value: Any, env: Mapping[str, str], path: str) -> Any:
@@ -162,6 +170,8 @@ def _expand_tree(value: Any, env: Mapping[str, str], path: str) -> Any:
             return expand_env(value, env)
         except KeyError as exc:
             raise ProfileError(path, f"environment variable {exc.args[0]} is not set") from None
+        except ValueError as exc:
+            raise ProfileError(path, str(exc)) from None
     if isinstance(value, dict):
         return {k: _expand_tree(v, env, f"{path}.{k}" if path else k) for k, v in value.items()}
     if isinstance(value, list):
@@ -215,6 +225,16 @@ def _engine_from(table: Mapping[str, Any]) -> EngineProfile:
     return engine
 
 
+# Integer engine fields and the values vLLM could be started with at all.
+_ENGINE_RANGES: tuple[tuple[str, int, int], ...] = (
+    ("max_model_len", 1, 1 << 24), ("block_size", 1, 1024), ("max_num_seqs", 1, 1 << 16),
+    ("max_num_batched_tokens", 1, 1 << 24), ("tensor_parallel_size", 1, 1024),
+    ("cpu_kvcache_space_gib", 1, 1 << 14), ("kv_events_buffer_steps", 1, 1 << 24),
+)
+# Draft tokens per step: beyond this a draft is never accepted whole and only costs.
+_MAX_SPECULATIVE_TOKENS = 64
+
+
 def _validate_engine(engine: EngineProfile) -> None:
     if engine.role not in ROLES:
         raise ProfileError("engine.role", f"must be one of {', '.join(ROLES)}")
@@ -237,6 +257,14 @@ def _validate_engine(engine: EngineProfile) -> None:
     util = engine.gpu_memory_utilization
     if util is not None and not 0.0 < util <= 1.0:
         raise ProfileError("engine.gpu_memory_utilization", "must be in (0, 1]")
+    for name, low, high in _ENGINE_RANGES:
+        value = getattr(engine, name)
+        if value is not None and not low <= value <= high:
+            raise ProfileError(f"engine.{name}", f"must be in {low}..{high}")
+    k = engine.num_speculative_tokens
+    if k > _MAX_SPECULATIVE_TOKENS:
+        raise ProfileError("engine.speculative.num_speculative_tokens",
+                           f"must be at most {_MAX_SPECULATIVE_TOKENS}")
     if engine.device == "cpu" and engine.block_size is not None and engine.block_size % 32:
         raise ProfileError("engine.block_size", "must be a multiple of 32 on CPU")
     _validate_events(engine)
@@ -264,6 +292,9 @@ def _sidecar_from(table: Mapping[str, Any]) -> SidecarSettings:
         raise ProfileError("sidecar.spec_window_s", "must be > 0")
     if not 0 <= settings.drain_notice_s <= settings.drain_timeout_s:
         raise ProfileError("sidecar.drain_notice_s", "must be in [0, drain_timeout_s]")
+    for name, value in vars(settings).items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ProfileError(f"sidecar.{name}", "must be a finite number")
     return settings
 
 

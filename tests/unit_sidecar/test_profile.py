@@ -186,3 +186,27 @@ def test_kv_events_are_off_by_default_and_validated() -> None:
     with pytest.raises(ProfileError) as off:
         parse(MINIMAL + 'kv_events = true\nenable_prefix_caching = false\n')
     assert off.value.field == "engine.kv_events"
+
+
+@pytest.mark.parametrize(("engine", "field"), [
+    ('model = "${NOPE_UNSET_VAR"', "engine.model"),
+    ('model = "${A_UNSET:-${B_UNSET}}"', "engine.model"),
+    ('model = "m"\nmax_model_len = -5', "engine.max_model_len"),
+    ('model = "m"\nmax_model_len = 99999999999999', "engine.max_model_len"),
+    ('model = "m"\ntensor_parallel_size = 0', "engine.tensor_parallel_size"),
+    ('model = "m"\nspeculative = { method = "ngram", num_speculative_tokens = 99999999999 }',
+     "engine.speculative.num_speculative_tokens"),
+])
+def test_a_profile_vllm_could_not_start_with_is_refused_naming_the_field(
+    engine: str, field: str
+) -> None:
+    text = f'[engine]\n{engine}\nserved_model_name = "s"\n'
+    with pytest.raises(ProfileError) as info:
+        parse_profile(text, name="p.toml", env={})
+    assert str(info.value).startswith(field)
+
+
+def test_a_sidecar_duration_that_is_not_finite_is_refused() -> None:
+    text = '[engine]\nmodel = "m"\nserved_model_name = "s"\n[sidecar]\ndrain_timeout_s = inf\n'
+    with pytest.raises(ProfileError, match=r"sidecar\.drain_timeout_s"):
+        parse_profile(text, name="p.toml", env={})
