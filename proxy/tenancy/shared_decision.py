@@ -63,6 +63,12 @@ end
 local replica, ttl, max_live = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+-- Both keys are hashes of the replicas' own writing: one of another type is not state any
+-- replica wrote (and would fail every call, or be kept alive by them); it goes, as if expired.
+for _, k in ipairs(KEYS) do
+  local kind = redis.call('TYPE', k)['ok']
+  if kind ~= 'hash' and kind ~= 'none' then redis.call('DEL', k) end
+end
 -- Other replicas: live ones, and dead ones (expired or unreadable) to clean up.
 local function replicas()
   local peers, dead = {{}}, {{}}

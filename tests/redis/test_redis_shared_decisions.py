@@ -338,3 +338,15 @@ async def test_redis_stopping_mid_run_falls_back_to_local_decisions(
         local = await scrape(http, metrics, "kvproxy_shared_decisions_total", outcome="local")
     assert shared == 1.0
     assert local == 3.0
+
+
+@pytest.mark.parametrize("broken", [PENDING, LIVE])
+async def test_a_claims_key_of_another_type_is_cleared_not_kept_alive(
+    link: RedisLink, broken: str
+) -> None:
+    # Someone wrote a string where a claims hash lives: the next script clears it and decides,
+    # instead of failing on it for as long as the replicas keep renewing it.
+    await link.client.set(broken, "not a hash", px=60_000)
+    a = decider(link, "a" * 16)
+    assert await a.decide(two()) is not None
+    assert await link.client.type(broken) in (b"hash", b"none")
