@@ -121,7 +121,7 @@ async def _read_capped(resp: aiohttp.ClientResponse, limit: int) -> bytes:
         if size > limit:
             raise AnswerTooLarge(f"answer over {limit} bytes")
         chunks.append(chunk)
-    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    return b"".join(chunks)  # one chunk: that very object, not a copy
 
 
 class Relay:
@@ -281,7 +281,8 @@ class Relay:
         status, encoding = resp.status, resp.headers.get("Content-Encoding", "")
         resp.close()
         self._outcome(engine, Outcome.FAILURE, f"http_{status}")
-        what = f"answered HTTP {status}" if encoding == "" or not 200 <= status < 600 else (
+        # A status in 200..599 that is unusable is so for its encoding (``unusable``).
+        what = f"answered HTTP {status}" if not 200 <= status < 600 else (
             f"answered in an encoding it was not asked for ({encoding[:32]!r})")
         return _Retry(UpstreamError(f"engine {engine.name} {what}"), f"http_{status}")
 

@@ -122,13 +122,8 @@ class BodyWatch:
     def __init__(self, reader: StreamReader) -> None:
         self._reader: StreamReader | None = reader
         proto = reader._protocol
-        transport = getattr(proto, "transport", None)
-        self._transport: asyncio.Transport | None = None
-        self._original: Any = None
-        if transport is not None and hasattr(transport, "set_protocol"):
-            self._transport, self._original = transport, proto
-            transport.set_protocol(_UpstreamTap(proto.data_received,
-                                                cast(asyncio.Protocol, proto), self._lost))
+        self._original: Any = proto
+        self._transport = _tap_connection(proto, proto.data_received, self._lost)
 
     def _lost(self) -> None:
         reader = self._reader
@@ -141,6 +136,17 @@ class BodyWatch:
         if transport is not None and not transport.is_closing():
             transport.set_protocol(self._original)
         self._reader = self._original = None
+
+
+def _tap_connection(proto: object, received: Callable[[bytes], None],
+                    lost: Callable[[], None]) -> asyncio.Transport | None:
+    """Put an ``_UpstreamTap`` between aiohttp's protocol ``proto`` and its engine connection;
+    the connection, or None when there is none that can be tapped."""
+    transport = getattr(proto, "transport", None)
+    if transport is None or not hasattr(transport, "set_protocol"):
+        return None
+    transport.set_protocol(_UpstreamTap(received, cast(asyncio.Protocol, proto), lost))
+    return cast(asyncio.Transport, transport)
 
 
 class _Spent:
@@ -328,14 +334,10 @@ class Splice:
         """Put the splice between the engine connection and aiohttp's protocol on it: each read
         still goes to the parser, until one ends between two chunks (``_received``)."""
         proto = self._upstream
-        transport = getattr(proto, "transport", None)
-        if transport is None or not hasattr(transport, "set_protocol"):
-            return
-        self._original = proto
-        self._parse = proto.data_received  # type: ignore[union-attr]
-        self._tapped = transport
-        transport.set_protocol(_UpstreamTap(self._received, cast(asyncio.Protocol, proto),
-                                            self._lost))
+        self._tapped = _tap_connection(proto, self._received, self._lost)
+        if self._tapped is not None:
+            self._original = proto
+            self._parse = proto.data_received  # type: ignore[union-attr]
 
     def _lost(self) -> None:
         """The engine connection is gone: a body aiohttp did not end (its parser refused the

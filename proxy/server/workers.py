@@ -76,10 +76,13 @@ class Supervisor:
         self.procs: dict[int, asyncio.subprocess.Process] = {}
         self.ready = asyncio.Event()
         self.failed = asyncio.Event()
-        self.stopping = False
-        self._stopped = asyncio.Event()  # set with ``stopping``: ends a restart's back-off
+        self._stopped = asyncio.Event()  # set by ``stop``: also ends a restart's back-off
         self.restarts = 0
         self._hello: set[int] = set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopped.is_set()
 
     def on_hello(self, index: int) -> None:
         self._hello.add(index)
@@ -118,7 +121,6 @@ class Supervisor:
 
     async def stop(self, tasks: Sequence[asyncio.Task[int]]) -> bool:
         """SIGTERM every worker, wait for them to drain; True when all exited 0."""
-        self.stopping = True
         self._stopped.set()
         for proc in self.procs.values():
             if proc.returncode is None:

@@ -172,9 +172,9 @@ class ResponseCache:
 
     async def _lookup(self, req: CacheRequest, key: str, wait_s: float | None) -> Lookup:
         limit = self.cfg.single_flight_timeout_s
-        late_first = wait_s is not None and wait_s < limit  # the client's deadline ends first
-        deadline = self._clock() + (max(0.0, wait_s) if late_first and wait_s is not None
-                                    else limit)
+        wait = limit if wait_s is None else min(limit, max(0.0, wait_s))
+        late_first = wait < limit  # the client's deadline ends first
+        deadline = self._clock() + wait
         waited = False
         while True:
             flight = self._flights.get(key)

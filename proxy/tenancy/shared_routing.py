@@ -131,9 +131,7 @@ class RedisStreamBus:
         key = self._key
         if self._last is None:
             # Start after the newest entry: older ones describe dispatches long settled.
-            newest: object = await self._run("sharing_read", lambda r: r.xrevrange(key, count=1))
-            entries = _entries(newest)
-            self._last = entries[-1][0] if entries else "0-0"
+            self._last = await self._newest()
         last = self._last
         found: object = await self._run(
             "sharing_read", lambda r: r.xread({key: last}, count=_READ_COUNT)
@@ -156,13 +154,18 @@ class RedisStreamBus:
         """A stream whose newest entry is older than this reader's cursor was made anew (its key
         expired or was deleted, Redis restarted, an entry far in the future went): reading on
         from the cursor would see nothing for ever, so the cursor follows the stream back."""
-        key, last = self._key, self._last
-        newest: object = await self._run("sharing_read", lambda r: r.xrevrange(key, count=1))
-        entries = _entries(newest)
-        head = entries[-1][0] if entries else "0-0"
+        last = self._last
+        head = await self._newest()
         if last is not None and _stream_id(head) < _stream_id(last):
             log.info("the routing stream was made anew; reading it from its newest entry")
             self._last = head
+
+    async def _newest(self) -> str:
+        """The id of the stream's newest entry (``0-0`` when it has none)."""
+        key = self._key
+        newest: object = await self._run("sharing_read", lambda r: r.xrevrange(key, count=1))
+        entries = _entries(newest)
+        return entries[-1][0] if entries else "0-0"
 
     async def _run(self, op: str, call: Callable[[RedisClient], Awaitable[T]]) -> T:
         try:
