@@ -9,6 +9,12 @@ Rules:
   every path alike. ``direct`` is the client itself round-robining over the engines.
 - Prompts are unique (no prefix-cache effect on any path); every request streams the same number
   of tokens. In each slice the streams start spread over ``RAMP_S``, not in one burst.
+- A steady state at every level (``level_plan``): before a level's rounds, one wave of its
+  streams goes to ``direct`` (each stream one request, not recorded) and the median request's
+  length sets that level's ramp (at least one request long, so the streams' phases cover a whole
+  request) and its slice (``--steady-waves`` requests past the ramp). Where a request outlasts
+  a fixed slice (at 2,048 streams one takes about 10 s), a slice would otherwise time one wave
+  of requests, not a rate anything sustains.
 - Router CPU per request: ``/proc/<pid>/stat`` CPU time over the router's own slices divided by
   the requests they completed (the router's idle work between its slices, e.g. scraping, is
   charged to it too, so the figure is an upper bound).
@@ -54,6 +60,7 @@ RELAY_ROUTER = "kvproxy/round_robin"  # the one the relay target is judged on
 # the relay goal is then read beside the peer's own rate on the same machine.
 RELAY_ROUTERS = f"{RELAY_ROUTER},vllm-router/round_robin"
 RAMP_S = 4.0  # streams start spread over this, not in one burst (a steady state, not waves)
+STEADY_WAVES = 2.0  # a level's slice runs this many requests' lengths past its ramp
 DEFAULT_ROUTERS = ("kvproxy/prefix_affinity,kvproxy/round_robin,vllm-router/round_robin,"
                    "sglang-router/round_robin,litellm/least-busy")
 
@@ -77,6 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cores of the load generator (default: the engines' cores, never the "
                         "router's)")
     p.add_argument("--ramp-s", type=float, default=RAMP_S)
+    p.add_argument("--steady-waves", type=float, default=STEADY_WAVES,
+                   help="each level's slice runs this many request lengths (measured on direct "
+                        "before the level) past a ramp of at least one; 0 keeps --slice-s and "
+                        "--ramp-s at every level")
     p.add_argument("--fit-tokens", default="16,256",
                    help="answer lengths for the CPU fit a + b*tokens ('' to skip)")
     p.add_argument("--fit-concurrency", type=int, default=64)
@@ -132,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                      "output_tokens": args.output_tokens, "engine_cores": args.engine_cores,
                      "router_cores": args.router_cores,
                      "loadgen_cores": _loadgen_cores(args) or "unpinned", "ramp_s": args.ramp_s,
+                     "steady_waves": args.steady_waves,
                      "fit_tokens": args.fit_tokens, "fit_concurrency": args.fit_concurrency},
         "unavailable": {}, "levels": {},
     }
@@ -164,8 +176,10 @@ def _measure_fleet(args: argparse.Namespace, spec: FleetSpec, routers: list[Rout
     with running(args, spec, routers, work, result) as (paths, started):
         result["load_before"] = os.getloadavg()
         with pinned(_loadgen_cores(args)):
+            plans: dict[str, object] = {}
             result["levels"] = run_async(measure(paths, started, levels, rounds, slice_s,
-                                                 args.ramp_s))
+                                                 args.ramp_s, args.steady_waves, plans))
+            result["level_plans"] = plans
             if args.fit_tokens:
                 result["fit"] = run_async(fit.measure_fit(
                     paths, started, fit_tokens, args.fit_concurrency, rounds, slice_s,
@@ -230,17 +244,51 @@ def pinned(cores: str | None) -> Iterator[None]:
         os.sched_setaffinity(0, old)
 
 
+def level_plan(slice_s: float, ramp_s: float, wave_s: float | None,
+               waves: float) -> tuple[float, float]:
+    """A level's ramp and slice, where one request takes ``wave_s`` (None: not measured): the
+    ramp at least one request long, the slice ``waves`` requests past it; never shorter than
+    the ``slice_s`` and ``ramp_s`` asked for. ``waves`` 0 keeps those as they are."""
+    if waves <= 0 or wave_s is None or not wave_s > 0:
+        return ramp_s, slice_s
+    ramp = max(ramp_s, wave_s)
+    return ramp, max(slice_s, ramp + waves * wave_s)
+
+
 async def measure(paths: Paths, started: list[tuple[Router, Managed, Endpoint]],
                   levels: list[int], rounds: int, slice_s: float,
-                  ramp_s: float = RAMP_S) -> dict[str, object]:
+                  ramp_s: float = RAMP_S, waves: float = 0.0,
+                  plans: dict[str, object] | None = None) -> dict[str, object]:
     out: dict[str, object] = {}
     async with make_session() as session:
         await _warm(session, paths, started)
         for conc in levels:
-            print(f"== {conc} streams", flush=True)
-            out[str(conc)] = await measure_level(session, paths, started, conc, rounds, slice_s,
-                                                 ramp_s)
+            wave_s = await _pilot(session, paths, conc, ramp_s) if waves > 0 else None
+            level_ramp, level_slice = level_plan(slice_s, ramp_s, wave_s, waves)
+            if plans is not None:
+                plans[str(conc)] = {"wave_s": wave_s, "ramp_s": level_ramp,
+                                    "slice_s": level_slice}
+            print(f"== {conc} streams (request {wave_s or 0:.1f} s: ramp {level_ramp:.1f} s, "
+                  f"slice {level_slice:.1f} s)", flush=True)
+            out[str(conc)] = await measure_level(session, paths, started, conc, rounds,
+                                                 level_slice, level_ramp)
     return out
+
+
+async def _pilot(session: aiohttp.ClientSession, paths: Paths, conc: int,
+                 ramp_s: float) -> float | None:
+    """One wave of ``conc`` streams to ``direct``, each one request: the median request's
+    length in seconds (None if none completed)."""
+    direct = paths.direct
+
+    def pick(n: int) -> tuple[Endpoint, bytes]:
+        target = direct[n % len(direct)]
+        return target, paths.body(target)
+
+    recs, _ = await closed_loop(session, pick, concurrency=conc, duration_s=ramp_s,
+                                run_start=time.perf_counter(), ramp_s=ramp_s)
+    lengths = [r.e2e for r in recs if r.ok and r.e2e is not None]
+    return percentile(lengths, 50) if lengths else None
 
 
 async def _warm(session: aiohttp.ClientSession, paths: Paths,

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 
 from bench.markdown import fmt, ms, num, stamp, table
 from bench.stats import ratio
-from bench.targets import cpu_targets, overhead_targets
+from bench.targets import cpu_targets, high_concurrency_targets, overhead_targets
 
 OVERHEAD_HEADER = ("streams", "path", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "out tok/s",
                    "TTFT p50 x", "TTFT p99 x", "ITL p50 x", "tok/s x", "steady tok/s x",
@@ -164,9 +164,28 @@ def overhead_settings(data: Mapping[str, object]) -> str:
         f"- pinning: engines core(s) {s['engine_cores'] or 'any'}, routers core(s) "
         f"{s['router_cores'] or 'any'}, load generator {s['loadgen_cores']}; streams ramp up "
         f"over {s.get('ramp_s', 1.0)} s",
+        *_plan_lines(data),
         f"- load average (1, 5, 15 min) before / after: {_load(data.get('load_before'))} / "
         f"{_load(data.get('load_after'))}",
     ])
+
+
+def _plan_lines(data: Mapping[str, object]) -> list[str]:
+    """Each level's own ramp and slice, where the run measured its requests' length first."""
+    plans = data.get("level_plans")
+    if not isinstance(plans, dict) or not plans:
+        return []
+    parts = []
+    for conc_text in sorted(plans, key=int):
+        p = plans[conc_text]
+        if isinstance(p, dict):
+            wave, ramp = fmt(num(p.get("wave_s")), 1), fmt(num(p.get("ramp_s")), 1)
+            parts.append(f"{conc_text} streams: request {wave} s, ramp {ramp} s, slice "
+                         f"{fmt(num(p.get('slice_s')), 1)} s")
+    waves = data["settings"].get("steady_waves") if isinstance(data["settings"], dict) else None
+    return [f"- per level (one unrecorded wave to direct first; the median request's length sets "
+            f"a ramp of at least one request and a slice {fmt(num(waves), 1)} requests past it): "
+            + "; ".join(parts)]
 
 
 def _load(value: object) -> str:
@@ -191,6 +210,7 @@ def overhead_markdown(data: Mapping[str, object], png: str | None) -> str:
         "## Router CPU per request: a + b x tokens", "", fit_text(data), "",
         "## kvproxy relay rate", "", relay_text(data), "",
         "## Targets", "", overhead_targets(overhead_ratios(data)),
+        high_concurrency_targets(data["levels"]),  # type: ignore[arg-type]
         cpu_targets(data.get("fit"), data.get("relay"), data.get("relay_by_router")), "",
         "## Routers that did not run", "",
         "\n".join(f"- **{k}**: `{str(v)[:600]}`" for k, v in unavailable.items())

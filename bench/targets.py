@@ -103,6 +103,49 @@ def overhead_targets(ratios: Mapping[str, Mapping[int, Mapping[str, float]]]) ->
 
 CPU_PEER = "vllm-router/round_robin"
 RELAY_PACED_TARGET = 150_000.0
+HIGH_STREAMS = 1024  # issue 16's latency goals hold from here up
+LAG_P99_TARGET_S = 0.020
+
+
+def high_concurrency_targets(levels: Mapping[str, Mapping[str, Mapping[str, object]]],
+                             router: str = DEFAULT_KVPROXY, peer: str = CPU_PEER) -> str:
+    """Issue 16's goals at 1,024 streams and more, for kvproxy's default policy in the same
+    run as ``peer``: TTFT p50 ≤ 1.1 x and p99 ≤ 1.25 x the peer's, steady tokens/s ≥ 0.98 x
+    direct's, event-loop lag p99 ≤ 20 ms, no engine seen stale."""
+    lines = []
+    for conc_text in sorted(levels, key=int):
+        if int(conc_text) < HIGH_STREAMS:
+            continue
+        paths = levels[conc_text]
+        ours, theirs = paths.get(router, {}), paths.get(peer, {})
+        direct = paths.get("direct", {})
+        s, t = ours.get("summary", {}), theirs.get("summary", {})
+        assert isinstance(s, Mapping) and isinstance(t, Mapping)
+        p50 = _ratio(s.get("ttft_p50"), t.get("ttft_p50"))
+        p99 = _ratio(s.get("ttft_p99"), t.get("ttft_p99"))
+        steady = _ratio(ours.get("steady_tok_s"), direct.get("steady_tok_s"))
+        watch = ours.get("proxy", {})
+        assert isinstance(watch, Mapping)
+        lag = _num(watch.get("loop_lag_p99_s"))
+        stale, samples = _num(watch.get("stale_samples")), _num(watch.get("samples"))
+        fresh = None if math.isnan(stale) or not samples > 0 else stale == 0
+        head = f"- `{router}` at {conc_text} streams"
+        lines += [
+            f"{head}: TTFT p50 {p50:.3f} x `{peer}`'s ≤ 1.1 — "
+            f"{_verdict(_check(p50, 1.1, below=True))}; TTFT p99 {p99:.3f} x ≤ 1.25 — "
+            f"{_verdict(_check(p99, 1.25, below=True))}",
+            f"{head}: steady tokens/s {steady:.3f} x direct's ≥ 0.98 — "
+            f"{_verdict(_check(steady, 0.98, below=False))}; event-loop lag p99 "
+            f"{lag * 1000:.1f} ms ≤ {LAG_P99_TARGET_S * 1000:.0f} ms — "
+            f"{_verdict(_check(lag, LAG_P99_TARGET_S, below=True))}; samples with a stale "
+            f"engine {stale:.0f} of {samples:.0f} — {_verdict(fresh)}",
+        ]
+    return "\n".join(lines)
+
+
+def _ratio(a: object, b: object) -> float:
+    x, y = _num(a), _num(b)
+    return x / y if y > 0 else math.nan
 
 
 def cpu_targets(fit: object, relay: object, relay_by_router: object = None) -> str:

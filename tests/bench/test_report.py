@@ -5,7 +5,13 @@ import math
 
 from bench import report
 from bench.machine import write_json
-from bench.targets import best_peer_p90, overhead_targets, routing_targets
+from bench.overhead import level_plan
+from bench.targets import (
+    best_peer_p90,
+    high_concurrency_targets,
+    overhead_targets,
+    routing_targets,
+)
 
 MACHINE = {"nproc": 2, "cpu_model": "Test CPU", "kernel": "6", "python": "3.11",
            "memory_gib": 24.0, "load_avg_at_start": [0.5, 0.4, 0.3]}
@@ -168,3 +174,53 @@ def test_without_repeated_runs_the_report_says_how_to_make_them(tmp_path):
     write_json(results / "routing.json", ROUTING)
     report.main(["--results", str(results), "--docs", str(tmp_path / "page.md")])
     assert "--repeat 3" in (results / "routing.md").read_text()
+
+
+def _level(ours_p50, ours_p99, steady, lag_s, stale, peer_p50=1.0, peer_p99=2.0):
+    return {
+        "direct": {"summary": _summary(2.0), "steady_tok_s": 1000.0},
+        "kvproxy/expected_ttft": {
+            "summary": _summary(2.0, ttft_p50=ours_p50, ttft_p99=ours_p99),
+            "steady_tok_s": steady,
+            "proxy": {"loop_lag_p99_s": lag_s, "stale_samples": stale, "samples": 40}},
+        "vllm-router/round_robin": {"summary": _summary(2.0, ttft_p50=peer_p50,
+                                                        ttft_p99=peer_p99),
+                                    "steady_tok_s": 990.0},
+    }
+
+
+def test_high_concurrency_goals_are_judged_per_level_against_the_peer_and_direct():
+    text = high_concurrency_targets({
+        "64": _level(9.0, 9.0, 1.0, 1.0, 5),  # below 1,024 streams: not judged here
+        "1024": _level(1.09, 2.4, 985.0, 0.019, 0),
+        "2048": _level(1.2, 2.6, 970.0, 0.025, 1),
+    })
+    assert "at 64 streams" not in text
+    assert ("`kvproxy/expected_ttft` at 1024 streams: TTFT p50 1.090 x "
+            "`vllm-router/round_robin`'s ≤ 1.1 — **met**; TTFT p99 1.200 x ≤ 1.25 — **met**"
+            in text)
+    assert ("`kvproxy/expected_ttft` at 1024 streams: steady tokens/s 0.985 x direct's ≥ 0.98 "
+            "— **met**; event-loop lag p99 19.0 ms ≤ 20 ms — **met**; samples with a stale "
+            "engine 0 of 40 — **met**" in text)
+    assert "2048 streams: TTFT p50 1.200 x `vllm-router/round_robin`'s ≤ 1.1 — **not met**" \
+        in text
+    assert "TTFT p99 1.300 x ≤ 1.25 — **not met**" in text
+    assert ("steady tokens/s 0.970 x direct's ≥ 0.98 — **not met**; event-loop lag p99 25.0 ms "
+            "≤ 20 ms — **not met**; samples with a stale engine 1 of 40 — **not met**" in text)
+
+
+def test_high_concurrency_goals_without_the_peer_or_the_watch_are_not_measured():
+    level = _level(1.0, 2.0, 1000.0, 0.01, 0)
+    del level["vllm-router/round_robin"]
+    del level["kvproxy/expected_ttft"]["proxy"]
+    del level["kvproxy/expected_ttft"]["steady_tok_s"]
+    text = high_concurrency_targets({"1024": level})
+    assert "**met**" not in text and "**not met**" not in text
+    assert text.count("not measured") == 5
+
+
+def test_a_level_plan_covers_a_whole_request_in_its_ramp_and_runs_waves_past_it():
+    assert level_plan(6.0, 4.0, 10.0, 2.0) == (10.0, 30.0)  # long requests: a longer level
+    assert level_plan(6.0, 4.0, 1.0, 2.0) == (4.0, 6.0)  # short ones: never below what was asked
+    assert level_plan(6.0, 4.0, 10.0, 0.0) == (4.0, 6.0)  # 0 waves: fixed slices
+    assert level_plan(6.0, 4.0, None, 2.0) == (4.0, 6.0)  # no request completed in the pilot
