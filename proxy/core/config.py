@@ -48,6 +48,9 @@ class ServerConfig:
     # scans everything that survived a young one since the last: every open stream's state. The
     # product with the young threshold (400,000 allocations) sets how often that happens.
     gc_middle_threshold: int = 200
+    # ``--workers N``: a worker whose event loop has sent its parent nothing for this long
+    # (stopped, or blocked in one call) is killed and restarted. It beats every fifth of this.
+    worker_stuck_after_s: float = 10.0
 
     def __post_init__(self) -> None:
         _require(0 <= self.port <= 65535, "port", "must be in 0..65535")
@@ -61,6 +64,8 @@ class ServerConfig:
             self, "max_body_bytes", "header_timeout_s", "body_timeout_s", "keepalive_timeout_s"
         )
         _require(self.drain_timeout_s >= 0, "drain_timeout_s", "must be >= 0")
+        stuck = self.worker_stuck_after_s
+        _require(1.0 <= stuck <= 3600.0, "worker_stuck_after_s", "must be in 1..3600")
         # orjson refuses to write documents nested deeper than 254 levels.
         _require(2 <= self.max_json_depth <= 200, "max_json_depth", "must be in 2..200")
 

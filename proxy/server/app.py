@@ -95,7 +95,7 @@ def build_app(
     )
     app[MODELS] = make_discovery(app[SHELL])
     if worker is not None:
-        app[WORKER] = WorkerLink(worker)
+        app[WORKER] = WorkerLink(worker, cfg.server.worker_stuck_after_s)
     app[specfirst.SPECFIRST] = specfirst.build(app[SHELL])
     app[HOLDING] = Holding(app[SHELL])
     app.cleanup_ctx.append(_upstream_sessions)

@@ -52,9 +52,10 @@ class WorkerSeat:
 class WorkerLink:
     """The worker's hub connection and its own-metrics socket, started once it serves."""
 
-    def __init__(self, seat: WorkerSeat) -> None:
+    def __init__(self, seat: WorkerSeat, stuck_after_s: float = 10.0) -> None:
         self.seat = seat
-        self.bus = HubBus(seat.hub_path, seat.index)
+        # Several beats fit in the parent's patience: one late wake-up is not a stuck worker.
+        self.bus = HubBus(seat.hub_path, seat.index, beat_s=stuck_after_s / 5)
         self._task: asyncio.Task[None] | None = None
         self._orphan_watch: asyncio.Task[None] | None = None
         self._runner: web.AppRunner | None = None

@@ -12,6 +12,11 @@ Rules:
   after a back-off that doubles from ``_BACKOFF_S`` up to ``_BACKOFF_MAX_S`` and starts over once a
   worker has run ``_HEALTHY_S``. A worker that exits before the proxy ever served means the proxy
   cannot start (a port in use, a bad setting): every worker is stopped and the parent exits 1.
+- Liveness: a worker that has served (said hello since it started) and then sends the hub nothing
+  for ``server.worker_stuck_after_s`` (it beats five times in that span) is stuck: stopped
+  (SIGSTOP), or its event loop blocked in one call. The kernel would go on handing it a share of
+  the port's connections, which would hang; the parent kills it (SIGKILL, logged) and supervision
+  restarts it like any dead worker. Not while the proxy drains: the drain's own deadline applies.
 - Shutdown: the first SIGTERM or SIGINT is passed to every worker as SIGTERM; each drains as a
   lone proxy does. The parent waits for all of them (the drain timeout plus ``_EXIT_GRACE_S``,
   then SIGKILL) and exits 0 only if every worker did.
@@ -79,6 +84,8 @@ class Supervisor:
         self._stopped = asyncio.Event()  # set by ``stop``: also ends a restart's back-off
         self.restarts = 0
         self._hello: set[int] = set()
+        self._started: dict[int, float] = {}  # the loop's time each seat's process started
+        self.killed_stuck = 0
 
     @property
     def stopping(self) -> bool:
@@ -97,6 +104,7 @@ class Supervisor:
         backoff = _BACKOFF_S
         while True:
             started = time.monotonic()
+            self._started[index] = asyncio.get_running_loop().time()
             proc = await asyncio.create_subprocess_exec(*self._argv(index))
             self.procs[index] = proc
             code = await proc.wait()
@@ -118,6 +126,37 @@ class Supervisor:
                 return 0  # stopped while waiting to restart: nothing of it to drain
             backoff = min(_BACKOFF_MAX_S, backoff * 2)
             self.restarts += 1
+
+    def stuck(self, last_heard: dict[int, float], now: float) -> list[int]:
+        """The seats whose running worker served and has been silent past the limit."""
+        limit = self.cfg.server.worker_stuck_after_s
+        out = []
+        for index, proc in self.procs.items():
+            heard = last_heard.get(index)
+            if proc.returncode is not None or heard is None or heard < self._started[index]:
+                continue  # gone already, or this process has not served yet
+            if now - heard > limit:
+                out.append(index)
+        return out
+
+    async def watch(self, last_heard: dict[int, float]) -> None:
+        """Kill stuck workers (``keep`` restarts them) until the proxy stops."""
+        loop = asyncio.get_running_loop()
+        period = self.cfg.server.worker_stuck_after_s / 5
+        while not self.stopping:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopped.wait(), period)
+            if self.stopping:
+                return
+            now = loop.time()
+            for index in self.stuck(last_heard, now):
+                proc = self.procs[index]
+                log.error("worker %d (pid %d) has sent nothing for %.1f s (stopped, or blocked in "
+                          "one call); killing it", index, proc.pid, now - last_heard[index])
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                last_heard.pop(index, None)  # once per process: its successor says hello anew
+                self.killed_stuck += 1
 
     async def stop(self, tasks: Sequence[asyncio.Task[int]]) -> bool:
         """SIGTERM every worker, wait for them to drain; True when all exited 0."""
@@ -148,20 +187,25 @@ async def run_workers(cfg: Config, command: Sequence[str], count: int) -> int:
     holder, port = reserve_port(cfg.server.host, cfg.server.port)
     sup = Supervisor(cfg, [*command, "--port", str(port)], count, directory)
     hub = Hub(os.path.join(directory, "hub.sock"), on_hello=sup.on_hello)
+    watch: asyncio.Task[None] | None = None
     try:
         await hub.start()
         stop = stop_event()
         tasks = [asyncio.create_task(sup.keep(i), name=f"kvproxy-worker-{i}")
                  for i in range(count)]  # fmt: skip
+        watch = asyncio.create_task(sup.watch(hub.last_heard), name="kvproxy-workers-watch")
         started = await _first(sup.ready, sup.failed, stop)
         if started is sup.ready:
             host = cfg.server.host if cfg.server.host not in ("0.0.0.0", "") else "127.0.0.1"
             log.info("kvproxy listening on http://%s:%d (%d workers)", host, port, count)
             await _first(stop)
         clean = await sup.stop(tasks)
+        await watch
         log.info("kvproxy stopped (%d workers)", count)
         return 0 if clean and started is not sup.failed else 1
     finally:
+        if watch is not None and not watch.done():
+            watch.cancel()
         await hub.close()
         holder.close()
         shutil.rmtree(directory, ignore_errors=True)

@@ -13,6 +13,9 @@ Rules:
   growing the hub's memory; a worker's inbound queue keeps at most ``max_queue`` frames (oldest go).
 - The socket lives in a directory only the parent's user can enter (``tempfile.mkdtemp``).
 - A worker that loses the hub keeps serving alone and reconnects with a bounded back-off.
+- Liveness: a worker also sends ``BEAT`` (empty, never forwarded) every ``beat_s`` from its event
+  loop; the hub keeps when it last heard from each worker (``last_heard``, any frame), which is
+  how the parent tells a stuck worker (stopped, or blocked in one call) from a quiet one.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ log = logging.getLogger("kvproxy.hub")
 HELLO = 1
 DATA = 2
 TELEMETRY = 3
+BEAT = 4
 _FORWARDED = frozenset({DATA, TELEMETRY})
 MAX_FRAME = 1 << 20
 _HEAD = struct.Struct(">IB")
@@ -64,6 +68,8 @@ class Hub:
         self._max_frame = max_frame
         self._max_buffer = max_buffer
         self._workers: dict[int, asyncio.StreamWriter] = {}
+        # The loop's time of the last frame from each worker index (kept after a disconnect).
+        self.last_heard: dict[int, float] = {}
         self._server: asyncio.Server | None = None
         self.forwarded = 0
         self.dropped = 0
@@ -85,6 +91,8 @@ class Hub:
             if kind != HELLO:
                 return
             index = int(payload)
+            clock = asyncio.get_running_loop().time
+            self.last_heard[index] = clock()
             old = self._workers.pop(index, None)
             if old is not None:
                 old.close()
@@ -93,6 +101,7 @@ class Hub:
                 self._on_hello(index)
             while True:
                 kind, payload = await read_frame(reader, self._max_frame)
+                self.last_heard[index] = clock()
                 if kind in _FORWARDED:
                     self._forward(index, frame(kind, payload))
         except (EOFError, ValueError, ConnectionError):
@@ -117,9 +126,11 @@ class HubBus:
     """A worker's side: publishes to the hub and queues what its siblings publish."""
 
     def __init__(self, path: str, index: int, *, max_frame: int = MAX_FRAME,
-                 max_queue: int = 1024, max_buffer: int = 8 * MAX_FRAME) -> None:
+                 max_queue: int = 1024, max_buffer: int = 8 * MAX_FRAME,
+                 beat_s: float = 2.0) -> None:
         self.path = path
         self.index = index
+        self.beat_s = beat_s
         self._max_frame = max_frame
         self._max_buffer = max_buffer
         self._inbox: deque[bytes] = deque(maxlen=max_queue)
@@ -187,6 +198,18 @@ class HubBus:
         writer.write(frame(HELLO, str(self.index).encode()))
         await writer.drain()
         self._writer = writer
+        beats = asyncio.get_running_loop().create_task(self._beat(), name="kvproxy-hub-beat")
+        try:
+            await self._receive(reader)
+        finally:
+            beats.cancel()
+
+    async def _beat(self) -> None:
+        while True:
+            await asyncio.sleep(self.beat_s)
+            self._write(BEAT, b"")
+
+    async def _receive(self, reader: asyncio.StreamReader) -> None:
         while True:
             kind, payload = await read_frame(reader, self._max_frame)
             if kind == DATA:

@@ -67,3 +67,32 @@ async def test_telemetry_reaches_every_sibling_and_routing_state_stays_queued(
 async def test_telemetry_is_not_sent_without_the_hub(tmp_path: Path) -> None:
     bus = HubBus(str(tmp_path / "nobody.sock"), 0)
     assert not bus.send_telemetry(b"scraped")
+
+
+async def test_a_quiet_worker_beats_and_its_beats_reach_no_sibling(tmp_path: Path) -> None:
+    path = str(tmp_path / "hub.sock")
+    parent = Hub(path)
+    await parent.start()
+    quiet, other = HubBus(path, 0, beat_s=0.05), HubBus(path, 1, beat_s=60.0)
+    heard: list[bytes] = []
+    other.on_telemetry = heard.append
+    tasks = [asyncio.create_task(bus.run()) for bus in (quiet, other)]
+    try:
+        async with asyncio.timeout(5):
+            while 0 not in parent.last_heard or 1 not in parent.last_heard:  # noqa: ASYNC110
+                await asyncio.sleep(0.01)
+        first = parent.last_heard[0]
+        await asyncio.sleep(0.3)
+        loop = asyncio.get_running_loop()
+        assert parent.last_heard[0] > first  # beats, with nothing to say
+        assert loop.time() - parent.last_heard[0] < 0.2
+        assert parent.last_heard[1] < first + 0.3 - 0.2  # the slow beater: only its hello
+        assert heard == [] and await other.fetch() == [] and parent.forwarded == 0
+    finally:
+        for task in tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for bus in (quiet, other):
+            await bus.close()
+        await parent.close()

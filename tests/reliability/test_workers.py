@@ -5,6 +5,7 @@ proxy's, a dead worker comes back, and SIGTERM to the parent drains every worker
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -60,9 +61,11 @@ async def engines() -> AsyncIterator[list[EngineProcess]]:
 
 
 @pytest.fixture
-async def parent(engines: list[EngineProcess], tmp_path: Path) -> AsyncIterator[Parent]:
+async def parent(engines: list[EngineProcess], tmp_path: Path,
+                 request: pytest.FixtureRequest) -> AsyncIterator[Parent]:
     config = tmp_path / "kvproxy.toml"
-    lines = ["[server]", "drain_timeout_s = 10.0", "[telemetry]", "interval_s = 0.1",
+    server: list[str] = getattr(request, "param", [])  # more [server] lines, where a test asks
+    lines = ["[server]", "drain_timeout_s = 10.0", *server, "[telemetry]", "interval_s = 0.1",
              "timeout_s = 0.09", "stale_after_s = 0.6",
              # A bound no burst here reaches: the test is about what workers know, not spilling.
              "[routing]", "min_load_bound = 16",
@@ -216,6 +219,35 @@ async def test_a_dead_worker_is_restarted(parent: Parent) -> None:
     assert any("worker 0" in line and "restarting" in line for line in parent.log)
     statuses = [await post(parent.url, chat(f"after restart {i}")) for i in range(8)]
     assert statuses == [200] * 8
+
+
+@pytest.mark.parametrize("parent", [["worker_stuck_after_s = 2.0"]], indirect=True)
+async def test_a_stopped_worker_is_killed_and_replaced_and_a_quiet_one_is_left_alone(
+    parent: Parent,
+) -> None:
+    before = parent.workers()
+    stopped, quiet = before[1][0], before[0][0]
+    os.kill(stopped, signal.SIGSTOP)  # alive, its port still open: its connections would hang
+    try:
+        async with asyncio.timeout(20):
+            while (seat := parent.workers().get(1)) is None or seat[0] == stopped:  # noqa: ASYNC110
+                await asyncio.sleep(0.1)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(stopped, signal.SIGCONT)  # only if the parent did not kill it
+    assert any("worker 1" in line and "has sent nothing" in line for line in parent.log)
+    async with asyncio.timeout(20):
+        while True:  # the replacement serves once its own socket answers and it knows the fleet
+            try:
+                await _all_engines_healthy(parent, 3)
+                break
+            except aiohttp.ClientError:
+                await asyncio.sleep(0.1)
+    statuses = [await post(parent.url, chat(f"after the stuck worker {i}")) for i in range(8)]
+    assert statuses == [200] * 8
+    await asyncio.sleep(2.5)  # past the limit again, with no traffic at all
+    assert parent.workers()[0][0] == quiet  # idle but beating: never taken for stuck
+    assert not any("worker 0" in line and "has sent nothing" in line for line in parent.log)
 
 
 async def test_sigterm_drains_an_open_stream_and_the_parent_exits_0(parent: Parent) -> None:

@@ -123,6 +123,8 @@ def test_env_then_cli(tmp_path: Path) -> None:
         ({}, ["server.gc_young_threshold=0"], "server.gc_young_threshold"),
         ({"KVPROXY_SERVER_GC_YOUNG_THRESHOLD": "2000000"}, [], "server.gc_young_threshold"),
         ({}, ["server.gc_middle_threshold=0"], "server.gc_middle_threshold"),
+        ({}, ["server.worker_stuck_after_s=0.5"], "server.worker_stuck_after_s"),
+        ({"KVPROXY_SERVER_WORKER_STUCK_AFTER_S": "nan"}, [], "server.worker_stuck_after_s"),
     ],
 )
 def test_env_and_cli_errors(env: dict[str, str], overrides: list[str], field: str) -> None:
