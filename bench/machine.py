@@ -85,6 +85,33 @@ def read_json(path: Path) -> dict[str, object]:
     return data
 
 
+def core_times() -> dict[str, tuple[int, int]]:
+    """Per core, (busy, total) clock ticks since boot from ``/proc/stat`` (idle and I/O wait
+    are not busy); empty where it cannot be read."""
+    out: dict[str, tuple[int, int]] = {}
+    try:
+        lines = Path("/proc/stat").read_text().splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        name, *fields = line.split()
+        if name.startswith("cpu") and name != "cpu" and len(fields) >= 5:
+            ticks = [int(f) for f in fields]
+            out[name] = (sum(ticks) - ticks[3] - ticks[4], sum(ticks))
+    return out
+
+
+def cores_busy(before: dict[str, tuple[int, int]],
+               after: dict[str, tuple[int, int]]) -> dict[str, float]:
+    """Each core's busy fraction between two ``core_times`` readings."""
+    out = {}
+    for name, (busy, total) in after.items():
+        b0, t0 = before.get(name, (busy, total))
+        if total > t0:
+            out[name] = (busy - b0) / (total - t0)
+    return out
+
+
 def listen_overflows() -> int | None:
     """The kernel's count of connections dropped because a listening socket's accept queue was
     full (``TcpExt ListenOverflows``, machine-wide); None where it cannot be read. A dropped

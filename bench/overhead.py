@@ -311,6 +311,7 @@ async def measure_level(session: aiohttp.ClientSession, paths: Paths,
     lag: dict[str, dict[float, float]] = {}
     gcs = {n: gcwatch.Tally() for n in watches}
     overflows: dict[str, int] = {}
+    busy: dict[str, dict[str, list[float]]] = {n: {} for n in names}
     # Tokens delivered between the last stream's start and the slice's deadline, and that
     # window's length: the rate with every stream running, without the ramp and the drain.
     steady = dict.fromkeys(names, 0.0)
@@ -320,7 +321,7 @@ async def measure_level(session: aiohttp.ClientSession, paths: Paths,
         for name in names:
             recs, span, used = await _slice(session, paths, started, name, conc, slice_s, start,
                                             ramp_s, watches.get(name), lag, gcs.get(name),
-                                            overflows)
+                                            overflows, busy[name])
             records[name] += recs
             spans[name] += span
             cpu[name] += used
@@ -346,6 +347,10 @@ async def measure_level(session: aiohttp.ClientSession, paths: Paths,
             # Connections the kernel dropped at a full accept queue during this router's slices
             # (machine-wide: the router's listener, or an engine's when the router is direct).
             "listen_overflows": overflows.get(name),
+            # Each core's busy fraction over this path's slices (mean of the slices): where the
+            # engines' and load generator's core is near 1, every path's throughput is that
+            # core's, and the ratios to direct say more about it than about the router.
+            "cores_busy": {core: sum(v) / len(v) for core, v in sorted(busy[name].items())},
             "cpu_ms_per_request": cpu[name] * 1000.0 / ok if name != "direct" and ok else None,
             "round_ttft_p50_ratios": [a / b for a, b in zip(round_p50[name], round_p50["direct"],
                                                             strict=True) if b == b and b > 0]
@@ -369,6 +374,7 @@ async def _slice(session: aiohttp.ClientSession, paths: Paths,
                  lag: dict[str, dict[float, float]] | None = None,
                  gcs: gcwatch.Tally | None = None,
                  overflows: dict[str, int] | None = None,
+                 busy: dict[str, list[float]] | None = None,
                  ) -> tuple[list[RequestRecord], float, float]:
     proc = next((p for r, p, _ in started if r.name == name), None)
     endpoint = next((e for r, _, e in started if r.name == name), None)
@@ -387,10 +393,14 @@ async def _slice(session: aiohttp.ClientSession, paths: Paths,
                                       name="proxy-watch")
     cpu0 = proc.cpu_seconds() if proc else 0.0
     dropped0 = machine.listen_overflows()
+    ticks0 = machine.core_times()
     recs, span = await closed_loop(session, pick, concurrency=conc, duration_s=slice_s,
                                    run_start=start, ramp_s=ramp_s)
     cpu1 = proc.cpu_seconds() if proc else 0.0
     dropped1 = machine.listen_overflows()
+    if busy is not None:
+        for core, share in machine.cores_busy(ticks0, machine.core_times()).items():
+            busy.setdefault(core, []).append(share)
     if overflows is not None and dropped0 is not None and dropped1 is not None:
         overflows[name] = overflows.get(name, 0) + dropped1 - dropped0
     if watching:

@@ -15,7 +15,7 @@ from bench.targets import cpu_targets, high_concurrency_targets, overhead_target
 
 OVERHEAD_HEADER = ("streams", "path", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "out tok/s",
                    "TTFT p50 x", "TTFT p99 x", "ITL p50 x", "tok/s x", "steady tok/s x",
-                   "TTFT p50 x per round", "router CPU ms/req", "requests")
+                   "TTFT p50 x per round", "router CPU ms/req", "requests", "cores busy")
 
 
 def overhead_ratios(data: Mapping[str, object]) -> dict[str, dict[int, dict[str, float]]]:
@@ -56,8 +56,15 @@ def overhead_rows(data: Mapping[str, object]) -> list[list[object]]:
                 r.get("itl_p50", math.nan), r.get("throughput_tok_s", math.nan),
                 r.get("steady_tok_s", math.nan), spread_text,
                 fmt(num(entry.get("cpu_ms_per_request")), 2), f"{num(s.get('completed')):.0f}",
+                _busy_text(entry.get("cores_busy")),
             ])
     return rows
+
+
+def _busy_text(busy: object) -> str:
+    if not isinstance(busy, dict) or not busy:
+        return "-"
+    return ", ".join(f"{core.removeprefix('cpu')}: {num(v):.2f}" for core, v in busy.items())
 
 
 def relay_text(data: Mapping[str, object]) -> str:
@@ -194,6 +201,12 @@ def _load(value: object) -> str:
     return ", ".join(f"{float(v):.2f}" for v in value)
 
 
+def _engine_cores(data: Mapping[str, object]) -> list[str]:
+    settings = data.get("settings")
+    cores = settings.get("engine_cores") if isinstance(settings, dict) else None
+    return [f"cpu{c.strip()}" for c in str(cores or "").split(",") if c.strip().isdigit()]
+
+
 def overhead_markdown(data: Mapping[str, object], png: str | None) -> str:
     unavailable = data.get("unavailable") or {}
     assert isinstance(unavailable, dict)
@@ -201,7 +214,8 @@ def overhead_markdown(data: Mapping[str, object], png: str | None) -> str:
         "# Overhead benchmark", "", stamp(data), "", "## Settings", "", overhead_settings(data),
         "", "## Results", "", table(OVERHEAD_HEADER, overhead_rows(data)), "",
         "`x` columns are ratios to `direct` at the same concurrency over all rounds; "
-        "`TTFT p50 x per round` is the range of that ratio over the rounds (its noise).", "",
+        "`TTFT p50 x per round` is the range of that ratio over the rounds (its noise); "
+        "`cores busy`: each core's busy fraction over that path's slices (`/proc/stat`).", "",
         "## kvproxy under load: event-loop lag and telemetry age", "",
         table(PROXY_HEADER, proxy_rows(data)) if proxy_rows(data) else "Not measured.", "",
         "Sampled from kvproxy's own `/metrics` every 0.25 s during its slices: "
@@ -210,7 +224,8 @@ def overhead_markdown(data: Mapping[str, object], png: str | None) -> str:
         "## Router CPU per request: a + b x tokens", "", fit_text(data), "",
         "## kvproxy relay rate", "", relay_text(data), "",
         "## Targets", "", overhead_targets(overhead_ratios(data)),
-        high_concurrency_targets(data["levels"]),  # type: ignore[arg-type]
+        high_concurrency_targets(data["levels"],  # type: ignore[arg-type]
+                                 engine_cores=_engine_cores(data)),
         cpu_targets(data.get("fit"), data.get("relay"), data.get("relay_by_router")), "",
         "## Routers that did not run", "",
         "\n".join(f"- **{k}**: `{str(v)[:600]}`" for k, v in unavailable.items())

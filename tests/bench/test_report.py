@@ -224,3 +224,14 @@ def test_a_level_plan_covers_a_whole_request_in_its_ramp_and_runs_waves_past_it(
     assert level_plan(6.0, 4.0, 1.0, 2.0) == (4.0, 6.0)  # short ones: never below what was asked
     assert level_plan(6.0, 4.0, 10.0, 0.0) == (4.0, 6.0)  # 0 waves: fixed slices
     assert level_plan(6.0, 4.0, None, 2.0) == (4.0, 6.0)  # no request completed in the pilot
+
+
+def test_a_saturated_engine_core_is_named_beside_the_throughput_verdict():
+    level = _level(1.0, 2.0, 970.0, 0.01, 0)
+    level["direct"]["cores_busy"] = {"cpu0": 0.2, "cpu1": 0.95}
+    text = high_concurrency_targets({"2048": level}, engine_cores=["cpu1"])
+    assert ("steady tokens/s 0.970 x direct's ≥ 0.98 — **not met** (the engines' and load "
+            "generator's core was 0.95 busy in direct's slices" in text)
+    level["direct"]["cores_busy"] = {"cpu0": 0.2, "cpu1": 0.6}
+    assert "busy in direct's" not in high_concurrency_targets({"2048": level},
+                                                               engine_cores=["cpu1"])
