@@ -24,8 +24,10 @@ SECTIONS = ("auth", "cache", "redis", "limits")
 
 
 def key_digest(key: str) -> str:
-    """SHA-256 hex digest of an API key: the only form in which keys are kept."""
-    return hashlib.sha256(key.encode()).hexdigest()
+    """SHA-256 hex digest of an API key: the only form in which keys are kept. A header's bytes
+    that are not UTF-8 reach here as surrogates: they are hashed as the bytes the client sent
+    (such a key matches no configured one; it must not fail the request)."""
+    return hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()
 
 
 @dataclass(frozen=True)

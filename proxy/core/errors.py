@@ -70,6 +70,13 @@ class BadRequest(ClientError):
     """A field of the request is missing or invalid; ``param`` names it."""
 
 
+class MalformedBody(BadRequest):
+    """The body's framing or encoding is broken (as aiohttp's parser found it): what is left of
+    it cannot be told from the next request, so the connection is closed."""
+
+    closes_connection = True
+
+
 class NotFound(ClientError):
     """The requested model (or resource) does not exist."""
 

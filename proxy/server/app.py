@@ -93,6 +93,7 @@ def build_app(
     app[SHELL].metrics.tenant_labels.know(
         [door_cfg.auth.default_tenant, *(t.name for t in door_cfg.auth.tenants)]
     )
+    app[DOOR].gate.tenant_label = app[SHELL].metrics.tenant_labels
     app[MODELS] = make_discovery(app[SHELL])
     if worker is not None:
         app[WORKER] = WorkerLink(worker, cfg.server.worker_stuck_after_s)
@@ -315,6 +316,7 @@ async def _expect(request: web.Request) -> web.StreamResponse | None:
     response = render(error)
     response.force_close()
     response.headers["X-Request-Id"] = handlers.request_id(request)
+    response.headers["X-Cache"] = "BYPASS"  # a proxied path's answer, as its other refusals
     return response
 
 

@@ -2,8 +2,8 @@
 
 Rules: the body is read within ``limit`` bytes (else ``PayloadTooLarge``, refused from its
 ``Content-Length`` before any byte is read when it declares one) and ``timeout_s`` for what did
-not come with the head (else ``RequestTimeout``); framing that aiohttp's parser finds wrong is a
-``BadRequest``. A body that came whole with the head is taken without a timer.
+not come with the head (else ``RequestTimeout``); framing or encoding that aiohttp's parser finds
+wrong is a ``MalformedBody`` (400, the connection closed). A body that came whole with the head is taken without a timer.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from aiohttp import web
 from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import RequestPayloadError
 
-from proxy.core.errors import BadRequest, PayloadTooLarge, RequestTimeout
+from proxy.core.errors import MalformedBody, PayloadTooLarge, RequestTimeout
 
 
 async def read_body(request: web.Request, limit: int, timeout_s: float) -> bytes:
@@ -32,8 +32,10 @@ async def read_body(request: web.Request, limit: int, timeout_s: float) -> bytes
             return body
         return await _read_rest(content, limit, timeout_s)
     except RequestPayloadError:
-        # Bad chunked framing or a body shorter than its Content-Length, as aiohttp parses it.
-        raise BadRequest("request body is malformed (framing or length)") from None
+        # Bad chunked framing, a body shorter than its Content-Length or one that does not
+        # decode as its Content-Encoding says, as aiohttp parses it. The connection closes: its
+        # rest cannot be told from a next request (and aiohttp, draining it, would log a trace).
+        raise MalformedBody("request body is malformed (framing, length or encoding)") from None
 
 
 async def _read_rest(content: StreamReader, limit: int, timeout_s: float) -> bytes:

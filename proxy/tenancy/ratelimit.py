@@ -53,6 +53,11 @@ local function level(key, per_min)
   lv = math.max(lv, -60 * per_min)
   return math.min(per_min, lv + math.max(0, now - up) * per_min / 60)
 end
+-- Seconds until ``short`` more units refill, never past the hour a debt is kept to (a debt at
+-- its floor would otherwise ask for an hour and one unit).
+local function wait(short, per_min)
+  return math.min(3600, short * 60 / per_min)
+end
 local function put(key, value, per_min)
   redis.call('HSET', key, 'level', tostring(value), 'updated', tostring(now))
   -- Kept while it is not yet full again (debt included); a full bucket needs no key.
@@ -73,11 +78,11 @@ end
 local req = 0
 if rpm > 0 then
   req = level(KEYS[1], rpm)
-  if req < 1 then return {0, 'requests_per_min', tostring((1 - req) * 60 / rpm)} end
+  if req < 1 then return {0, 'requests_per_min', tostring(wait(1 - req, rpm))} end
 end
 if tpm > 0 then
   local tok = level(KEYS[2], tpm)
-  if tok <= 0 then return {0, 'tokens_per_min', tostring((1 - tok) * 60 / tpm)} end
+  if tok <= 0 then return {0, 'tokens_per_min', tostring(wait(1 - tok, tpm))} end
 end
 if rpm > 0 then put(KEYS[1], req - 1, rpm) end
 if streams > 0 then
@@ -219,6 +224,8 @@ class RequestGate:
         self._redis = RedisLimits(link) if link is not None else None
         self._open: dict[str, Lease] = {}
         self._renewer: asyncio.Task[None] | None = None
+        # The tenant's metric label (the proxy's bounded set, ``TenantLabels``, once it is set).
+        self.tenant_label: Callable[[str], str] = lambda tenant: tenant
 
     async def admit(self, tenant: str) -> Lease:
         """A lease for this request, or ``RateLimited`` (429 + Retry-After)."""
@@ -228,7 +235,7 @@ class RequestGate:
         lease_id = uuid.uuid4().hex
         verdict, local = await self._decide(tenant, limits, lease_id)
         if not verdict.allowed:
-            self.metrics.rejections.labels(tenant, verdict.limit).inc()
+            self.metrics.rejections.labels(self.tenant_label(tenant), verdict.limit).inc()
             raise RateLimited(
                 f"tenant {tenant!r} is over its {verdict.limit.replace('_', ' ')} limit",
                 retry_after_s=float(retry_after_header(verdict.retry_after_s)),

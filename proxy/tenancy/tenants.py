@@ -21,6 +21,7 @@ import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, Counter
 
@@ -31,6 +32,7 @@ from proxy.tenancy.redis_link import RedisLink, RedisUnavailable
 log = logging.getLogger("kvproxy.tenants")
 _NEGATIVE_CACHE_S = 5.0
 _REMEMBERED_MAX = 10_000
+_V = TypeVar("_V")
 
 
 def bearer_token(authorization: str | None) -> str | None:
@@ -55,7 +57,10 @@ class TenantDirectory:
         self.cfg = cfg
         self._static = tuple((bytes.fromhex(d), t.name) for t in cfg.tenants for d in t.digests())
         self._link = link if cfg.redis_keys else None
-        self._remembered: OrderedDict[str, tuple[str | None, float]] = OrderedDict()
+        # Keys Redis named a tenant for, and keys it did not, kept apart (each bounded): a flood
+        # of bad keys must not push out the good keys that carry a Redis outage.
+        self._remembered: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self._refused: OrderedDict[str, float] = OrderedDict()
         self._clock = clock
         self.failures = Counter(
             "kvproxy_auth_failures", "Requests refused for their API key, by reason",
@@ -107,13 +112,16 @@ class TenantDirectory:
         if tenant is not None or self._link is None:
             return tenant
         remembered = self._remembered.get(digest)
+        refused_at = self._refused.get(digest)
         now = self._clock()
         if remembered is not None and now - remembered[1] < self._ttl(remembered[0]):
             return remembered[0]
+        if refused_at is not None and now - refused_at < self._ttl(None):
+            return None
         try:
             tenant = await self._fetch(self._link, digest)
         except RedisUnavailable:
-            if remembered is not None and remembered[0] is not None:
+            if remembered is not None:
                 return remembered[0]
             if not self.cfg.required:
                 return None
@@ -142,10 +150,20 @@ class TenantDirectory:
         return name
 
     def _remember(self, digest: str, tenant: str | None, now: float) -> None:
-        self._remembered[digest] = (tenant, now)
-        self._remembered.move_to_end(digest)
-        while len(self._remembered) > _REMEMBERED_MAX:
-            self._remembered.popitem(last=False)
+        if tenant is None:
+            self._remembered.pop(digest, None)  # revoked: not accepted through an outage either
+            _keep(self._refused, digest, now)
+        else:
+            self._refused.pop(digest, None)
+            _keep(self._remembered, digest, (tenant, now))
+
+
+def _keep(kept: OrderedDict[str, _V], digest: str, value: _V) -> None:
+    """Remember ``value`` for ``digest`` as the newest entry; the oldest go past the bound."""
+    kept[digest] = value
+    kept.move_to_end(digest)
+    while len(kept) > _REMEMBERED_MAX:
+        kept.popitem(last=False)
 
 
 async def register_key(link: RedisLink, key: str, tenant: str) -> None:

@@ -269,3 +269,38 @@ async def test_a_reader_follows_a_stream_made_anew_behind_its_cursor(
     await writer.publish(b"again")
     heard += await reader.fetch()
     assert heard == [b"again"]
+
+
+async def test_a_debt_at_its_floor_is_decided_in_redis_and_waits_at_most_an_hour(
+    redis_server: RedisServer,
+) -> None:
+    link = RedisLink(RedisConfig(url=redis_server.url, **SLOW_OK))
+    registry = CollectorRegistry()
+    gate = RequestGate(gate_cfg(tokens_per_min=10), link, registry=registry)
+    try:
+        lease = await gate.admit("acme")
+        await lease.settle(1010)  # past the hour of refill a debt is kept to
+        for _ in range(3):
+            with pytest.raises(RateLimited) as exc:
+                await gate.admit("acme")
+            assert exc.value.code == "tokens_per_min"
+            assert 3590 <= exc.value.retry_after_s <= 3600
+        fallbacks = registry.get_sample_value("kvproxy_ratelimit_fallbacks_total",
+                                              {"op": "admit"})
+        assert not fallbacks  # Redis answered every time: the verdicts are shared ones
+    finally:
+        await link.close()
+
+
+async def test_rejections_are_counted_under_the_bounded_tenant_label() -> None:
+    registry = CollectorRegistry()
+    gate = RequestGate(gate_cfg(requests_per_min=1), registry=registry)
+    gate.tenant_label = lambda tenant: tenant if tenant == "acme" else "other"
+    for tenant in ("acme", "t1", "t2", "t3"):
+        await gate.admit(tenant)
+        with pytest.raises(RateLimited):
+            await gate.admit(tenant)
+    def rejected(tenant: str) -> float | None:
+        return registry.get_sample_value("kvproxy_ratelimit_rejections_total",
+                                         {"tenant": tenant, "limit": "requests_per_min"})
+    assert rejected("acme") == 1 and rejected("other") == 3 and rejected("t1") is None

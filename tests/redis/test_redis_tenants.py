@@ -9,6 +9,7 @@ from redisproc import SLOW_OK, RedisFactory, RedisServer
 
 from proxy.core.door_config import AuthConfig, RedisConfig, TenantConfig, key_digest
 from proxy.core.errors import ConfigError, NoCapacity, Unauthorized
+from proxy.tenancy import tenants
 from proxy.tenancy.redis_link import RedisLink
 from proxy.tenancy.tenants import TenantDirectory, bearer_token, register_key, revoke_key
 
@@ -100,5 +101,58 @@ async def test_redis_outage_keeps_known_keys(redis_factory: RedisFactory) -> Non
         with pytest.raises(NoCapacity) as exc:
             await directory.identify("Bearer sk-never-seen-1")
         assert exc.value.status == 503 and exc.value.reason == "auth_unavailable"
+    finally:
+        await link.close()
+
+
+async def test_a_key_that_is_not_utf8_is_refused_not_a_crash(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("KVPROXY_TEST_ADMIN_KEY", "sk-admin-0123456789")
+    directory = TenantDirectory(auth(admin_key_env="KVPROXY_TEST_ADMIN_KEY"))
+    # aiohttp hands a header's undecodable bytes on as surrogates.
+    raw = b"Bearer \xff\xfe\xe9".decode("utf-8", "surrogateescape")
+    with pytest.raises(Unauthorized) as exc:
+        await directory.identify(raw)
+    assert exc.value.status == 401
+    with pytest.raises(Unauthorized):
+        directory.check_admin(raw)
+    assert key_digest(raw.removeprefix("Bearer ")) != key_digest("\ufffd\ufffd\ufffd")
+
+
+async def test_a_flood_of_bad_keys_does_not_push_out_a_good_one(
+    redis_factory: RedisFactory, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(tenants, "_REMEMBERED_MAX", 50)
+    server = redis_factory.start()
+    link = RedisLink(RedisConfig(url=server.url, **SLOW_OK))
+    directory = TenantDirectory(auth(redis_keys=True, redis_cache_s=0.0), link)
+    try:
+        await register_key(link, "sk-known-key-2", "gamma")
+        assert await directory.identify("Bearer sk-known-key-2") == "gamma"
+        for i in range(200):  # four times what is remembered of either kind
+            with pytest.raises(Unauthorized):
+                await directory.identify(f"Bearer sk-junk-{i}")
+        server.stop()
+        assert await directory.identify("Bearer sk-known-key-2") == "gamma"
+    finally:
+        await link.close()
+
+
+async def test_a_revoked_key_is_not_accepted_through_an_outage(
+    redis_factory: RedisFactory,
+) -> None:
+    server = redis_factory.start()
+    link = RedisLink(RedisConfig(url=server.url, **SLOW_OK))
+    directory = TenantDirectory(auth(redis_keys=True, redis_cache_s=0.0), link)
+    try:
+        await register_key(link, "sk-known-key-3", "gamma")
+        assert await directory.identify("Bearer sk-known-key-3") == "gamma"
+        await revoke_key(link, "sk-known-key-3")
+        with pytest.raises(Unauthorized):
+            await directory.identify("Bearer sk-known-key-3")
+        server.stop()
+        with pytest.raises((Unauthorized, NoCapacity)):
+            await directory.identify("Bearer sk-known-key-3")
     finally:
         await link.close()

@@ -7,6 +7,7 @@ Real servers on loopback: the proxy in front of rogue engines (or the simulated 
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import aiohttp
@@ -291,6 +292,7 @@ async def test_an_unknown_expectation_is_an_openai_shaped_417(rogue: RogueEngine
     assert status_line.split()[1] == b"417"
     headers, _, body = rest.partition(b"\r\n\r\n")
     assert b"x-request-id: " in headers.lower()
+    assert b"x-cache: bypass" in headers.lower()  # as every refusal of a proxied path
     assert "100-continue" in _error(body)["message"]
     assert rogue.requests_to(CHAT) == []
 
@@ -303,6 +305,7 @@ async def test_a_body_announced_too_large_is_refused_before_it_is_invited(
                                               Content_Type="application/json",
                                               Content_Length=str(10**9)))
     assert raw.startswith(b"HTTP/1.1 413 ")  # no "100 Continue" first: nothing was invited
+    assert b"x-cache: bypass" in raw.partition(b"\r\n\r\n")[0].lower()
     assert _error(raw.partition(b"\r\n\r\n")[2])["code"] == "payload_too_large"
 
 
@@ -319,3 +322,19 @@ async def test_a_continued_body_is_answered_as_usual(rogue: RogueEngine) -> None
         await close(writer)
     assert raw.startswith(b"HTTP/1.1 200 ")
     assert len(rogue.requests_to(CHAT)) == 1
+
+
+async def test_a_body_that_does_not_decode_closes_its_connection_without_a_trace(
+    rogue: RogueEngine, caplog: pytest.LogCaptureFixture,
+) -> None:
+    async with proxy_for(rogue) as proxy:
+        # Kept alive as far as the client is concerned: the proxy must close it all the same.
+        raw = await _exchange(proxy.url, head("POST", CHAT, Content_Type="application/json",
+                                              Content_Encoding="gzip", Content_Length="5")
+                              + b"hello")
+    head_part, _, body = raw.partition(b"\r\n\r\n")
+    assert head_part.startswith(b"HTTP/1.1 400 ")
+    assert b"connection: close" in head_part.lower()
+    assert "malformed" in _error(body)["message"]
+    assert rogue.requests_to(CHAT) == []
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.records
