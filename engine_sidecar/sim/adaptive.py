@@ -132,7 +132,9 @@ async def _post(request: web.Request) -> web.Response:
         return _error(f"expected a JSON object with {sch.SCHEDULE_FIELD}")
     except sch.ScheduleError as exc:
         return _error(str(exc))
-    if engine.draining:
+    # A restart asked for a moment ago has not set ``draining`` yet (its task has not run): the
+    # tasks still running count too, or two requests would restart the engine twice over.
+    if engine.draining or engine.restarting or request.app[_TASKS]:
         return _error("the engine is already draining or restarting", status=409)
     task = asyncio.create_task(_restart(engine, schedule), name=f"sim-restart:{engine.name}")
     request.app[_TASKS].add(task)
@@ -148,7 +150,8 @@ async def _restart(engine: SimEngine, schedule: sch.Schedule) -> None:
 
 
 def _error(message: str, status: int = 400) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": "BadRequestError",
+    kind = "ConflictError" if status == 409 else "BadRequestError"
+    return web.json_response({"error": {"message": message, "type": kind,
                                         "param": sch.SCHEDULE_FIELD, "code": status}},
                              status=status)
 

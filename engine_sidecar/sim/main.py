@@ -19,6 +19,7 @@ import signal
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+from engine_sidecar.sim.adaptive import run_controllers
 from engine_sidecar.sim.cluster import start_cluster
 from engine_sidecar.sim.config import FaultConfig, SimEngineConfig
 from engine_sidecar.sim.kvevents import KvEventsSettings
@@ -82,6 +83,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
                        action="store_false")
     model.add_argument("--num-speculative-tokens", type=int, default=0)
+    model.add_argument("--adaptive-speculation", action="store_true",
+                       help="run the adaptive speculation controller for every speculating "
+                            "engine of this process (one pool: one engine out at a time); its "
+                            "kvproxy_sidecar_spec_* series join each engine's /metrics")
     model.add_argument("--spec-acceptance", type=_csv_floats, default=(),
                        help="acceptance probability per draft position, e.g. 0.8,0.6,0.4")
     model.add_argument("--output-len", type=_range, default=(64, 512),
@@ -192,9 +197,12 @@ def tune_gc() -> None:
     gc.set_threshold(50_000, 50, 1000)
 
 
-async def serve(configs: list[SimEngineConfig], host: str, port: int, drain_timeout: float) -> None:
+async def serve(configs: list[SimEngineConfig], host: str, port: int, drain_timeout: float,
+                adaptive: bool = False) -> None:
     cluster = await start_cluster(configs, host=host, port=port)
     tune_gc()
+    controllers = (asyncio.create_task(run_controllers(cluster.engines),
+                                       name="sim-speculation-controllers") if adaptive else None)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -213,6 +221,10 @@ async def serve(configs: list[SimEngineConfig], host: str, port: int, drain_time
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
+        if controllers is not None:
+            controllers.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await controllers
         await cluster.close()
 
 
@@ -236,5 +248,6 @@ def run(args: argparse.Namespace) -> int:
         log.error("invalid configuration: %s", exc)
         return 2
     with contextlib.suppress(KeyboardInterrupt):
-        _runner()(serve(configs, args.host, args.port, args.drain_timeout))
+        _runner()(serve(configs, args.host, args.port, args.drain_timeout,
+                        args.adaptive_speculation))
     return 0

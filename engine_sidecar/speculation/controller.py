@@ -41,7 +41,12 @@ from engine_sidecar.speculation.policy import (
 )
 from engine_sidecar.speculation.rollout import Rollout, RolloutState, may_start
 from engine_sidecar.speculation.shift import Shift, ShiftSettings, change_point
-from engine_sidecar.speculation.window import MetricsWindow, WindowFigures, snapshot_from_text
+from engine_sidecar.speculation.window import (
+    ImplausibleMetrics,
+    MetricsWindow,
+    WindowFigures,
+    snapshot_from_text,
+)
 
 log = logging.getLogger("kvproxy.speculation")
 
@@ -110,6 +115,8 @@ class Controller:
         self._latest: WindowFigures | None = None
         self._shift_pending = False
         self._lease_retry = False  # the last change waited only for the pool's lease
+        self._applying = False  # a rollout of this engine runs (``_apply``): one at a time
+        self._distrusted = False  # the last scrape held an implausible value (logged once)
 
     @property
     def max_k(self) -> int:
@@ -132,9 +139,18 @@ class Controller:
         now = self._now()
         text = await self.engine.metrics_text()
         if text is not None:
-            self.window.add(snapshot_from_text(text, now))
-            if (shift := change_point(self.window.polls(), self.settings.shift)) is not None:
-                self._on_shift(shift)
+            try:
+                snapshot = snapshot_from_text(text, now)
+            except ImplausibleMetrics as exc:
+                # Skipped, not guessed around: the window keeps what it had (logged once a run).
+                if not self._distrusted:
+                    log.warning("speculation engine=%s: a scrape is not used: %s", self.name, exc)
+                self._distrusted = True
+            else:
+                self._distrusted = False
+                self.window.add(snapshot)
+                if (shift := change_point(self.window.polls(), self.settings.shift)) is not None:
+                    self._on_shift(shift)
         due = self._shift_pending or self._lease_retry
         if now - self._last_eval < self.settings.eval_s and not due:
             return None
@@ -207,6 +223,24 @@ class Controller:
                  json.dumps({**decision.as_log(), "inputs": inputs}, default=str))
 
     async def _apply(self, decision: Decision) -> bool:
+        if self._applying:
+            # One rollout of an engine at a time: a second (an operator's request, or the loop's
+            # own decision, while one runs) would take the lease this engine already holds (it is
+            # the same holder) and then release it while the first restart is still out.
+            self._hold("a rollout of this engine is in progress")
+            return False
+        self._applying = True
+        try:
+            return await self._apply_one(decision)
+        finally:
+            self._applying = False
+
+    def _hold(self, why: str) -> None:
+        log.info("speculation rollout held engine=%s: %s", self.name, why)
+        self.stats.decisions["held"] += 1
+        self.last_hold = why
+
+    async def _apply_one(self, decision: Decision) -> bool:
         waiting = await self._pool_waiting() if self._pool_waiting else (
             self._latest.waiting if self._latest else 0.0)
         shed = await self._shed_probe() if self._shed_probe else None
@@ -214,10 +248,7 @@ class Controller:
                             max_waiting=self.settings.max_waiting)
         if not ok or not await self.lease.acquire(self.name):
             self._lease_retry = ok
-            why = why if not ok else "another engine of the pool is being reconfigured"
-            log.info("speculation rollout held engine=%s: %s", self.name, why)
-            self.stats.decisions["held"] += 1
-            self.last_hold = why
+            self._hold(why if not ok else "another engine of the pool is being reconfigured")
             return False
         try:
             ok = await self._roll_out(decision)

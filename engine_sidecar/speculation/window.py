@@ -56,8 +56,23 @@ class Snapshot:
                 self.prefill_tokens, self.requests, *self.accepted_per_pos)
 
 
+# The series a window's figures are made of: one implausible value among them and the scrape is
+# not used at all (dropping only that sample would read a missing position as no acceptance).
+TRUSTED = frozenset({m.RUNNING, m.WAITING, m.SPEC_DRAFTS, m.SPEC_ACCEPTED_PER_POS, ITL_SUM,
+                     ITL_COUNT, GENERATION, PROMPT, PREFIX_QUERIES, PREFIX_HITS, REQUESTS,
+                     *KV_USAGE})
+
+
+class ImplausibleMetrics(ValueError):
+    """An engine's exposition holds a value no engine reports (not finite, negative, absurd)."""
+
+
 def snapshot_from_text(text: str, at: float) -> Snapshot:
+    """The window's sample of one scrape; ``ImplausibleMetrics`` when one of the series it is
+    made of holds a value no engine reports."""
     samples = list(m.parse_samples(text))
+    if (bad := m.implausible(samples, TRUSTED)) is not None:
+        raise ImplausibleMetrics(f"{bad} holds a value that is not a plausible count")
     spec = m.spec_counters(samples)
     return Snapshot(
         at=at, running=m.total(samples, m.RUNNING) or 0.0,
@@ -81,7 +96,7 @@ def _prefill(samples: list[m.Sample]) -> float:
 
 def _kv_usage(samples: list[m.Sample]) -> float:
     for name in KV_USAGE:
-        values = [s.value for s in samples if s.name == name]
+        values = [s.value for s in samples if s.name == name and m.plausible(s.value)]
         if values:  # data-parallel ranks: the fullest one is what spills first
             return max(values)
     return 0.0

@@ -5,13 +5,16 @@ Rules:
 - Reads only what the sidecar uses: request counts (to drain) and speculative-decoding counters
   (to derive acceptance); sums over the ``engine`` label, as data-parallel ranks are one engine.
 - Derived series are all named ``kvproxy_sidecar_*`` so they never collide with ``vllm:*``.
+- An engine's text is not trusted: a counter or gauge that is not a finite number in
+  0..``MAX_VALUE`` is no value at all (an infinite count would read as perfect acceptance, a huge
+  one overflows the controller's arithmetic), and only the first ``MAX_POSITIONS`` draft
+  positions are read.
 """
 
 from __future__ import annotations
 
-import math
 import re
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 
 from engine_sidecar.vllm.spec import SpecCounters, SpecStats
@@ -27,6 +30,18 @@ SPEC_DRAFTS = "vllm:spec_decode_num_drafts_total"
 SPEC_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
 SPEC_ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
 SPEC_ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+MAX_VALUE = 1e15  # past any count an engine reaches; sums of such stay exact enough and finite
+MAX_POSITIONS = 64  # the most draft tokens a schedule may ask for
+
+
+def plausible(value: float) -> bool:
+    """A count or gauge value the sidecar may use: finite, not negative, not absurd."""
+    return 0.0 <= value <= MAX_VALUE  # NaN and infinities fail the comparison
+
+
+def implausible(samples: list[Sample], names: Collection[str]) -> str | None:
+    """The first series of ``names`` with a value ``plausible`` refuses, if any."""
+    return next((s.name for s in samples if s.name in names and not plausible(s.value)), None)
 
 
 @dataclass(frozen=True)
@@ -53,7 +68,7 @@ def parse_samples(text: str) -> Iterator[Sample]:
 
 
 def total(samples: list[Sample], name: str) -> float | None:
-    values = [s.value for s in samples if s.name == name and not math.isnan(s.value)]
+    values = [s.value for s in samples if s.name == name and plausible(s.value)]
     return sum(values) if values else None
 
 
@@ -71,8 +86,10 @@ def spec_counters(samples: list[Sample]) -> SpecCounters | None:
         return None
     per_pos: dict[int, float] = {}
     for s in samples:
-        if s.name == SPEC_ACCEPTED_PER_POS and s.labels.get("position", "").isdigit():
-            pos = int(s.labels["position"])
+        position = s.labels.get("position", "")
+        if (s.name == SPEC_ACCEPTED_PER_POS and position.isdigit() and len(position) <= 3
+                and int(position) < MAX_POSITIONS and plausible(s.value)):
+            pos = int(position)
             per_pos[pos] = per_pos.get(pos, 0.0) + s.value
     positions = tuple(per_pos.get(i, 0.0) for i in range(max(per_pos, default=-1) + 1))
     return SpecCounters(drafts=drafts, draft_tokens=total(samples, SPEC_DRAFT_TOKENS) or 0.0,

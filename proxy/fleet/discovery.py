@@ -115,7 +115,10 @@ class ModelDiscovery:
             for model in missing:
                 log.warning(
                     "pool %s: engine %s does not serve model %r (it serves: %s)",
-                    engine.pool, engine.name, model, ", ".join(served[:8]) or "nothing",
+                    # Quoted as the configured name is: an engine's names are its own text, and a
+                    # line break or a terminal escape in one must not forge a log line.
+                    engine.pool, engine.name, model,
+                    ", ".join(repr(m) for m in served[:8]) or "nothing",
                 )  # fmt: skip
         state.missing = missing
 

@@ -3,7 +3,8 @@
 Rules: the body is read within ``limit`` bytes (else ``PayloadTooLarge``, refused from its
 ``Content-Length`` before any byte is read when it declares one) and ``timeout_s`` for what did
 not come with the head (else ``RequestTimeout``); framing or encoding that aiohttp's parser finds
-wrong is a ``MalformedBody`` (400, the connection closed). A body that came whole with the head is taken without a timer.
+wrong is a ``MalformedBody`` (400, the connection closed). A body that came whole with the head
+is taken without a timer.
 """
 
 from __future__ import annotations

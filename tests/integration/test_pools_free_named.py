@@ -3,6 +3,7 @@ degraded and shed as configured; a model an engine does not serve is reported at
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 from collections.abc import AsyncIterator
@@ -129,3 +130,26 @@ async def test_engine_not_serving_a_configured_model_is_reported(
     records = caplog.get_records("setup") + caplog.records  # logged once, at start-up
     warnings = [r.getMessage() for r in records if r.levelno == logging.WARNING]
     assert any("pool mid" in w and "engine m0" in w and LORA in w for w in warnings), warnings
+
+
+async def test_an_engines_model_names_cannot_forge_a_log_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="proxy.fleet.discovery")
+    evil = "want-not\n\x1b[31m2026-01-01 ERROR forged line"
+    cluster = await start_cluster([sim(evil, "e0")], host="127.0.0.1", port=0)
+    base = proxy_config(cluster.urls, ["e0"], ["target"])
+    server = ProxyServer(dataclasses.replace(
+        base, pools=(PoolConfig("target", "want", (EngineConfig("e0", cluster.urls[0]),)),),
+        aliases=()))
+    await server.start()
+    try:
+        async with asyncio.timeout(10):
+            while not any("does not serve" in r.getMessage() for r in caplog.records):  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+    finally:
+        await server.stop()
+        await cluster.close()
+    line = next(r.getMessage() for r in caplog.records if "does not serve" in r.getMessage())
+    assert "\n" not in line and "\x1b" not in line
+    assert repr(evil) in line

@@ -135,6 +135,27 @@ async def test_admin_restart_drains_then_runs_the_new_schedule(
     assert await _per_draft(http, url) == pytest.approx(1.0)
 
 
+async def test_requests_for_a_restart_at_the_same_moment_restart_the_engine_once(
+        start: Start, http: aiohttp.ClientSession) -> None:
+    spec = SimSpecConfig.build(restart_s=2.0)
+    cluster = await start(SimEngineConfig(num_speculative_tokens=3, spec=spec, time_scale=FAST))
+    url, engine = cluster.urls[0], cluster.engines[0]
+
+    async def ask(k: int) -> tuple[int, dict[str, object]]:
+        async with http.post(url + "/admin/speculation", json={SCHEDULE: [[1, 256, k]]}) as r:
+            return r.status, await r.json()
+
+    answers = await asyncio.gather(*(ask(k) for k in (1, 2, 3)))
+    assert sorted(status for status, _ in answers) == [202, 409, 409]
+    assert all(body["error"]["type"] == "ConflictError" for status, body in answers  # type: ignore[index]
+               if status == 409)
+    async with asyncio.timeout(10):
+        while engine.restarts < 1 or engine.draining or engine.restarting:  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+    await asyncio.sleep(0.2)
+    assert engine.restarts == 1
+
+
 async def test_a_failed_restart_keeps_the_old_schedule(start: Start,
                                                        http: aiohttp.ClientSession) -> None:
     cluster = await start(num_speculative_tokens=3, time_scale=FAST)

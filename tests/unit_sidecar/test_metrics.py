@@ -3,6 +3,7 @@
 from engine_sidecar.vllm.metrics import (
     SidecarState,
     combine,
+    implausible,
     in_flight,
     parse_samples,
     render_derived,
@@ -70,3 +71,24 @@ def test_derived_series_with_spec():
 def test_combine_keeps_engine_text_first():
     assert combine(None, "ours\n") == "ours\n"
     assert combine("theirs\n\n", "ours\n") == "theirs\nours\n"
+
+
+def test_values_no_engine_reports_are_no_values():
+    hostile = """\
+vllm:num_requests_running{engine="0"} +Inf
+vllm:num_requests_running{engine="1"} 3
+vllm:num_requests_waiting{engine="0"} -2
+vllm:spec_decode_num_drafts_total{engine="0"} 1e308
+vllm:spec_decode_num_drafts_total{engine="1"} 10
+vllm:spec_decode_num_accepted_tokens_per_pos_total{position="0"} NaN
+vllm:spec_decode_num_accepted_tokens_per_pos_total{position="1"} 4
+vllm:spec_decode_num_accepted_tokens_per_pos_total{position="999999999"} 1
+vllm:spec_decode_num_accepted_tokens_per_pos_total{position="64"} 1
+"""
+    samples = list(parse_samples(hostile))
+    assert in_flight(samples) == 3.0  # the infinite rank and the negative queue are not counted
+    c = spec_counters(samples)
+    assert c is not None and c.drafts == 10.0
+    assert c.accepted_per_pos == (0.0, 4.0)  # NaN dropped, no 10**9-long tuple
+    assert implausible(samples, {"vllm:num_requests_waiting"}) == "vllm:num_requests_waiting"
+    assert implausible(list(parse_samples(VLLM_TEXT)), {"vllm:num_requests_running"}) is None
