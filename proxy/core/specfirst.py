@@ -70,6 +70,10 @@ def eligibility(body: Mapping[str, Any], *, approximate: bool) -> Eligibility:
     for name in body:
         if name not in _DRAFTABLE:
             return Eligibility(False, f"field:{name}" if len(name) <= 40 else "field")
+    if "stream_options" in body and body.get("stream") is not True:
+        # The target refuses stream options without a stream: so must the alias (it serves the
+        # request unchanged, and the engine's 400 reaches the client).
+        return Eligibility(False, "stream_options")
     for name, neutral in _NEUTRAL.items():
         value = body.get(name)
         # Identity and type, not ==: logprobs = 0 (the chosen token's) is not logprobs = false.

@@ -34,8 +34,15 @@ from typing import Any
 
 from aiohttp import web
 
-from proxy.core.admission import Admit, Priority
-from proxy.core.errors import KvproxyError, NoCapacity, NoEngine, UpstreamTimeout
+from proxy.core.admission import Admit, Priority, engine_priority
+from proxy.core.errors import (
+    ClientError,
+    KvproxyError,
+    NoCapacity,
+    NoEngine,
+    UpstreamError,
+    UpstreamTimeout,
+)
 from proxy.core.inbound import Endpoint, Inbound
 from proxy.core.prefix import prefix_chain
 from proxy.core.routing import EngineView, RouteKey
@@ -57,6 +64,7 @@ from proxy.observe.specmetrics import SpecFirstMetrics
 from proxy.server import speclegs
 from proxy.server.context import ShellContext
 from proxy.server.job import Job
+from proxy.server.relay import CLIENT_CLOSED
 from proxy.server.specfirst import Drafting
 from proxy.server.speclegs import Leg, LegFailed, Verified
 
@@ -64,7 +72,26 @@ log = logging.getLogger(__name__)
 
 TARGET_ONLY_CHUNK = 16  # tokens per target call once the draft is gone
 APPROX_TOP_K = 8
-_CARRIED = ("top_p", "top_k", "min_p", "seed", "skip_special_tokens", "cache_salt", "priority")
+# The client's sampling fields every leg carries as they are; ``cache_salt`` and ``priority`` are
+# each pool's own (``SpecAnswer._carried``), as for any request sent to that pool.
+_SAMPLING = ("top_p", "top_k", "min_p", "seed", "skip_special_tokens")
+
+
+class EngineRefused(ClientError):
+    """The target engine refused the request itself (a 4xx that is not 429): a 400 with the
+    engine's own message, as the target pool would have answered without drafting."""
+
+    default_code = "engine_refused"
+
+    def __init__(self, exc: LegFailed) -> None:
+        super().__init__(exc.detail or exc.message)
+
+
+class ContextTooLong(ClientError):
+    """The prompt, with the answer asked for, does not fit the target model's context (the
+    target engine would refuse it the same way)."""
+
+    default_code = "context_length_exceeded"
 
 
 class PassThrough(Exception):
@@ -109,12 +136,27 @@ class SpecAnswer:
         self.sf_tenant = ctx.metrics.tenant_labels(plan.key[0])
         body = inbound.body
         self.temperature = float(body.get("temperature") or 0.0) if plan.sampled else 0.0
-        self.extra = {k: body[k] for k in _CARRIED if k in body}
+        self.extra = {pool: self._carried(pool) for pool in (self.alias.draft, self.alias.target)}
         self.rng = random.Random(body.get("seed") if isinstance(body.get("seed"), int) else None)
         self.detok = Detok()
         self.shape = self._shape()
         self.response: web.StreamResponse | None = None
         self.cut = False
+
+    def _carried(self, pool: str) -> dict[str, Any]:
+        """What every call to ``pool`` carries of the client's body: its sampling fields, the
+        pool's cache salt (the tenant's keyed one where the pool isolates tenants, else the
+        client's own) and the pool's priority (only where it schedules by priority)."""
+        body, cfg = self.inbound.body, self.ctx.cfg.pool(pool)
+        out = {k: body[k] for k in _SAMPLING if k in body}
+        client = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+        mode = cfg.isolation if cfg is not None else "none"
+        salt = self.ctx.salts.salting(mode, self.job.tenant or "", client).salt
+        if (salt or client) is not None:
+            out["cache_salt"] = salt if salt is not None else client
+        if cfg is not None and cfg.priority_scheduling:
+            out["priority"] = engine_priority(self.priority)
+        return out
 
     # -- legs ---------------------------------------------------------------------------------
 
@@ -158,6 +200,21 @@ class SpecAnswer:
     # -- the answer -----------------------------------------------------------------------------
 
     async def run(self) -> web.StreamResponse:
+        try:
+            return await self._run()
+        except LegFailed as exc:
+            if self.response is None and exc.client_fault:
+                raise EngineRefused(exc) from None
+            return await self._fail(exc)
+        except KvproxyError as exc:
+            return await self._fail(exc)
+        except ConnectionError:
+            if self.response is None:
+                raise
+            self.job.status = CLIENT_CLOSED  # the client left while its stream was written
+            return self.response
+
+    async def _run(self) -> web.StreamResponse:
         targets = self._legs(self.alias.target, shed=True)
         drafts = self._legs(self.alias.draft, shed=False)
         self.job.engine = targets[0].name
@@ -168,13 +225,23 @@ class SpecAnswer:
             while answer.finish is None and not self.cut:
                 try:
                     draft = await self._round(answer, draft, targets)
-                except LegFailed as exc:
-                    if exc.client_fault or len(targets) < 2:
-                        return await self._fail(answer, exc)
-                    targets.pop(0)  # the verified prefix is here: go on with the next engine
+                    await self._emit(answer, targets[0])
+                except UpstreamError as exc:
+                    # A target that failed, or answered what cannot be used (a malformed
+                    # verification): the verified prefix is here, so the next engine goes on
+                    # from it, once. A refusal of the request itself would be refused there too.
+                    if getattr(exc, "client_fault", False) or len(targets) < 2:
+                        raise
+                    targets.pop(0)
                     self.job.engine = targets[0].name
-                await self._emit(answer, targets[0])
-        return await self._finish(answer, targets[0])
+            try:
+                return await self._finish(answer, targets[0])
+            except UpstreamError as exc:
+                if getattr(exc, "client_fault", False) or len(targets) < 2 or self.cut:
+                    raise
+                targets.pop(0)
+                self.job.engine = targets[0].name
+                return await self._finish(answer, targets[0])
 
     async def _start(self, targets: list[Leg]) -> Answer:
         body = self.inbound.body
@@ -194,8 +261,15 @@ class SpecAnswer:
             context = None
         if len(prompt) > self.alias.max_prompt_tokens:
             raise PassThrough("prompt_too_long")
-        limit = self.job.max_tokens or (int(context) - len(prompt) if isinstance(context, int)
-                                        else 4096)
+        left = int(context) - len(prompt) if isinstance(context, int) else None
+        if left is not None and left < 1:
+            raise ContextTooLong(f"the prompt's {len(prompt)} tokens fill the model's context of "
+                                 f"{context} tokens")
+        if self.job.max_tokens is not None and left is not None and self.job.max_tokens > left:
+            raise ContextTooLong(f"max_tokens is {self.job.max_tokens}, but the prompt's "
+                                 f"{len(prompt)} tokens leave {left} of the model's context of "
+                                 f"{context} tokens")
+        limit = self.job.max_tokens or (left if left is not None else 4096)
         return Answer(prompt, max(1, limit))
 
     async def _round(self, answer: Answer, draft: Leg | None, targets: list[Leg]) -> Leg | None:
@@ -209,8 +283,8 @@ class SpecAnswer:
         try:
             with gate.drafting(target.name, n):
                 drafted = await speclegs.draft(draft, answer.context(), n,
-                                               temperature=self.temperature, extra=self.extra,
-                                               top_k=top_k)
+                                               temperature=self.temperature,
+                                               extra=self.extra[self.alias.draft], top_k=top_k)
         except LegFailed:
             self.metrics.draft_failures.labels(self.alias.name).inc()
             return None
@@ -228,7 +302,8 @@ class SpecAnswer:
     async def _verify(self, target: Leg, ids: list[int], n: int, top_k: int) -> Verified:
         """Verify reading the target's prefix cache where it can; else recompute the context."""
         state, count = self.plan.state, self.metrics.verifications
-        kw: dict[str, Any] = {"temperature": self.temperature, "extra": self.extra, "top_k": top_k}
+        kw: dict[str, Any] = {"temperature": self.temperature,
+                              "extra": self.extra[self.alias.target], "top_k": top_k}
         if self.alias.verify == "cached" and state.cached_verify is not False:
             try:
                 got = await speclegs.verify_cached(target, ids, n, **kw)
@@ -248,7 +323,8 @@ class SpecAnswer:
     async def _apply(self, answer: Answer, step: Step, target: Leg) -> None:
         if step.ask is not None:
             self.metrics.role_checks.labels(self.alias.name).inc()
-            stopped = await speclegs.stops_on(target, answer.context(*step.tokens), step.ask)
+            stopped = await speclegs.stops_on(target, answer.context(*step.tokens), step.ask,
+                                              self.extra[self.alias.target])
             self.plan.state.facts.learn(step.ask, stopped=stopped)
             step = settle(step, stopped=stopped, remaining=answer.remaining)
         answer.take(step)
@@ -256,7 +332,8 @@ class SpecAnswer:
     async def _target_only(self, answer: Answer, target: Leg) -> None:
         n = min(TARGET_ONLY_CHUNK, answer.remaining)
         body = {"prompt": answer.context(), "max_tokens": n, "return_token_ids": True,
-                "temperature": self.temperature, "stream": False, **self.extra}
+                "temperature": self.temperature, "stream": False,
+                **self.extra[self.alias.target]}
         choice = speclegs._choice(await target.post("/v1/completions", body), target.name)
         tokens = speclegs._ids(choice.get("token_ids"), target.name)
         stopped = choice.get("finish_reason") == "stop" and choice.get("stop_reason") is None
@@ -307,7 +384,9 @@ class SpecAnswer:
 
     async def _finish(self, answer: Answer, target: Leg) -> web.StreamResponse:
         if self.cut:
-            return await self._fail(answer, UpstreamTimeout("the proxy is shutting down"))
+            # As the relay ends a stream cut at the drain timeout.
+            return await self._fail(NoCapacity(
+                "the proxy is shutting down; the answer is incomplete", reason="draining"))
         self._account(answer)
         text = visible(await speclegs.detokenize(target, answer.text_ids()))
         finish = answer.finish or "length"
@@ -334,7 +413,7 @@ class SpecAnswer:
         sf.tokens.labels(self.alias.name, self.sf_tenant, "draft").inc(answer.from_draft)
         sf.tokens.labels(self.alias.name, self.sf_tenant, "target").inc(done - answer.from_draft)
 
-    async def _fail(self, answer: Answer, exc: KvproxyError) -> web.StreamResponse:
+    async def _fail(self, exc: KvproxyError) -> web.StreamResponse:
         """Before the first byte: the error itself; after: one SSE error event, no ``[DONE]``."""
         if self.response is None:
             raise exc

@@ -33,6 +33,7 @@ from proxy.core.errors import ConfigError, KvproxyError
 from proxy.core.fleet_config import AliasConfig
 from proxy.core.inbound import Inbound
 from proxy.core.specfirst import AcceptanceHistory, HistoryConfig, TokenFacts, eligibility
+from proxy.fleet.engines import Engine
 from proxy.observe.specmetrics import SpecFirstMetrics
 from proxy.server.context import ShellContext
 from proxy.server.keys import SHELL
@@ -165,9 +166,22 @@ async def _check(ctx: ShellContext, state: AliasState) -> None:
 
 
 async def _fingerprint(ctx: ShellContext, pool: str) -> dict[str, Any]:
-    """What one engine of ``pool`` says about its tokenizer: the probes' ids, and the
-    tokenizer's description where the engine serves ``/tokenizer_info``."""
-    engine = ctx.fleet.pool(pool)[0]
+    """What the first engine of ``pool`` that answers says about its tokenizer (every engine of
+    a pool serves the same model: one down must not keep the alias from being checked)."""
+    failure: KvproxyError | TimeoutError | None = None
+    for engine in ctx.fleet.pool(pool):
+        try:
+            return await _fingerprint_of(ctx, engine, pool)
+        except (KvproxyError, TimeoutError) as exc:
+            failure = exc
+    if failure is None:
+        raise IndexError(f"pool {pool} has no engines")
+    raise failure
+
+
+async def _fingerprint_of(ctx: ShellContext, engine: Engine, pool: str) -> dict[str, Any]:
+    """What ``engine`` says about its tokenizer: the probes' ids, and the tokenizer's
+    description where the engine serves ``/tokenizer_info``."""
     config = ctx.cfg.pool(pool)
     model = config.model if config is not None else ""
     leg = Leg(ctx, engine, model, {"Content-Type": "application/json"}, CHECK_TIMEOUT_S)

@@ -40,10 +40,12 @@ class LegFailed(UpstreamError):
     """A draft or target call failed; ``client_fault`` when the engine refused the request
     itself (4xx: retrying elsewhere would not help)."""
 
-    def __init__(self, message: str, *, client_fault: bool = False, status: int = 502) -> None:
+    def __init__(self, message: str, *, client_fault: bool = False, status: int = 502,
+                 detail: str | None = None) -> None:
         super().__init__(message)
         self.client_fault = client_fault
         self.upstream_status = status
+        self.detail = detail  # the engine's own words, for a refusal (cut to ``_DETAIL_CHARS``)
 
 
 @dataclass(frozen=True)
@@ -111,8 +113,9 @@ class Leg:
         name = self.engine.name
         self._record(classify_status(status), sent_at)
         if status != 200:
-            raise LegFailed(f"engine {name} answered HTTP {status}",
-                            client_fault=400 <= status < 500 and status != 429, status=status)
+            refused = 400 <= status < 500 and status != 429
+            raise LegFailed(f"engine {name} answered HTTP {status}", client_fault=refused,
+                            status=status, detail=_engine_message(raw) if refused else None)
         try:
             data = orjson.loads(raw)
         except orjson.JSONDecodeError:
@@ -126,6 +129,23 @@ class Leg:
         metrics = self.ctx.metrics
         for out in self.engine.record(outcome, self.ctx.clock(), None, sent_at):
             metrics.outlier_ejections.labels(out.pool, out.engine, out.reason).inc()
+
+
+_DETAIL_CHARS = 1000
+
+
+def _engine_message(raw: bytes) -> str | None:
+    """The message of an engine's OpenAI-shaped error body (``{"error": {"message": ...}}``, or
+    vLLM's older ``{"message": ...}``), cut to ``_DETAIL_CHARS``; None when there is none."""
+    try:
+        doc = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(doc, dict):
+        return None
+    inner = doc.get("error")
+    message = inner.get("message") if isinstance(inner, dict) else doc.get("message")
+    return message[:_DETAIL_CHARS] if isinstance(message, str) and message else None
 
 
 async def _read(resp: aiohttp.ClientResponse) -> bytes:
@@ -268,12 +288,15 @@ def _verified(leg: Leg, lps: object, choice: Mapping[str, Any], n_ids: int, n_dr
                     finish if isinstance(finish, str) else None)
 
 
-async def stops_on(leg: Leg, ids: Sequence[int], token: int) -> bool:
+async def stops_on(leg: Leg, ids: Sequence[int], token: int,
+                   extra: Mapping[str, Any]) -> bool:
     """Whether the target stops on ``token`` after ``ids``: it is asked to generate exactly that
-    token (``allowed_token_ids``) and says how it finished."""
+    token (``allowed_token_ids``) and says how it finished. It carries the pool's cache salt and
+    priority (``extra``) as every call with the answer's context does."""
     body: dict[str, Any] = {"prompt": list(ids), "max_tokens": 1, "temperature": 0,
                             "allowed_token_ids": [token], "return_token_ids": True,
-                            "stream": False}
+                            "stream": False,
+                            **{k: v for k, v in extra.items() if k in ("priority", "cache_salt")}}
     choice = _choice(await leg.post("/v1/completions", body), leg.name)
     got = _ids(choice.get("token_ids"), leg.name)
     if got[:1] != (token,):
