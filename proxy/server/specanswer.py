@@ -142,6 +142,7 @@ class SpecAnswer:
         self.shape = self._shape()
         self.response: web.StreamResponse | None = None
         self.cut = False
+        self._open: asyncio.Future[Leg | None] | None = None  # the round under way
 
     def _carried(self, pool: str) -> dict[str, Any]:
         """What every call to ``pool`` carries of the client's body: its sampling fields, the
@@ -223,17 +224,17 @@ class SpecAnswer:
         draft: Leg | None = drafts[0]
         with self.ctx.drain.cuttable(self._cut):
             while answer.finish is None and not self.cut:
+                # Each round is a task of its own, so that the drain's cut ends one waiting on an
+                # engine call now, not at the call's timeout (past the proxy's exit).
+                self._open = asyncio.ensure_future(self._step(answer, draft, targets))
                 try:
-                    draft = await self._round(answer, draft, targets)
-                    await self._emit(answer, targets[0])
-                except UpstreamError as exc:
-                    # A target that failed, or answered what cannot be used (a malformed
-                    # verification): the verified prefix is here, so the next engine goes on
-                    # from it, once. A refusal of the request itself would be refused there too.
-                    if getattr(exc, "client_fault", False) or len(targets) < 2:
-                        raise
-                    targets.pop(0)
-                    self.job.engine = targets[0].name
+                    draft = await self._open
+                except asyncio.CancelledError:
+                    task = asyncio.current_task()
+                    if not self.cut or (task is not None and task.cancelling()):
+                        raise  # the client left (or a deadline): not the drain's cut
+                finally:
+                    self._open = None
             try:
                 return await self._finish(answer, targets[0])
             except UpstreamError as exc:
@@ -242,6 +243,21 @@ class SpecAnswer:
                 targets.pop(0)
                 self.job.engine = targets[0].name
                 return await self._finish(answer, targets[0])
+
+    async def _step(self, answer: Answer, draft: Leg | None, targets: list[Leg]) -> Leg | None:
+        """One round and its text to the client; the draft leg for the next round."""
+        try:
+            draft = await self._round(answer, draft, targets)
+            await self._emit(answer, targets[0])
+        except UpstreamError as exc:
+            # A target that failed, or answered what cannot be used (a malformed verification):
+            # the verified prefix is here, so the next engine goes on from it, once. A refusal of
+            # the request itself would be refused there too.
+            if getattr(exc, "client_fault", False) or len(targets) < 2:
+                raise
+            targets.pop(0)
+            self.job.engine = targets[0].name
+        return draft
 
     async def _start(self, targets: list[Leg]) -> Answer:
         body = self.inbound.body
@@ -429,6 +445,8 @@ class SpecAnswer:
 
     def _cut(self) -> None:
         self.cut = True
+        if self._open is not None:
+            self._open.cancel()
 
 
 def _wants_usage(body: dict[str, Any]) -> bool:

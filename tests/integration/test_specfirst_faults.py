@@ -5,7 +5,9 @@ engine's words; each pool gets its own cache salt and priority, as any request t
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -33,11 +35,17 @@ class Front:
     upstream: str
     bodies: list[tuple[str, dict[str, Any]]] = dataclasses.field(default_factory=list)
     fail: dict[str, int] = dataclasses.field(default_factory=dict)  # path -> calls let through
+    hang: dict[str, int] = dataclasses.field(default_factory=dict)  # the same, then no answer
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()
         if request.method == "POST":
             self.bodies.append((request.path, orjson.loads(raw)))
+        stall = self.hang.get(request.path)
+        if stall is not None:
+            if stall <= 0:
+                await asyncio.sleep(3600)
+            self.hang[request.path] = stall - 1
         left = self.fail.get(request.path)
         if left is not None:
             if left <= 0:
@@ -82,7 +90,7 @@ async def stack() -> AsyncIterator[Callable[..., Awaitable[Stack]]]:
             front = Front(url)
             app = web.Application()
             app.router.add_route("*", "/{tail:.*}", front.handle)
-            runner = web.AppRunner(app, access_log=None)
+            runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
             await runner.setup()
             site = web.TCPSite(runner, "127.0.0.1", 0)
             await site.start()
@@ -94,7 +102,9 @@ async def stack() -> AsyncIterator[Callable[..., Awaitable[Stack]]]:
         auth = AuthConfig(required=True, tenants=tuple(
             TenantConfig(name, keys=(key,)) for name, key in KEYS.items()))
         alias = AliasConfig(ALIAS, mode="speculative_first", draft="draft", target="target")
-        server = ProxyServer(dataclasses.replace(base, aliases=(alias,), auth=auth))
+        server = ProxyServer(dataclasses.replace(
+            base, aliases=(alias,), auth=auth,
+            server=dataclasses.replace(base.server, drain_timeout_s=1.0)))
         await server.start()
         cleanups.append(server.stop)
         http = aiohttp.ClientSession()
@@ -185,3 +195,23 @@ async def test_the_tokenizer_check_asks_past_an_engine_that_is_down() -> None:
     finally:
         await server.stop()
         await cluster.close()
+
+
+async def test_a_stream_waiting_on_an_engine_at_the_drain_timeout_ends_at_once(
+        stack: Callable[..., Awaitable[Stack]]) -> None:
+    s = await stack()
+    s.draft.hang["/v1/completions"] = 2  # two drafts, then one that never answers
+    headers = {"Authorization": f"Bearer {KEYS['alice']}"}
+    async with s.http.post(s.server.url + "/v1/chat/completions", headers=headers,
+                           json=_chat("a long answer please", stream=True)) as resp:
+        assert resp.status == 200
+        await resp.content.readline()  # the stream has begun
+        started = time.monotonic()
+        drained = asyncio.create_task(s.server.drain())
+        async with asyncio.timeout(10):
+            raw = await resp.read()
+        await drained
+    # The drain timeout (1 s) and its grace, not the leg's 60 s timeout.
+    assert time.monotonic() - started < 5
+    events = [line for line in raw.split(b"\n") if line.startswith(b"data: ")]
+    assert orjson.loads(events[-1][6:])["error"]["type"] == "overloaded"
