@@ -281,6 +281,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     try:
         response = await handler(request)
     except KvproxyError as exc:
+        if _answer_began(request):
+            return _abandon(request, exc.message)
         response = render(exc)
         if exc.closes_connection:
             response.force_close()
@@ -290,10 +292,29 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         raise
     except Exception:
         log.exception("unhandled error in %s %s", request.method, request.path)
+        if _answer_began(request):
+            return _abandon(request, "internal error in the proxy")
         response = render(KvproxyError("internal error in the proxy"))
     if not response.prepared:
         response.headers.setdefault("X-Request-Id", request[REQUEST_ID])
     return response
+
+
+def _answer_began(request: web.Request) -> bool:
+    """Whether the head of an answer to ``request`` is already out (a ``100 Continue`` is not
+    counted: ``_expect`` resets the count after it)."""
+    return request.writer.output_size > 0
+
+
+def _abandon(request: web.Request, why: str) -> web.StreamResponse:
+    """A handler failed after its answer began: a second answer cannot follow the first (it
+    would be read as part of the body). The connection is closed, so the client sees the answer
+    cut off; the response returned is never sent."""
+    log.warning("%s %s failed after its answer began (%s); its connection is closed",
+                request.method, request.path, why)
+    if request.transport is not None:
+        request.transport.close()
+    return web.StreamResponse()
 
 
 async def _expect(request: web.Request) -> web.StreamResponse | None:

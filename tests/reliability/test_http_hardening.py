@@ -13,12 +13,15 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
+from aiohttp import web
 from integration.stack import TARGET_MODEL, Stack, StackFactory, chat_body
 from multidict import CIMultiDict
 
 from proxy.core.cache_key import _normalise
 from proxy.core.config import TelemetryConfig, UpstreamConfig
 from proxy.core.door_config import LimitsConfig
+from proxy.core.errors import UpstreamError
+from proxy.server.app import error_middleware
 
 from .rogue import RogueEngine
 from .shell import CHAT, COMPLETIONS, chat, close, connect, head, proxy_for, server_config
@@ -338,3 +341,28 @@ async def test_a_body_that_does_not_decode_closes_its_connection_without_a_trace
     assert "malformed" in _error(body)["message"]
     assert rogue.requests_to(CHAT) == []
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.records
+
+
+async def test_a_handler_failing_after_its_answer_began_closes_the_connection() -> None:
+    # No handler of the proxy should do this; if one ever does, the client must see its answer
+    # cut off, not a second HTTP response inside the body it is reading.
+    async def half(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b"data: {}\n\n")
+        raise UpstreamError("the engine went away")
+
+    app = web.Application(middlewares=[error_middleware])
+    app.router.add_post("/half", half)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        raw = await _exchange(f"http://127.0.0.1:{port}",
+                              head("POST", "/half", Content_Length="0"))
+    finally:
+        await runner.cleanup()
+    assert raw.count(b"HTTP/1.1 ") == 1 and b"data: {}" in raw
+    assert not raw.endswith(b"0\r\n\r\n")  # cut off: no last chunk that would say it is whole
