@@ -44,6 +44,7 @@ from proxy.core.errors import (
     UpstreamTimeout,
 )
 from proxy.core.inbound import Endpoint, Inbound
+from proxy.core.pools import upstream_model
 from proxy.core.prefix import prefix_chain
 from proxy.core.routing import EngineView, RouteKey
 from proxy.core.specfirst import Round, Step, advance, settle, verify_greedy, verify_sampled
@@ -371,7 +372,10 @@ class SpecAnswer:
     def _shape(self) -> Shape:
         chat = self.inbound.endpoint is Endpoint.CHAT
         prefix = "chatcmpl-" if chat else "cmpl-"
-        return Shape(chat, prefix + uuid.uuid4().hex, int(time.time()), self.inbound.model)
+        # The target's model, as a pass-through answer from the same alias names it (vLLM writes
+        # the model it served there): who answered does not change what the answer says.
+        model = upstream_model(self.ctx.cfg, self.alias.target, self.inbound.model)
+        return Shape(chat, prefix + uuid.uuid4().hex, int(time.time()), model)
 
     def _headers(self, answer: Answer | None) -> dict[str, str]:
         out = self.job.client_headers() | {"X-Speculative": "draft-first"}

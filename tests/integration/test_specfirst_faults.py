@@ -215,3 +215,11 @@ async def test_a_stream_waiting_on_an_engine_at_the_drain_timeout_ends_at_once(
     assert time.monotonic() - started < 5
     events = [line for line in raw.split(b"\n") if line.startswith(b"data: ")]
     assert orjson.loads(events[-1][6:])["error"]["type"] == "overloaded"
+
+
+async def test_a_drafted_answer_names_the_model_a_passed_through_one_does(
+        stack: Callable[..., Awaitable[Stack]]) -> None:
+    s = await stack(stop_len=(6, 8))
+    _, drafted = await s.post(_chat("name the model"))
+    _, passed = await s.post(_chat("name the model", n=1, logprobs=True))  # not draftable
+    assert orjson.loads(drafted)["model"] == orjson.loads(passed)["model"] == TARGET
