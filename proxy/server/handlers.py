@@ -167,10 +167,7 @@ async def _without_engine(
     job.recorder = visit.recorder
     job.extra_headers["X-Cache"] = visit.x_cache
     job.max_tokens = _max_tokens(inbound)
-    drafted = await _speculative(request, ctx, job, inbound, priority)
-    if drafted is not None:
-        visit.discard()  # assembled here, not relayed: the cache keeps engines' own answers
-    return drafted
+    return await _speculative(request, ctx, job, inbound, priority, visit=visit)
 
 
 async def _prepare(
@@ -200,10 +197,13 @@ async def _prepare(
 
 
 async def _speculative(
-    request: web.Request, ctx: ShellContext, job: Job, inbound: Inbound, priority: Priority
+    request: web.Request, ctx: ShellContext, job: Job, inbound: Inbound, priority: Priority, *,
+    visit: Visit,
 ) -> web.StreamResponse | None:
     """Serve a request for a speculative-first alias by drafting, when it may be (else None:
-    the target pool serves it unchanged, like any request; ``X-Speculative`` says why)."""
+    the target pool serves it unchanged, like any request; ``X-Speculative`` says why). A
+    drafted answer is assembled here, not relayed, and the cache keeps engines' own answers
+    only: identical requests waiting for this one are let go before it drafts."""
     sf = request.app[SPECFIRST]
     plan = sf.route(inbound.model, inbound, job.tenant or "", ctx.clock())
     if plan is None:
@@ -211,6 +211,7 @@ async def _speculative(
     if isinstance(plan, str):
         reason = plan
     else:
+        await visit.release()
         try:
             return await specanswer.serve(ctx, request, job, inbound=inbound, plan=plan,
                                           priority=priority, metrics=sf.metrics)

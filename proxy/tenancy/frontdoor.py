@@ -64,6 +64,13 @@ class Visit:
         if isinstance(self.recorder, Fill):
             self.recorder.discard()
 
+    async def release(self) -> None:
+        """Do not cache this answer, and let identical requests waiting for it go now: an answer
+        assembled by the proxy (drafted) is never stored, so they would wait for nothing."""
+        if isinstance(self.recorder, Fill):
+            self.recorder.discard()
+            await self.recorder.close(completed=False)
+
     def tokens(self) -> int:
         if self.entry is not None:
             return 0

@@ -36,11 +36,16 @@ class Front:
     bodies: list[tuple[str, dict[str, Any]]] = dataclasses.field(default_factory=list)
     fail: dict[str, int] = dataclasses.field(default_factory=dict)  # path -> calls let through
     hang: dict[str, int] = dataclasses.field(default_factory=dict)  # the same, then no answer
+    stall_first: set[str] = dataclasses.field(default_factory=set)  # the first call: no answer
+    calls: dict[str, int] = dataclasses.field(default_factory=dict)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()
         if request.method == "POST":
             self.bodies.append((request.path, orjson.loads(raw)))
+        self.calls[request.path] = self.calls.get(request.path, 0) + 1
+        if request.path in self.stall_first and self.calls[request.path] == 1:
+            await asyncio.sleep(3600)
         stall = self.hang.get(request.path)
         if stall is not None:
             if stall <= 0:
@@ -223,3 +228,20 @@ async def test_a_drafted_answer_names_the_model_a_passed_through_one_does(
     _, drafted = await s.post(_chat("name the model"))
     _, passed = await s.post(_chat("name the model", n=1, logprobs=True))  # not draftable
     assert orjson.loads(drafted)["model"] == orjson.loads(passed)["model"] == TARGET
+
+
+async def test_identical_requests_do_not_wait_for_each_others_drafted_answer(
+        stack: Callable[..., Awaitable[Stack]]) -> None:
+    # A drafted answer is never cached, so an identical request waiting for it (the cache's
+    # single flight) would wait for nothing: here the first one's draft never comes back.
+    s = await stack(stop_len=(6, 8))
+    s.draft.stall_first.add("/v1/completions")
+    first = asyncio.create_task(s.post(_chat("the very same question")))
+    while not s.draft.calls.get("/v1/completions"):  # noqa: ASYNC110 (the first one drafts)
+        await asyncio.sleep(0.01)
+    try:
+        async with asyncio.timeout(8):
+            status, _ = await s.post(_chat("the very same question"))
+        assert status == 200
+    finally:
+        first.cancel()
