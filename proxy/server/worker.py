@@ -60,6 +60,7 @@ class WorkerLink:
         self._orphan_watch: asyncio.Task[None] | None = None
         self._runner: web.AppRunner | None = None
         self._parent = os.getppid()
+        self._orphaned = False  # the parent died without cleaning up: the workers do
 
     async def start(self, own_metrics: Callable[[], bytes]) -> None:
         """Serve this worker's own exposition, then say hello to the parent."""
@@ -82,6 +83,7 @@ class WorkerLink:
         while os.getppid() == self._parent:  # noqa: ASYNC110
             await asyncio.sleep(_PARENT_CHECK_S)
         log.warning("worker %d: the parent process is gone; shutting down", self.seat.index)
+        self._orphaned = True
         os.kill(os.getpid(), signal.SIGTERM)
 
     async def close(self) -> None:
@@ -93,6 +95,18 @@ class WorkerLink:
         await self.bus.close()
         if self._runner is not None:
             await self._runner.cleanup()
+        if self._orphaned:
+            self._clean_up_after_parent()
+
+    def _clean_up_after_parent(self) -> None:
+        """What a killed parent left: this worker's socket, the hub's, and the private directory
+        once empty (the last worker out removes it; the others find a sibling's socket still
+        there)."""
+        for path in (self.seat.metrics_path(), self.seat.hub_path):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        with contextlib.suppress(OSError):
+            os.rmdir(self.seat.directory)
 
     async def merged_metrics(self, own: bytes) -> bytes:
         """The whole proxy's exposition: ``own`` merged with every sibling's."""

@@ -183,8 +183,8 @@ class Supervisor:
 async def run_workers(cfg: Config, command: Sequence[str], count: int) -> int:
     """Serve with ``count`` workers until SIGTERM or SIGINT; the parent's exit status.
     ``command``: the worker's command line up to (not including) its seat."""
+    holder, port = reserve_port(cfg.server.host, cfg.server.port)  # a port in use: nothing made
     directory = tempfile.mkdtemp(prefix="kvproxy-workers-")
-    holder, port = reserve_port(cfg.server.host, cfg.server.port)
     sup = Supervisor(cfg, [*command, "--port", str(port)], count, directory)
     hub = Hub(os.path.join(directory, "hub.sock"), on_hello=sup.on_hello)
     watch: asyncio.Task[None] | None = None

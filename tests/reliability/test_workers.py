@@ -347,13 +347,56 @@ async def test_a_second_proxy_on_the_same_port_refuses_to_start(
     config = tmp_path / "second.toml"
     config.write_text("[[pools]]\nname = \"target\"\nmodel = \"m\"\n[[pools.engines]]\n"
                       "name = \"x\"\nurl = \"http://127.0.0.1:9\"\n")
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "proxy", "serve", "--config", str(config), "--port", port,
-        "--workers", "2", stderr=asyncio.subprocess.PIPE)
+        "--workers", "2", stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "TMPDIR": str(scratch)})
     async with asyncio.timeout(60):
         _, err = await proc.communicate()
     assert proc.returncode == 1
     assert b"in use" in err.lower()
+    assert list(scratch.iterdir()) == []  # no private directory left behind
+
+
+def _gone(pids: list[int]) -> bool:
+    return not any(Path(f"/proc/{pid}").exists() for pid in pids)
+
+
+async def test_workers_whose_parent_was_killed_leave_nothing_behind(
+    engines: list[EngineProcess], tmp_path: Path,
+) -> None:
+    config = tmp_path / "kvproxy.toml"
+    lines = ["[server]", "drain_timeout_s = 2.0", "[[pools]]", 'name = "target"',
+             f'model = "{TARGET_MODEL}"']
+    for i, engine in enumerate(engines):
+        lines += ["[[pools.engines]]", f'name = "w{i}"', f'url = "{engine.url}"']
+    config.write_text("\n".join(lines) + "\n")
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "proxy", "serve", "--config", str(config), "--port", "0",
+        "--workers", "2", stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "TMPDIR": str(scratch)})
+    assert proc.stderr is not None
+    try:
+        async with asyncio.timeout(60):
+            while b"(2 workers)" not in await proc.stderr.readline():
+                pass
+        running = Parent(proc, "")
+        children = [pid for pid, _ in running.workers().values()]
+        assert len(children) == 2 and len(list(scratch.iterdir())) == 1
+        proc.kill()  # no signal passed on, no clean-up by the parent
+        await proc.wait()
+        async with asyncio.timeout(30):
+            while not _gone(children):  # noqa: ASYNC110
+                await asyncio.sleep(0.1)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert list(scratch.iterdir()) == []  # the last worker out removed the directory
 
 
 async def test_a_stop_while_a_worker_waits_to_restart_is_prompt_and_clean(parent: Parent) -> None:
