@@ -145,6 +145,9 @@ class StreamAssembler:
                 self._head = {k: obj[k] for k in HEAD_FIELDS if k in obj}
             if obj.get("usage"):
                 self._usage = obj["usage"]
+            # vLLM writes the fingerprint on a stream's last chunk, not its first.
+            if (fingerprint := obj.get("system_fingerprint")) is not None:
+                self._head["system_fingerprint"] = fingerprint
             for choice in choices:
                 if type(choice) is dict and self._token(choice):
                     continue

@@ -64,15 +64,36 @@ def usage_of_body(body: bytes) -> Usage | None:
         return None
 
 
+# What vLLM's request model (pydantic, lax) reads as a true boolean, besides ``true`` itself.
+_TRUE_WORDS = frozenset({"1", "on", "t", "true", "y", "yes"})
+
+
+def asks_for_usage(body: Mapping[str, Any]) -> bool:
+    """Whether the client asked for a stream's usage chunk, read as vLLM reads
+    ``stream_options.include_usage`` (``1``, ``"true"``, ``"yes"`` count, as there)."""
+    options = body.get("stream_options")
+    if not isinstance(options, dict):
+        return False
+    value = options.get("include_usage")
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int | float):
+        return value == 1
+    return isinstance(value, str) and value.lower() in _TRUE_WORDS
+
+
 def with_usage(body: Mapping[str, Any]) -> tuple[dict[str, Any], bool]:
-    """The body asking the engine for a final usage chunk; True if the client had not asked."""
+    """The body asking the engine for a final usage chunk; True if the client had not asked.
+    Where it had not, its ``continuous_usage_stats`` goes too: vLLM honours that only with
+    ``include_usage``, so the client's stream stays as vLLM would have sent it."""
     out = dict(body)
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         return out, False  # malformed: the engine's own 400 says so
-    if isinstance(options, dict) and options.get("include_usage") is True:
+    if asks_for_usage(body):
         return out, False
-    out["stream_options"] = {**(options or {}), "include_usage": True}
+    kept = {k: v for k, v in (options or {}).items() if k != "continuous_usage_stats"}
+    out["stream_options"] = {**kept, "include_usage": True}
     return out, True
 
 

@@ -59,7 +59,7 @@ from proxy.core.specshape import (
     visible,
     whole,
 )
-from proxy.core.usage import Usage
+from proxy.core.usage import Usage, asks_for_usage
 from proxy.fleet.upstream import request_headers
 from proxy.observe.specmetrics import SpecFirstMetrics
 from proxy.server import speclegs
@@ -454,8 +454,7 @@ class SpecAnswer:
 
 
 def _wants_usage(body: dict[str, Any]) -> bool:
-    options = body.get("stream_options")
-    return isinstance(options, dict) and options.get("include_usage") is True
+    return asks_for_usage(body)
 
 
 async def serve(ctx: ShellContext, request: web.Request, job: Job, *, inbound: Inbound,

@@ -34,6 +34,7 @@ from prometheus_client import CollectorRegistry, Counter
 from proxy.core.cache_entry import CachedResponse, EntryError, decode_entry
 from proxy.core.cache_key import CacheConfig, CachePolicy, KeyMaker, decide
 from proxy.core.recording import Recording
+from proxy.core.usage import asks_for_usage
 from proxy.observe.metrics import Children
 from proxy.tenancy.cache_store import CacheBackend, MemoryBackend, RedisBackend
 from proxy.tenancy.redis_link import RedisLink, RedisUnavailable
@@ -270,9 +271,7 @@ def _usable(req: CacheRequest, entry: CachedResponse | None) -> CachedResponse |
     cannot answer a client that wants them (JSON clients always do); that client refreshes it."""
     if entry is None or entry.response.get("usage") is not None:
         return entry
-    options = req.body.get("stream_options")
-    wants_usage = isinstance(options, dict) and options.get("include_usage") is True
-    return entry if req.body.get("stream") is True and not wants_usage else None
+    return entry if req.body.get("stream") is True and not asks_for_usage(req.body) else None
 
 
 class Fill:

@@ -32,6 +32,7 @@ from prometheus_client import CollectorRegistry
 from proxy.core.cache_entry import CachedResponse, replay_sse, usage_tokens
 from proxy.core.door_config import DoorConfig
 from proxy.core.recording import Recording
+from proxy.core.usage import asks_for_usage
 from proxy.tenancy.cache import CacheRequest, Fill, ResponseCache, is_chat, make_cache
 from proxy.tenancy.ratelimit import Lease, RequestGate
 from proxy.tenancy.redis_link import RedisLink
@@ -210,6 +211,7 @@ async def replay(
     body = replay_sse(entry, include_usage=include_usage)
     out = web.StreamResponse(headers=out_headers)
     out.content_type = "text/event-stream"
+    out.charset = "utf-8"  # as vLLM labels a stream: a replay reads like the relayed answer
     await out.prepare(request)
     with contextlib.suppress(ConnectionResetError):
         await out.write(body)
@@ -218,5 +220,4 @@ async def replay(
 
 
 def wants_usage(body: Mapping[str, Any]) -> bool:
-    options = body.get("stream_options")
-    return isinstance(options, dict) and options.get("include_usage") is True
+    return asks_for_usage(body)

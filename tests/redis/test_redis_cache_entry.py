@@ -244,3 +244,12 @@ def test_the_usual_events_fast_path_agrees_with_the_line_by_line_path(variant: i
     assert fast == slow
     # Not stored: per-token logprobs, a float index, a second choice that never finished.
     assert (fast is None) == (variant in (2, 4, 5))
+
+
+def test_the_fingerprint_on_a_streams_last_chunk_is_kept() -> None:
+    # vLLM sends system_fingerprint on the last chunk (the usage one, when asked for), not the
+    # first: an answer assembled from the stream carries it all the same.
+    data = chat_stream(["a", "b"]).replace(
+        b'"usage":', b'"system_fingerprint":"vllm-0.32.0-abc","usage":')
+    result = assemble(data)
+    assert result is not None and result["system_fingerprint"] == "vllm-0.32.0-abc"

@@ -3,7 +3,14 @@ import pytest
 
 from proxy.core.deadline import client_timeout
 from proxy.core.errors import BadRequest
-from proxy.core.usage import StreamTail, Usage, UsageStrip, usage_of_body, with_usage
+from proxy.core.usage import (
+    StreamTail,
+    Usage,
+    UsageStrip,
+    asks_for_usage,
+    usage_of_body,
+    with_usage,
+)
 from proxy.fleet.discovery import ModelsError, missing_models, parse_models
 from proxy.observe.metrics import TenantLabels
 
@@ -82,3 +89,27 @@ def test_engine_model_lists() -> None:
         with pytest.raises(ModelsError):
             parse_models(bad)
     assert missing_models(["a", "lora", "b"], ["b", "a"]) == ("lora",)
+
+
+@pytest.mark.parametrize(("value", "asked"), [
+    (True, True), (1, True), (1.0, True), ("true", True), ("YES", True), ("on", True),
+    (False, False), (0, False), ("false", False), ("no", False), (None, False), (2, False),
+    ([], False),
+])
+def test_include_usage_is_read_as_vllm_reads_it(value: object, asked: bool) -> None:
+    body = {"stream": True, "stream_options": {"include_usage": value}}
+    assert asks_for_usage(body) is asked
+    out, injected = with_usage(body)
+    assert injected is not asked
+    assert out["stream_options"]["include_usage"] == (value if asked else True)
+
+
+def test_continuous_usage_stats_go_where_the_client_did_not_ask_for_usage() -> None:
+    # vLLM honours continuous_usage_stats only with include_usage: without it, the client's
+    # stream carries no usage at all, and the proxy's own include_usage must not change that.
+    out, injected = with_usage({"stream": True,
+                                "stream_options": {"continuous_usage_stats": True}})
+    assert injected and out["stream_options"] == {"include_usage": True}
+    body = {"stream": True, "stream_options": {"include_usage": True,
+                                               "continuous_usage_stats": True}}
+    assert with_usage(body) == (body, False)
