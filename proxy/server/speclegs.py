@@ -26,6 +26,7 @@ import orjson
 
 from proxy.core.breaker import Outcome, classify_status
 from proxy.core.errors import KvproxyError, UpstreamError
+from proxy.core.jsondoc import json_object
 from proxy.core.specfirst import cached_covers
 from proxy.fleet.engines import Engine
 from proxy.fleet.upstream import DATA_POST, translate
@@ -116,11 +117,8 @@ class Leg:
             refused = 400 <= status < 500 and status != 429
             raise LegFailed(f"engine {name} answered HTTP {status}", client_fault=refused,
                             status=status, detail=_engine_message(raw) if refused else None)
-        try:
-            data = orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            data = None
-        if not isinstance(data, dict):
+        data = json_object(raw)
+        if data is None:
             self._record(Outcome.FAILURE, sent_at)
             raise LegFailed(f"engine {name} sent a malformed answer")
         return data
@@ -137,11 +135,8 @@ _DETAIL_CHARS = 1000
 def _engine_message(raw: bytes) -> str | None:
     """The message of an engine's OpenAI-shaped error body (``{"error": {"message": ...}}``, or
     vLLM's older ``{"message": ...}``), cut to ``_DETAIL_CHARS``; None when there is none."""
-    try:
-        doc = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        return None
-    if not isinstance(doc, dict):
+    doc = json_object(raw)
+    if doc is None:
         return None
     inner = doc.get("error")
     message = inner.get("message") if isinstance(inner, dict) else doc.get("message")

@@ -20,6 +20,7 @@ from typing import Protocol
 
 import orjson
 
+from proxy.core.jsondoc import json_object
 from proxy.core.pressure import (
     REASON_COMMITTED,
     REASON_OVERCOMMIT,
@@ -128,8 +129,4 @@ class SharedPressure:
 def _decode(raw: object) -> dict[str, object] | None:
     if not isinstance(raw, bytes) or len(raw) > 1024:
         return None
-    try:
-        doc = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        return None
-    return doc if isinstance(doc, dict) else None
+    return json_object(raw)

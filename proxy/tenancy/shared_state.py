@@ -31,6 +31,7 @@ import orjson
 from proxy.core.breaker import Breaker, BreakerState, Outcome
 from proxy.core.errors import ConfigError
 from proxy.core.fleet_config import POOL_NAME, EngineConfig
+from proxy.core.jsondoc import json_object
 from proxy.fleet.periodic import every
 from proxy.tenancy.redis_link import RedisClient, RedisLink, RedisUnavailable
 
@@ -155,11 +156,8 @@ class EngineRecord:
 
     @classmethod
     def decode(cls, raw: bytes) -> EngineRecord | None:
-        try:
-            doc = orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            return None
-        if not isinstance(doc, dict):
+        doc = json_object(raw)
+        if doc is None:
             return None
         pool, model, url = doc.get("role"), doc.get("model"), doc.get("engine_url")
         if not all(isinstance(v, str) and v for v in (pool, model, url)):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from collections.abc import AsyncIterator
 
 import pytest
 from redisproc import SLOW_OK, RedisFactory, RedisServer
@@ -23,6 +25,24 @@ def auth(required: bool = True, **extra: object) -> AuthConfig:
         TenantConfig("beta", key_sha256=(key_digest(KEY_B),)),
     )
     return AuthConfig(required=required, tenants=tenants, **extra)  # type: ignore[arg-type]
+
+
+@dataclasses.dataclass
+class Keyed:
+    server: RedisServer
+    link: RedisLink
+    directory: TenantDirectory
+
+
+@pytest.fixture
+async def keyed(redis_factory: RedisFactory) -> AsyncIterator[Keyed]:
+    """Keys in a Redis of the test's own (it may be stopped), looked up afresh every time."""
+    server = redis_factory.start()
+    link = RedisLink(RedisConfig(url=server.url, **SLOW_OK))
+    try:
+        yield Keyed(server, link, TenantDirectory(auth(redis_keys=True, redis_cache_s=0.0), link))
+    finally:
+        await link.close()
 
 
 def test_bearer_token() -> None:
@@ -87,22 +107,17 @@ async def test_redis_keys(redis_server: RedisServer, caplog: pytest.LogCaptureFi
     assert "sk-from-redis-1" not in caplog.text and "sk-bad-name-1" not in caplog.text
 
 
-async def test_redis_outage_keeps_known_keys(redis_factory: RedisFactory) -> None:
-    server = redis_factory.start()
-    link = RedisLink(RedisConfig(url=server.url, **SLOW_OK))
-    directory = TenantDirectory(auth(redis_keys=True, redis_cache_s=0.0), link)
-    try:
-        await register_key(link, "sk-known-key-1", "gamma")
-        assert await directory.identify("Bearer sk-known-key-1") == "gamma"
-        server.stop()
-        # Remembered: still gamma. Config keys: unaffected. Unknown: 503, not 401.
-        assert await directory.identify("Bearer sk-known-key-1") == "gamma"
-        assert await directory.identify(f"Bearer {KEY_A}") == "acme"
-        with pytest.raises(NoCapacity) as exc:
-            await directory.identify("Bearer sk-never-seen-1")
-        assert exc.value.status == 503 and exc.value.reason == "auth_unavailable"
-    finally:
-        await link.close()
+async def test_redis_outage_keeps_known_keys(keyed: Keyed) -> None:
+    directory = keyed.directory
+    await register_key(keyed.link, "sk-known-key-1", "gamma")
+    assert await directory.identify("Bearer sk-known-key-1") == "gamma"
+    keyed.server.stop()
+    # Remembered: still gamma. Config keys: unaffected. Unknown: 503, not 401.
+    assert await directory.identify("Bearer sk-known-key-1") == "gamma"
+    assert await directory.identify(f"Bearer {KEY_A}") == "acme"
+    with pytest.raises(NoCapacity) as exc:
+        await directory.identify("Bearer sk-never-seen-1")
+    assert exc.value.status == 503 and exc.value.reason == "auth_unavailable"
 
 
 async def test_a_key_that_is_not_utf8_is_refused_not_a_crash(
@@ -121,38 +136,24 @@ async def test_a_key_that_is_not_utf8_is_refused_not_a_crash(
 
 
 async def test_a_flood_of_bad_keys_does_not_push_out_a_good_one(
-    redis_factory: RedisFactory, monkeypatch: pytest.MonkeyPatch,
+    keyed: Keyed, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(tenants, "_REMEMBERED_MAX", 50)
-    server = redis_factory.start()
-    link = RedisLink(RedisConfig(url=server.url, **SLOW_OK))
-    directory = TenantDirectory(auth(redis_keys=True, redis_cache_s=0.0), link)
-    try:
-        await register_key(link, "sk-known-key-2", "gamma")
-        assert await directory.identify("Bearer sk-known-key-2") == "gamma"
-        for i in range(200):  # four times what is remembered of either kind
-            with pytest.raises(Unauthorized):
-                await directory.identify(f"Bearer sk-junk-{i}")
-        server.stop()
-        assert await directory.identify("Bearer sk-known-key-2") == "gamma"
-    finally:
-        await link.close()
-
-
-async def test_a_revoked_key_is_not_accepted_through_an_outage(
-    redis_factory: RedisFactory,
-) -> None:
-    server = redis_factory.start()
-    link = RedisLink(RedisConfig(url=server.url, **SLOW_OK))
-    directory = TenantDirectory(auth(redis_keys=True, redis_cache_s=0.0), link)
-    try:
-        await register_key(link, "sk-known-key-3", "gamma")
-        assert await directory.identify("Bearer sk-known-key-3") == "gamma"
-        await revoke_key(link, "sk-known-key-3")
+    await register_key(keyed.link, "sk-known-key-2", "gamma")
+    assert await keyed.directory.identify("Bearer sk-known-key-2") == "gamma"
+    for i in range(200):  # four times what is remembered of either kind
         with pytest.raises(Unauthorized):
-            await directory.identify("Bearer sk-known-key-3")
-        server.stop()
-        with pytest.raises((Unauthorized, NoCapacity)):
-            await directory.identify("Bearer sk-known-key-3")
-    finally:
-        await link.close()
+            await keyed.directory.identify(f"Bearer sk-junk-{i}")
+    keyed.server.stop()
+    assert await keyed.directory.identify("Bearer sk-known-key-2") == "gamma"
+
+
+async def test_a_revoked_key_is_not_accepted_through_an_outage(keyed: Keyed) -> None:
+    await register_key(keyed.link, "sk-known-key-3", "gamma")
+    assert await keyed.directory.identify("Bearer sk-known-key-3") == "gamma"
+    await revoke_key(keyed.link, "sk-known-key-3")
+    with pytest.raises(Unauthorized):
+        await keyed.directory.identify("Bearer sk-known-key-3")
+    keyed.server.stop()
+    with pytest.raises((Unauthorized, NoCapacity)):
+        await keyed.directory.identify("Bearer sk-known-key-3")
