@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 from collections.abc import Coroutine, Sequence
@@ -72,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_listen(demo, default_port=8000)
     demo.add_argument(
         "--time-scale",
-        type=float,
+        type=_time_scale,
         default=1.0,
         help="simulated engines run this many times faster than real hardware (default 1)",
     )
@@ -125,6 +126,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Most often the port is taken; a traceback would hide the one line that matters.
         print(f"kvproxy: cannot start: {exc}", file=sys.stderr)
         return EXIT_START
+
+
+def _time_scale(raw: str) -> float:
+    """``demo --time-scale``: a finite number > 0 (the simulated engines refuse anything else)."""
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a number > 0")
+    return value
 
 
 def _workers(raw: str) -> int:

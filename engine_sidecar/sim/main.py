@@ -36,6 +36,17 @@ def _csv_floats(text: str) -> tuple[float, ...]:
         raise argparse.ArgumentTypeError(msg) from None
 
 
+def _port(text: str) -> int:
+    """A TCP port to listen on: 0 (any free one) to 65535."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port in 0..65535")
+    return port
+
+
 def _range(text: str) -> tuple[int, int]:
     parts = text.split(",")
     if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
@@ -57,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve = parser.add_argument_group("serving")
     serve.add_argument("--engines", type=int, default=1, help="engines in this process (1)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1)")
-    serve.add_argument("--port", type=int, default=8100,
+    serve.add_argument("--port", type=_port, default=8100,
                        help="port of the first engine; the others follow (8100; 0: any free)")
     serve.add_argument("--model", "--served-model-name", dest="model", default="sim-model",
                        help="model name served (sim-model)")
@@ -247,7 +258,11 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         log.error("invalid configuration: %s", exc)
         return 2
-    with contextlib.suppress(KeyboardInterrupt):
-        _runner()(serve(configs, args.host, args.port, args.drain_timeout,
-                        args.adaptive_speculation))
+    try:
+        with contextlib.suppress(KeyboardInterrupt):
+            _runner()(serve(configs, args.host, args.port, args.drain_timeout,
+                            args.adaptive_speculation))
+    except OSError as exc:  # a port in use, an address this machine does not have
+        log.error("cannot start: %s", exc)
+        return 1
     return 0

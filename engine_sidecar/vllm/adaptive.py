@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -77,6 +78,9 @@ class AdaptiveSettings:
     step_draft_pass_s: float = StepCost.draft_pass_s
 
 
+_LIST_ITEMS: dict[str, type] = {"edges": int, "proxy_metrics_urls": str}
+
+
 def _coerce(name: str, value: Any, default: Any) -> Any:
     path = f"speculation.{name}"
     if isinstance(default, bool):
@@ -86,9 +90,14 @@ def _coerce(name: str, value: Any, default: Any) -> Any:
     if isinstance(default, tuple):
         if not isinstance(value, list):
             raise ProfileError(path, "expected a list")
+        item = _LIST_ITEMS.get(name)
+        if item is not None and not all(type(v) is item for v in value):
+            raise ProfileError(path, f"expected a list of {item.__name__}")
         return tuple(value)
     if isinstance(default, float) and isinstance(value, int | float) \
             and not isinstance(value, bool):
+        if not math.isfinite(value):  # NaN passes every "> 0" check after this and then fails
+            raise ProfileError(path, "must be a finite number")
         return float(value)
     if type(value) is not type(default):
         raise ProfileError(path, f"expected {type(default).__name__}")

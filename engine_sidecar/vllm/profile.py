@@ -213,7 +213,9 @@ def _check_table(table: Mapping[str, Any], types: Mapping[str, tuple[type, ...]]
     return out
 
 
-def _engine_from(table: Mapping[str, Any]) -> EngineProfile:
+def _engine_from(table: object) -> EngineProfile:
+    if not isinstance(table, Mapping):
+        raise ProfileError("engine", "must be a table")
     values = _check_table(table, _ENGINE_TYPES, "engine")
     for required in ("model", "served_model_name"):
         if not values.get(required):
@@ -280,8 +282,27 @@ def _validate_events(engine: EngineProfile) -> None:
                            "events without it)")
 
 
+# Durations and counts a sidecar cannot work with at or below zero (a start-up timeout of -1 s
+# fails every start; a health interval of 0 spins), and those that may be zero.
+_SIDECAR_POSITIVE = ("startup_timeout_s", "health_interval_s", "stop_timeout_s",
+                     "restart_reset_after_s", "spec_poll_s", "heartbeat_ttl_s",
+                     "warmup_max_tokens")
+_SIDECAR_NOT_NEGATIVE = ("warmup_requests", "drain_timeout_s", "spec_token_cost")
+
+
 def _sidecar_from(table: Mapping[str, Any]) -> SidecarSettings:
     settings = SidecarSettings(**_check_table(table, _SIDECAR_TYPES, "sidecar"))
+    _validate_sidecar(settings)
+    return settings
+
+
+def _validate_sidecar(settings: SidecarSettings) -> None:
+    for name in _SIDECAR_POSITIVE:
+        if not getattr(settings, name) > 0:
+            raise ProfileError(f"sidecar.{name}", "must be > 0")
+    for name in _SIDECAR_NOT_NEGATIVE:
+        if not getattr(settings, name) >= 0:
+            raise ProfileError(f"sidecar.{name}", "must be >= 0")
     for name in ("port", "vllm_port"):
         if not 0 <= getattr(settings, name) <= 65535:
             raise ProfileError(f"sidecar.{name}", "must be a TCP port")
@@ -295,7 +316,6 @@ def _sidecar_from(table: Mapping[str, Any]) -> SidecarSettings:
     for name, value in vars(settings).items():
         if isinstance(value, float) and not math.isfinite(value):
             raise ProfileError(f"sidecar.{name}", "must be a finite number")
-    return settings
 
 
 def parse_profile(text: str, *, name: str, env: Mapping[str, str]) -> Profile:
@@ -303,10 +323,15 @@ def parse_profile(text: str, *, name: str, env: Mapping[str, str]) -> Profile:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ProfileError(name, f"not valid TOML: {exc}") from None
+    except RecursionError:
+        raise ProfileError(name, "not valid TOML: nested too deeply") from None
     unknown = set(raw) - {"engine", "sidecar", "speculation"}
     if unknown:
         raise ProfileError(sorted(unknown)[0], "unknown section")
     tree = _expand_tree(raw, env, "")
+    for section in ("sidecar", "speculation"):
+        if not isinstance(tree.get(section, {}), Mapping):
+            raise ProfileError(section, "must be a table")
     return Profile(name=name, engine=_engine_from(tree.get("engine", {})),
                    sidecar=_sidecar_from(tree.get("sidecar", {})),
                    speculation=dict(tree.get("speculation", {})))
@@ -314,7 +339,13 @@ def parse_profile(text: str, *, name: str, env: Mapping[str, str]) -> Profile:
 
 def load_profile(path: str | Path, env: Mapping[str, str]) -> Profile:
     path = Path(path)
-    return parse_profile(path.read_text(encoding="utf-8"), name=path.stem, env=env)
+    if path.exists() and not path.is_file():
+        raise ProfileError(path.name, "not a regular file")  # a FIFO would block in the read
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ProfileError(path.stem, "not valid TOML: not UTF-8 text") from None
+    return parse_profile(text, name=path.stem, env=env)
 
 
 def with_overrides(profile: Profile, *, engine: Mapping[str, Any] | None = None,
@@ -324,7 +355,9 @@ def with_overrides(profile: Profile, *, engine: Mapping[str, Any] | None = None,
     side = {k: v for k, v in (sidecar or {}).items() if v is not None}
     new_engine = replace(profile.engine, **eng)
     _validate_engine(new_engine)
-    return replace(profile, engine=new_engine, sidecar=replace(profile.sidecar, **side))
+    new_sidecar = replace(profile.sidecar, **side)
+    _validate_sidecar(new_sidecar)  # --port and --vllm-port are checked as the profile's are
+    return replace(profile, engine=new_engine, sidecar=new_sidecar)
 
 
 def resolve_python(configured: str | None, env: Mapping[str, str], repo_root: Path,

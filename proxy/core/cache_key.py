@@ -29,6 +29,7 @@ from typing import Any, Literal
 
 import orjson
 
+from proxy.core.config_checks import positive
 from proxy.core.errors import ConfigError
 
 CacheBackendName = Literal["memory", "redis"]
@@ -60,9 +61,7 @@ class CacheConfig:
     def __post_init__(self) -> None:
         if self.backend not in ("memory", "redis"):
             raise ConfigError("backend", "must be 'memory' or 'redis'")
-        for name in ("ttl_s", "single_flight_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(name, "must be > 0")
+        positive(self, "ttl_s", "single_flight_timeout_s")
         for name in ("max_entries", "max_bytes", "max_entry_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, "must be >= 1")

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from proxy.core.cache_key import CacheConfig
+from proxy.core.config_checks import at_least_zero
 from proxy.core.config_checks import positive as _positive
 from proxy.core.config_checks import require as _require
 from proxy.core.door_config import AuthConfig, LimitsConfig, RedisConfig
@@ -141,10 +142,10 @@ class RoutingConfig:
         _positive(self, "affinity_blocks", "min_match_blocks")
         _require(self.index_blocks >= 0, "index_blocks", "must be >= 0")
         _require(self.place_new in PLACE_NEW, "place_new", f"must be one of {', '.join(PLACE_NEW)}")
-        _require(self.seed >= 0, "seed", "must be >= 0")
+        _require(0 <= self.seed < 2**64, "seed", "must be in 0..2**64-1")
         _positive(self, "chars_per_token", "prefill_tokens_per_s", "decode_step_s",
                   "chunk_tokens")
-        _require(self.decode_seq_step_s >= 0.0, "decode_seq_step_s", "must be >= 0")
+        at_least_zero(self, "decode_seq_step_s")
         _require(0.0 <= self.cost_tolerance <= 1.0, "cost_tolerance", "must be in 0..1")
         _require(0.0 <= self.decode_charge <= 10.0, "decode_charge", "must be in 0..10")
 
@@ -232,7 +233,7 @@ class PressureConfig:
         _require(self.escalate_scrapes <= self.window_scrapes, "escalate_scrapes",
                  "must be <= pressure.window_scrapes")
         _require(self.hold_scrapes >= 0, "hold_scrapes", "must be >= 0")
-        _require(self.output_window >= 1, "output_window", "must be >= 1")
+        _require(1 <= self.output_window <= 1_000_000, "output_window", "must be in 1..1000000")
         _require(1 <= self.output_min_samples <= self.output_window, "output_min_samples",
                  "must be in 1..pressure.output_window")
         _require(self.prior_output_tokens >= 1, "prior_output_tokens", "must be >= 1")

@@ -19,6 +19,8 @@ Rules:
 from __future__ import annotations
 
 import dataclasses
+import os
+import stat
 import tomllib
 import types
 import typing
@@ -211,12 +213,19 @@ def load_config(path: str | None, env: Mapping[str, str], overrides: Sequence[st
 
 def _read_toml(path: str) -> dict[str, Any]:
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            # A FIFO would block the start-up in open(); a directory is no file either.
+            raise ConfigError("", f"{path}: not a regular file")
         with open(path, "rb") as fh:
             return tomllib.load(fh)
     except FileNotFoundError:
         raise ConfigError("", f"config file not found: {path}") from None
-    except tomllib.TOMLDecodeError as exc:
+    except PermissionError:
+        raise ConfigError("", f"{path}: cannot be read (permission denied)") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError("", f"{path}: invalid TOML: {exc}") from None
+    except RecursionError:
+        raise ConfigError("", f"{path}: invalid TOML: nested too deeply") from None
 
 
 def _env_settings(env: Mapping[str, str], paths: Mapping[str, type]) -> list[tuple[str, str]]:

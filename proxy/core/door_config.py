@@ -10,11 +10,13 @@ given in clear are never part of a ``repr``.
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from proxy.core.cache_key import CacheConfig
+from proxy.core.config_checks import at_least_zero, positive
 from proxy.core.errors import ConfigError
 from proxy.core.limit_rules import Limits
 
@@ -67,8 +69,7 @@ class AuthConfig:
             raise ConfigError("admin_key_env", "must name an environment variable")
         if not TENANT_NAME.match(self.default_tenant):
             raise ConfigError("default_tenant", "must be a valid tenant name")
-        if self.redis_cache_s < 0:
-            raise ConfigError("redis_cache_s", "must be >= 0")
+        at_least_zero(self, "redis_cache_s")
         owner: dict[str, str] = {}
         for i, tenant in enumerate(self.tenants):
             for digest in tenant.digests():
@@ -100,13 +101,10 @@ class RedisConfig:
     def __post_init__(self) -> None:
         if self.url and not self.url.startswith(("redis://", "rediss://", "unix://")):
             raise ConfigError("url", "must be a redis://, rediss:// or unix:// URL")
-        for name in ("op_timeout_s", "connect_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(name, "must be > 0")
+        positive(self, "op_timeout_s", "connect_timeout_s")
         if self.max_connections < 1:
             raise ConfigError("max_connections", "must be >= 1")
-        if self.retry_after_failure_s < 0:
-            raise ConfigError("retry_after_failure_s", "must be >= 0")
+        at_least_zero(self, "retry_after_failure_s")
 
     @property
     def enabled(self) -> bool:
@@ -145,8 +143,9 @@ class LimitsConfig:
 
     def __post_init__(self) -> None:
         _non_negative(self, ("requests_per_min", "tokens_per_min", "concurrent_streams"))
-        if self.lease_ttl_s < 3:
-            raise ConfigError("lease_ttl_s", "must be >= 3 (leases are renewed every third of it)")
+        if not (self.lease_ttl_s >= 3 and math.isfinite(self.lease_ttl_s)):  # NaN fails too
+            raise ConfigError("lease_ttl_s", "must be a finite number >= 3 (leases are renewed "
+                                             "every third of it)")
         names = [t.name for t in self.tenants]
         for i, name in enumerate(names):
             if name in names[:i]:
@@ -171,8 +170,8 @@ class LimitsConfig:
 def _non_negative(obj: object, names: tuple[str, ...]) -> None:
     for name in names:
         value = getattr(obj, name)
-        if value is not None and value < 0:
-            raise ConfigError(name, "must be >= 0 (0 = unlimited)")
+        if value is not None and not (value >= 0 and math.isfinite(value)):  # NaN fails too
+            raise ConfigError(name, "must be a finite number >= 0 (0 = unlimited)")
 
 
 @dataclass(frozen=True)

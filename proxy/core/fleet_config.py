@@ -20,6 +20,7 @@ Rules:
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -50,6 +51,10 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _require(bool(self.name.strip()), "name", "must not be empty")
+        # It is sent in the X-Engine header and written in logs and metric labels.
+        _require(self.name.isprintable() and len(self.name) <= 256, "name",
+                 "must be printable text (no line breaks or control characters), at most 256 "
+                 "characters")
         _require(self.api_key_env is None or bool(self.api_key_env.strip()), "api_key_env",
                  "must name an environment variable")
         _require(_http_url(self.url), "url", "must be an http(s) URL")
@@ -187,6 +192,12 @@ class AliasConfig:
         )
         for i, pool in enumerate(self.pools):
             _require(pool not in self.pools[:i], f"pools[{i}]", f"{pool!r} is listed twice")
+        # The other mode's settings are refused, not ignored: a route alias given a draft pool,
+        # a chunk or a verify mode would silently do none of it.
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for name in _SPECULATIVE_ONLY:
+            _require(getattr(self, name) == defaults[name], name,
+                     'applies to mode = "speculative_first" only')
 
     def _check_speculative(self) -> None:
         _require(bool(self.draft), "draft", "is required in speculative_first mode")
@@ -221,6 +232,14 @@ class AliasConfig:
         if self.tiering and self.pool != DRAFT_POOL and DRAFT_POOL in configured:
             return (self.pool, DRAFT_POOL)
         return (self.pool,)
+
+
+# AliasConfig's fields that mean something in speculative_first mode only.
+_SPECULATIVE_ONLY = (
+    "draft", "target", "chunk", "min_chunk", "temperature_policy", "verify", "verify_window_s",
+    "fallback_rejection", "fallback_min_tokens", "fallback_retry_s", "history_rounds",
+    "max_prompt_tokens", "leg_timeout_s", "eos_token_ids",
+)
 
 
 def check_pools(pools: tuple[PoolConfig, ...]) -> None:

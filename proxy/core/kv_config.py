@@ -31,7 +31,7 @@ def endpoint_problem(endpoint: str, *, bind: bool) -> str | None:
     if endpoint.startswith("ipc://"):
         return None if len(endpoint) > len("ipc://") else "must name a path after ipc://"
     host, sep, port = endpoint[len("tcp://"):].rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+    if not sep or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) <= 65535:
         return "must look like tcp://HOST:PORT with a port in 1..65535"
     if "*" in host and not bind:
         return "names a wildcard host: give the engine's address (or set bind = true)"

@@ -253,12 +253,21 @@ def _pool_row(pool: str, engines: Sequence[Engine], now: float, typical: float,
     return PoolRow(pool, waiting, sum(kv) / len(kv) if kv else None, wait)
 
 
+def _engine_path(cfg: Config, pool: str, name: str) -> str:
+    """``pools[i].engines[j]``, as every other configuration error names an engine."""
+    for i, found in enumerate(cfg.pools):
+        for j, engine in enumerate(found.engines):
+            if found.name == pool and engine.name == name:
+                return f"pools[{i}].engines[{j}]"
+    return f"pools.{pool}.engines.{name}"  # an engine not in the file (discovered at run time)
+
+
 def _engine(cfg: Config, pool: str, engine: EngineConfig) -> Engine:
     auth: dict[str, str] = {}
     if engine.api_key_env is not None:
         key = os.environ.get(engine.api_key_env)
         if not key:
-            where = f"pools.{pool}.engines.{engine.name}.api_key_env"
+            where = _engine_path(cfg, pool, engine.name) + ".api_key_env"
             raise ConfigError(where, f"environment variable {engine.api_key_env} is not set")
         auth["Authorization"] = f"Bearer {key}"
     state = EngineState(

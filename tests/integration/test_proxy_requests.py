@@ -250,7 +250,7 @@ def test_engine_api_key_variable_must_be_set(monkeypatch: pytest.MonkeyPatch) ->
     cfg = Config(server=ServerConfig(port=0), pools=(PoolConfig("target", "m", (engine,)),))
     with pytest.raises(ConfigError, match="KVPROXY_TEST_ENGINE_KEY is not set") as err:
         ProxyServer(cfg)
-    assert "pools.target.engines.e0.api_key_env" in str(err.value)
+    assert "pools[0].engines[0].api_key_env" in str(err.value)
 
 
 async def test_admin_view_needs_the_admin_key_when_one_is_set(

@@ -1,9 +1,11 @@
 import dataclasses
+import os
 from pathlib import Path
 
 import pytest
 
 from proxy.core.config import ClassThreshold, Config
+from proxy.core.config_checks import http_url
 from proxy.core.configload import ENV_PREFIX, SCALAR_SECTIONS, load_config, scalar_paths
 from proxy.core.errors import ConfigError
 
@@ -125,6 +127,21 @@ def test_env_then_cli(tmp_path: Path) -> None:
         ({}, ["server.gc_middle_threshold=0"], "server.gc_middle_threshold"),
         ({}, ["server.worker_stuck_after_s=0.5"], "server.worker_stuck_after_s"),
         ({"KVPROXY_SERVER_WORKER_STUCK_AFTER_S": "nan"}, [], "server.worker_stuck_after_s"),
+        # NaN passes a check written as "if x < 0: refuse"; infinity fails where it is used.
+        ({}, ["cache.ttl_s=nan"], "cache.ttl_s"),
+        ({}, ["cache.single_flight_timeout_s=nan"], "cache.single_flight_timeout_s"),
+        ({}, ["redis.op_timeout_s=nan"], "redis.op_timeout_s"),
+        ({}, ["redis.connect_timeout_s=nan"], "redis.connect_timeout_s"),
+        ({}, ["redis.retry_after_failure_s=nan"], "redis.retry_after_failure_s"),
+        ({}, ["auth.redis_cache_s=nan"], "auth.redis_cache_s"),
+        ({}, ["limits.lease_ttl_s=nan"], "limits.lease_ttl_s"),
+        ({}, ["limits.tokens_per_min=nan"], "limits.tokens_per_min"),
+        ({"KVPROXY_UPSTREAM_CONNECT_TIMEOUT_S": "1e309"}, [], "upstream.connect_timeout_s"),
+        ({}, ["routing.decode_step_s=inf"], "routing.decode_step_s"),
+        ({}, ["routing.decode_seq_step_s=inf"], "routing.decode_seq_step_s"),
+        ({}, ["routing.seed=18446744073709551616"], "routing.seed"),
+        ({}, ["pressure.output_window=1000000000000000000000000000000"],
+         "pressure.output_window"),
     ],
 )
 def test_env_and_cli_errors(env: dict[str, str], overrides: list[str], field: str) -> None:
@@ -232,6 +249,18 @@ def engines_toml(*urls: str, names: tuple[str, ...] | None = None) -> str:
             "unknown",
         ),
         ("pools = 3\n", "pools", "array"),
+        (engines_toml("http://127.0.0.1:99999"), "pools[0].engines[0].url", "http(s) URL"),
+        (engines_toml("http://127.0.0.1:abc"), "pools[0].engines[0].url", "http(s) URL"),
+        (engines_toml("http://[::1:19601"), "pools[0].engines[0].url", "http(s) URL"),
+        (engines_toml("http://u:p@h:1"), "pools[0].engines[0].url", "http(s) URL"),
+        (engines_toml("http://h:1?x=1"), "pools[0].engines[0].url", "http(s) URL"),
+        (engines_toml("http://h :1"), "pools[0].engines[0].url", "http(s) URL"),
+        (engines_toml("http://a", names=("e0\\r\\nX-Evil: 1",)),
+         "pools[0].engines[0].name", "printable"),
+        (engines_toml("http://a") + '[[aliases]]\nname = "c"\npool = "target"\nchunk = 99\n',
+         "aliases[0].chunk", "speculative_first\" only"),
+        (engines_toml("http://a") + '[[aliases]]\nname = "c"\npool = "target"\n'
+         'leg_timeout_s = -1.0\n', "aliases[0].leg_timeout_s", "speculative_first\" only"),
         ("server = 3\n", "server", "table"),
     ],
 )
@@ -300,3 +329,22 @@ def test_every_setting_has_a_distinct_env_name_and_is_documented() -> None:
     assert len(env_names) == len(paths)
     doc = (ROOT / "docs" / "configuration.md").read_text()
     assert all(name in doc for name in env_names)
+
+
+def test_a_config_that_is_not_readable_toml_is_a_configuration_error(tmp_path: Path) -> None:
+    path = tmp_path / "kvproxy.toml"
+    for body in (b"\xff\xfe[server]\n", b"a = " + b"[" * 5000 + b"]" * 5000 + b"\n"):
+        path.write_bytes(body)
+        with pytest.raises(ConfigError, match="invalid TOML"):
+            load_config(str(path), {}, [])
+    with pytest.raises(ConfigError, match="not a regular file"):
+        load_config(str(tmp_path), {}, [])
+    fifo = tmp_path / "fifo.toml"
+    os.mkfifo(fifo)  # opening it would block the start-up for ever
+    with pytest.raises(ConfigError, match="not a regular file"):
+        load_config(str(fifo), {}, [])
+
+
+def test_an_engine_url_may_have_a_path_and_an_ipv6_host() -> None:
+    assert http_url("http://10.0.0.7:8000/vllm") and http_url("https://[::1]:8443")
+    assert http_url("http://engine-0.svc:8000")

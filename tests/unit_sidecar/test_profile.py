@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -57,6 +58,12 @@ def test_missing_env_is_an_error_naming_the_field() -> None:
      "sidecar.restart_max_s"),
     (MINIMAL + "[extras]\n", "extras"),
     ("[engine\n", "p"),
+    ("engine = [1]\n", "engine"),
+    (MINIMAL + "[sidecar]\nstartup_timeout_s = -1.0\n", "sidecar.startup_timeout_s"),
+    (MINIMAL + "[sidecar]\nhealth_interval_s = 0.0\n", "sidecar.health_interval_s"),
+    (MINIMAL + "[sidecar]\nwarmup_requests = -3\n", "sidecar.warmup_requests"),
+    (MINIMAL + "[sidecar]\nheartbeat_ttl_s = -1.0\n", "sidecar.heartbeat_ttl_s"),
+    ("a = " + "[" * 3000 + "]" * 3000 + "\n", "p"),
 ])
 def test_invalid_profiles_name_the_field(text: str, field: str) -> None:
     with pytest.raises(ProfileError) as exc:
@@ -210,3 +217,23 @@ def test_a_sidecar_duration_that_is_not_finite_is_refused() -> None:
     text = '[engine]\nmodel = "m"\nserved_model_name = "s"\n[sidecar]\ndrain_timeout_s = inf\n'
     with pytest.raises(ProfileError, match=r"sidecar\.drain_timeout_s"):
         parse_profile(text, name="p.toml", env={})
+
+
+def test_a_port_given_on_the_command_line_is_checked_as_the_profiles_is() -> None:
+    profile = parse(MINIMAL)
+    for name in ("port", "vllm_port"):
+        for bad in (99999, -5):
+            with pytest.raises(ProfileError) as exc:
+                with_overrides(profile, sidecar={name: bad})
+            assert exc.value.field == f"sidecar.{name}"
+
+
+def test_a_profile_file_that_is_not_text_or_not_a_file_is_a_profile_error(tmp_path: Path) -> None:
+    path = tmp_path / "p.toml"
+    path.write_bytes(b"\xff\xfe[engine]\n")
+    with pytest.raises(ProfileError, match="not UTF-8"):
+        load_profile(path, {})
+    fifo = tmp_path / "f.toml"
+    os.mkfifo(fifo)
+    with pytest.raises(ProfileError, match="not a regular file"):
+        load_profile(fifo, {})

@@ -153,6 +153,14 @@ def test_the_profile_sets_the_new_settings_and_refuses_bad_ones_naming_them():
         with pytest.raises(ProfileError) as exc:
             settings_from(parse_profile(base + bad, name="p", env={}))
         assert exc.value.field == "speculation"
+    # A number that is not finite passes every "> 0" check after it: refused where it is read.
+    for bad, field in (('poll_s = nan\n', "speculation.poll_s"),
+                       ('eval_s = inf\n', "speculation.eval_s"),
+                       ('margin = nan\n', "speculation.margin"),
+                       ('proxy_metrics_urls = [1]\n', "speculation.proxy_metrics_urls")):
+        with pytest.raises(ProfileError) as exc:
+            settings_from(parse_profile(base + bad, name="p", env={}))
+        assert exc.value.field == field
 
 
 
