@@ -64,11 +64,13 @@ async def engines() -> AsyncIterator[list[EngineProcess]]:
 async def parent(engines: list[EngineProcess], tmp_path: Path,
                  request: pytest.FixtureRequest) -> AsyncIterator[Parent]:
     config = tmp_path / "kvproxy.toml"
-    server: list[str] = getattr(request, "param", [])  # more [server] lines, where a test asks
-    lines = ["[server]", "drain_timeout_s = 10.0", *server, "[telemetry]", "interval_s = 0.1",
+    # More lines of [server] and [routing], where a test asks.
+    extra: dict[str, list[str]] = getattr(request, "param", {})
+    lines = ["[server]", "drain_timeout_s = 10.0", *extra.get("server", []), "[telemetry]",
+             "interval_s = 0.1",
              "timeout_s = 0.09", "stale_after_s = 0.6",
              # A bound no burst here reaches: the test is about what workers know, not spilling.
-             "[routing]", "min_load_bound = 16",
+             "[routing]", "min_load_bound = 16", *extra.get("routing", []),
              "[[pools]]", 'name = "target"', f'model = "{TARGET_MODEL}"']
     for i, engine in enumerate(engines):
         lines += ["[[pools.engines]]", f'name = "w{i}"', f'url = "{engine.url}"']
@@ -175,6 +177,9 @@ async def test_both_workers_serve_and_metrics_count_them_all(parent: Parent) -> 
     assert total(merged, "kvproxy_sharing_live") == 1.0
 
 
+# What the workers know of each other's dispatches, under the affinity policy: the default cost
+# model may also spread such a burst for load, which is its own decision, not what is tested.
+@pytest.mark.parametrize("parent", [{"routing": ['policy = "prefix_affinity"']}], indirect=True)
 async def test_a_burst_sharing_a_new_prefix_lands_on_one_engine(parent: Parent) -> None:
     seats = parent.workers()
     async with aiohttp.ClientSession() as http:
@@ -221,7 +226,7 @@ async def test_a_dead_worker_is_restarted(parent: Parent) -> None:
     assert statuses == [200] * 8
 
 
-@pytest.mark.parametrize("parent", [["worker_stuck_after_s = 2.0"]], indirect=True)
+@pytest.mark.parametrize("parent", [{"server": ["worker_stuck_after_s = 2.0"]}], indirect=True)
 async def test_a_stopped_worker_is_killed_and_replaced_and_a_quiet_one_is_left_alone(
     parent: Parent,
 ) -> None:
