@@ -40,7 +40,7 @@ from proxy.core.pools import (
     shown,
     upstream_model,
 )
-from proxy.core.usage import usage_of_body, with_usage
+from proxy.core.usage import asks_for_usage, usage_of_body, with_usage
 from proxy.fleet.engines import HEALTH_STATES
 from proxy.fleet.upstream import request_headers
 from proxy.observe import accesslog
@@ -54,7 +54,7 @@ from proxy.server.keys import MODELS, REQUEST_ID, SHELL, WORKER
 from proxy.server.pick import rank
 from proxy.server.relay import CLIENT_CLOSED, Relay
 from proxy.server.specfirst import SPECFIRST
-from proxy.tenancy.frontdoor import DOOR, Visit, replay, wants_usage
+from proxy.tenancy.frontdoor import DOOR, Visit, replay
 
 
 def request_id(request: web.Request) -> str:
@@ -244,7 +244,7 @@ async def _from_cache(
     job.engine, job.status = "cache", 200
     job.usage = usage_of_body(entry.json_body())  # the cached answer's, for the access log
     job.first_byte_at = request.app[SHELL].clock()
-    usage = wants_usage(inbound.body)
+    usage = asks_for_usage(inbound.body)
     headers = job.client_headers()
     out = await replay(request, entry, stream=inbound.stream, include_usage=usage, headers=headers)
     job.delivered = inbound.stream

@@ -417,7 +417,7 @@ class SpecAnswer:
             return web.Response(body=body, content_type="application/json",
                                 headers=self._headers(answer))
         await self._write(text_chunk(shape, self.detok.delta(text), finish))
-        if _wants_usage(self.inbound.body):
+        if asks_for_usage(self.inbound.body):
             await self._write(usage_chunk(shape, prompt, done))
         who = f"draft_tokens={answer.from_draft} target_tokens={done - answer.from_draft}"
         await self._write(b": kvproxy " + who.encode() + b"\n\n" + DONE)
@@ -451,10 +451,6 @@ class SpecAnswer:
         self.cut = True
         if self._open is not None:
             self._open.cancel()
-
-
-def _wants_usage(body: dict[str, Any]) -> bool:
-    return asks_for_usage(body)
 
 
 async def serve(ctx: ShellContext, request: web.Request, job: Job, *, inbound: Inbound,

@@ -27,7 +27,7 @@ import aiohttp
 from aiohttp import web
 
 from proxy.observe.merge import merge_expositions
-from proxy.tenancy.hub import HubBus
+from proxy.tenancy.hub import HubBus, beat_interval
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +54,7 @@ class WorkerLink:
 
     def __init__(self, seat: WorkerSeat, stuck_after_s: float = 10.0) -> None:
         self.seat = seat
-        # Several beats fit in the parent's patience: one late wake-up is not a stuck worker.
-        self.bus = HubBus(seat.hub_path, seat.index, beat_s=stuck_after_s / 5)
+        self.bus = HubBus(seat.hub_path, seat.index, beat_s=beat_interval(stuck_after_s))
         self._task: asyncio.Task[None] | None = None
         self._orphan_watch: asyncio.Task[None] | None = None
         self._runner: web.AppRunner | None = None

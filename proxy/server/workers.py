@@ -38,7 +38,7 @@ from collections.abc import Sequence
 
 from proxy.core.config import Config
 from proxy.server.lifecycle import stop_event
-from proxy.tenancy.hub import Hub
+from proxy.tenancy.hub import Hub, beat_interval
 
 log = logging.getLogger("kvproxy.workers")
 
@@ -85,7 +85,6 @@ class Supervisor:
         self.restarts = 0
         self._hello: set[int] = set()
         self._started: dict[int, float] = {}  # the loop's time each seat's process started
-        self.killed_stuck = 0
 
     @property
     def stopping(self) -> bool:
@@ -142,7 +141,7 @@ class Supervisor:
     async def watch(self, last_heard: dict[int, float]) -> None:
         """Kill stuck workers (``keep`` restarts them) until the proxy stops."""
         loop = asyncio.get_running_loop()
-        period = self.cfg.server.worker_stuck_after_s / 5
+        period = beat_interval(self.cfg.server.worker_stuck_after_s)
         while not self.stopping:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stopped.wait(), period)
@@ -156,7 +155,6 @@ class Supervisor:
                 with contextlib.suppress(ProcessLookupError):
                     proc.kill()
                 last_heard.pop(index, None)  # once per process: its successor says hello anew
-                self.killed_stuck += 1
 
     async def stop(self, tasks: Sequence[asyncio.Task[int]]) -> bool:
         """SIGTERM every worker, wait for them to drain; True when all exited 0."""

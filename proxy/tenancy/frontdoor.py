@@ -32,7 +32,6 @@ from prometheus_client import CollectorRegistry
 from proxy.core.cache_entry import CachedResponse, replay_sse, usage_tokens
 from proxy.core.door_config import DoorConfig
 from proxy.core.recording import Recording
-from proxy.core.usage import asks_for_usage
 from proxy.tenancy.cache import CacheRequest, Fill, ResponseCache, is_chat, make_cache
 from proxy.tenancy.ratelimit import Lease, RequestGate
 from proxy.tenancy.redis_link import RedisLink
@@ -68,8 +67,8 @@ class Visit:
     async def release(self) -> None:
         """Do not cache this answer, and let identical requests waiting for it go now: an answer
         assembled by the proxy (drafted) is never stored, so they would wait for nothing."""
+        self.discard()
         if isinstance(self.recorder, Fill):
-            self.recorder.discard()
             await self.recorder.close(completed=False)
 
     def tokens(self) -> int:
@@ -218,6 +217,3 @@ async def replay(
         await out.write_eof()
     return out
 
-
-def wants_usage(body: Mapping[str, Any]) -> bool:
-    return asks_for_usage(body)

@@ -38,6 +38,12 @@ MAX_FRAME = 1 << 20
 _HEAD = struct.Struct(">IB")
 
 
+def beat_interval(stuck_after_s: float) -> float:
+    """How often a worker beats, and the parent looks, for a given patience: several beats fit
+    in it, so one late wake-up is not a stuck worker."""
+    return stuck_after_s / 5
+
+
 class BusDown(Exception):
     """The transport cannot carry messages now (not connected, Redis failing)."""
 
