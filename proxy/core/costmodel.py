@@ -37,7 +37,8 @@ Rules:
   (``PrefixHoldings.settled_tokens``: confirmed by a first byte, or reported by the engine's
   KV events) count, never provisional ones, so a burst of one new prompt is not charged twice
   for spreading before its first request has been computed anywhere. The shell reports first
-  bytes with ``first_byte`` for the requests it announced with ``dispatched``.
+  bytes with ``first_byte`` for the requests it announced with ``dispatched``, and those of
+  other proxy processes' requests, shared with their dispatches, with ``confirm``.
 - Each sequence decoding at E waits for the steps that carry the request's prefill: its next
   token comes ``own / prefill_tps`` late (an inter-token stall; a long uncached prompt on an
   engine streaming answers is what makes a fleet's ITL tail). ``cfg.decode_charge`` counts a
@@ -314,6 +315,12 @@ class ExpectedTTFT:
         prompt (a retry's engine, when the first one failed)."""
         key = self._unconfirmed.pop(token, None)
         if key is not None:
+            self.holdings.confirm(key, engine)
+
+    def confirm(self, key: RouteKey, engine: str) -> None:
+        """Another process's request with ``key`` had its first byte from ``engine``: settled
+        here as that process settled it (``first_byte``), while the charge that reads it is on."""
+        if self.cfg.charge_abandoned:
             self.holdings.confirm(key, engine)
 
     def uncached_tokens(self, key: RouteKey, engine: str) -> float:

@@ -16,8 +16,10 @@ Rules:
   settled blocks are a second bounded ``BlockIndex``, and an engine's settled depth is capped
   at its held depth (the held index may have evicted a chain the settled one still keeps).
   Confirming a chain never recorded there is harmless: it cannot raise settled above held.
-- Other proxy processes' dispatches (``proxy.tenancy.shared_routing``) are recorded, never
-  confirmed: this process does not see their first bytes, so they stay provisional here.
+- Other proxy processes' dispatches (``proxy.tenancy.shared_routing``) are recorded like this
+  process's own, and confirmed when the sender shares their first bytes (``proxy.core.sharing``):
+  settled here as there. One whose confirmation never arrives (dropped, or sent by a process of
+  an older version) stays provisional here.
 - Pure: no I/O, no clock. Work per question is O(engines x chain length), never O(history);
   memory is bounded per engine.
 """

@@ -56,6 +56,11 @@ class Policy(Protocol):
         """The request with ``key`` was sent to ``engine`` (lets a policy learn; may do nothing)."""
         ...
 
+    def confirm(self, key: RouteKey, engine: str) -> None:
+        """Another process's request with ``key`` had its first byte from ``engine``: the engine
+        has computed the prompt (``proxy.core.sharing``; may do nothing)."""
+        ...
+
     def uncached_tokens(self, key: RouteKey, engine: str) -> float:
         """Prompt tokens of ``key`` that ``engine`` is expected to compute (not hold cached)."""
         ...
@@ -88,6 +93,9 @@ class _Unlearning:
     """The learning hooks of a policy that keeps no history: it assumes no engine holds a prompt."""
 
     def observe(self, key: RouteKey, engine: str) -> None:
+        return None
+
+    def confirm(self, key: RouteKey, engine: str) -> None:
         return None
 
     def uncached_tokens(self, key: RouteKey, engine: str) -> float:
@@ -178,6 +186,9 @@ class PrefixAffinity:
 
     def observe(self, key: RouteKey, engine: str) -> None:
         self.index.add(engine, key.chain)
+
+    def confirm(self, key: RouteKey, engine: str) -> None:
+        return None  # the index keeps what was routed, computed or not
 
     def _depths(self, key: RouteKey, chain: Sequence[int], names: list[str]) -> dict[str, int]:
         """Chain blocks each engine holds: the index's guess, or the exact figure when known."""

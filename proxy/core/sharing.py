@@ -9,12 +9,14 @@ processes reported. The transports (Redis stream, the workers' local hub) live i
 
 Rules:
 - The request path only appends to ``Outbox`` (no I/O, no encoding) and pokes ``on_dispatch``
-  (which may wake a quiet round); a background task takes the batch at most every
-  ``sharing.interval_s``. An outbox holds at most ``max_batch`` dispatches; more in one interval
-  are dropped and counted (routing then merely learns less). A message carries at most
-  ``dispatches_per_message`` of them, so that chains of ``routing.max_blocks`` fit a frame.
+  (which may wake a quiet round); a background task packs the batch at most every
+  ``sharing.interval_s``. An outbox holds at most ``max_batch`` dispatches and as many first
+  bytes; more in one interval are dropped and counted (routing then merely learns less). A
+  message carries at most ``dispatches_per_message`` dispatches, so that chains of
+  ``routing.max_blocks`` fit a frame, and ``confirmations_per_message`` first bytes.
 - A message is one orjson object: ``{"v": 1, "r": sender, "s": seq, "d": [[pool, engine, chain],
-  ...], "p": {engine: pending}, "o": {engine: open}, "t": {engine: [tokens, requests, seen]}}``.
+  ...], "p": {engine: pending}, "o": {engine: open}, "t": {engine: [tokens, requests, seen]},
+  "c": [[seq, position, engine], ...]}``.
   ``pending`` is the sender's requests sent since its last snapshot and still open (what adds to
   an engine's load); ``open``: all it has open; ``t``, its prefill backlog there: the requests
   that have had no first byte, the prompt tokens the engine has still to compute for them, and
@@ -22,6 +24,15 @@ Rules:
   queued work the cost model weighs: a snapshot shows such requests only as counts (a long
   prompt in chunked prefill shows as running). ``t`` is optional: a message without it says
   nothing is pending.
+- ``c`` confirms the sender's earlier dispatches (``d`` entry ``position`` of its message
+  ``seq``, this one or an earlier one): that request had its first byte from ``engine`` (a
+  retry's, when the first one failed), so the engine has computed the prompt and the receiver
+  settles it there (``Policy.confirm``) as the sender did. A reference, not a new ``d`` field:
+  a receiver of an older version requires every ``d`` entry to be exactly three items and
+  ignores unknown keys, so ``c`` passes it by during a rolling upgrade. Optional; sent only when
+  not empty. A dispatch dropped from a full outbox, or in a message never sent, has no
+  confirmation; a receiver keeps the references it can resolve in ``Unconfirmed`` (bounded: the
+  oldest go first) and ignores, and counts, the others.
 - Messages come from outside the process and are not trusted: ``decode`` refuses anything over
   ``max_bytes``, of the wrong shape, with names or chains out of bounds, or with negative or absurd
   counts. Unknown pools and engines are ignored by the caller, never created.
@@ -36,7 +47,8 @@ Rules:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -47,6 +59,11 @@ MAX_NAME = 256
 MAX_COUNT = 1_000_000.0
 MAX_TOKENS = 1e12
 _MAX_HASH = (1 << 64) - 1
+MAX_CONFIRMATIONS = 256  # per message: ``decode`` refuses more
+_MAX_POSITION = 1 << 16  # a ``d`` index a confirmation may name (senders put at most 64 there)
+# Dispatches the sender remembers the place of until their first byte: far more than it has open
+# at once; past it the oldest (never answered) are forgotten.
+MAX_PLACED = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -69,6 +86,14 @@ class Backlog(NamedTuple):
 NO_BACKLOG = Backlog(0.0, 0.0, 0.0)
 
 
+class Confirmation(NamedTuple):
+    """The sender's dispatch ``pos`` of its message ``seq`` had its first byte from ``engine``."""
+
+    seq: int
+    pos: int
+    engine: str
+
+
 @dataclass(frozen=True)
 class Message:
     sender: str
@@ -77,32 +102,90 @@ class Message:
     pending: Mapping[str, float] = field(default_factory=dict)
     open: Mapping[str, float] = field(default_factory=dict)
     prefill: Mapping[str, Backlog] = field(default_factory=dict)
+    confirmations: tuple[Confirmation, ...] = ()
 
 
 class Outbox:
-    """Dispatches waiting for the next publication; the request path's only sharing work."""
+    """Dispatches and first bytes waiting for the next publication; the request path's only
+    sharing work."""
 
     def __init__(self, max_batch: int, *, enabled: bool = True) -> None:
         self.enabled = enabled
         self.max_batch = max_batch
         self._items: list[Dispatch] = []
+        self._tokens: list[Hashable | None] = []  # the requests of ``_items``, for ``answered``
+        self._answers: list[tuple[Hashable, str]] = []
+        # Where each published dispatch went out, (seq, position), until its first byte.
+        self._placed: OrderedDict[Hashable, tuple[int, int]] = OrderedDict()
         self.dropped = 0
+        self.dropped_answers = 0
         # Wakes a quiet sharing round; must be cheap and must not raise.
         self.on_dispatch: Callable[[], None] | None = None
 
-    def dispatched(self, pool: str, engine: str, chain: tuple[int, ...]) -> None:
+    def dispatched(self, pool: str, engine: str, chain: tuple[int, ...],
+                   token: Hashable | None = None) -> None:
+        """``chain`` was sent to ``engine``; with ``token`` (the request's identity, unique
+        among those open) its first byte is confirmed to the others (``answered``)."""
         if not self.enabled:
             return
         if self.on_dispatch is not None:
             self.on_dispatch()
+        if token is not None:  # a token reused: what a finished request left must not answer
+            self._placed.pop(token, None)
         if len(self._items) >= self.max_batch:
             self.dropped += 1
             return
         self._items.append(Dispatch(pool, engine, chain))
+        self._tokens.append(token)
+
+    def answered(self, token: Hashable, engine: str) -> None:
+        """The request dispatched under ``token`` had its first byte from ``engine``. No wake:
+        the request is open, so the round that packs this is at most one interval away."""
+        if not self.enabled:
+            return
+        if len(self._answers) >= self.max_batch:
+            self.dropped_answers += 1
+            return
+        self._answers.append((token, engine))
 
     def take(self) -> list[Dispatch]:
-        items, self._items = self._items, []
+        items, self._items, self._tokens = self._items, [], []
         return items
+
+    def pack(self, sender: str, seq: int, *, per_message: int,
+             per_confirm: int) -> list[Message]:
+        """This round's messages (at least one), numbered from ``seq``, without counts: the
+        dispatches waiting, ``per_message`` to a message; then the first bytes whose dispatches
+        have a place, ``per_confirm`` to a message and never in one before their dispatch's
+        (a receiver learns a dispatch before its confirmation). Others are dropped: their
+        dispatch was dropped, never sent, or forgotten."""
+        tokens, items = self._tokens, self.take()
+        chunks = [items[i : i + per_message] for i in range(0, len(items), per_message)] or [[]]
+        for i, token in enumerate(tokens):
+            if token is not None:
+                self._placed[token] = (seq + i // per_message, i % per_message)
+                self._placed.move_to_end(token)
+        while len(self._placed) > MAX_PLACED:
+            self._placed.popitem(last=False)
+        answers, self._answers = self._answers, []
+        found = ((self._placed.pop(t, None), engine) for t, engine in answers)
+        confirms = sorted(Confirmation(*at, engine) for at, engine in found if at is not None)
+        groups: list[list[Confirmation]] = [[] for _ in chunks]
+        at = 0
+        for c in confirms:  # in order of their dispatch's message: ``at`` only moves on
+            at = max(at, c.seq - seq)
+            while at < len(groups) and len(groups[at]) >= per_confirm:
+                at += 1
+            if at == len(groups):
+                groups.append([])
+                chunks.append([])
+            groups[at].append(c)
+        return [Message(sender, seq + i, tuple(chunk), confirmations=tuple(group))
+                for i, (chunk, group) in enumerate(zip(chunks, groups, strict=True))]
+
+    def unsent(self, seq: int) -> None:
+        """Messages from ``seq`` on were not sent: their dispatches get no confirmation."""
+        self._placed = OrderedDict((t, at) for t, at in self._placed.items() if at[0] < seq)
 
 
 def encode(msg: Message) -> bytes:
@@ -115,6 +198,8 @@ def encode(msg: Message) -> bytes:
         "o": dict(msg.open),
         "t": {name: list(b) for name, b in msg.prefill.items()},
     }
+    if msg.confirmations:  # absent when empty: the message is then as an older sender's
+        doc["c"] = [list(c) for c in msg.confirmations]
     return orjson.dumps(doc)
 
 
@@ -145,13 +230,15 @@ def decode(raw: bytes, *, max_bytes: int, max_chain: int) -> Message:
     if not _name(sender) or not isinstance(seq, int) or isinstance(seq, bool):
         raise BadMessage("bad sender or sequence")
     assert isinstance(sender, str)
+    dispatches = tuple(_dispatches(doc.get("d", []), max_chain))
     return Message(
         sender,
         seq,
-        tuple(_dispatches(doc.get("d", []), max_chain)),
+        dispatches,
         _counts(doc.get("p", {})),
         _counts(doc.get("o", {})),
         _backlogs(doc.get("t", {})),
+        _confirmations(doc.get("c", []), seq, len(dispatches)),
     )
 
 
@@ -173,6 +260,14 @@ def dispatches_per_message(max_chain: int, max_bytes: int) -> int:
     return max(1, min(64, max_bytes // 2 // worst))
 
 
+def confirmations_per_message(max_bytes: int) -> int:
+    """How many confirmations one message may carry: a quarter of the budget for the worst
+    case (a 20-digit sequence, a position, a name), at least one, at most
+    ``MAX_CONFIRMATIONS``. The counts keep the last quarter."""
+    worst = 20 + 6 + MAX_NAME + 8
+    return max(1, min(MAX_CONFIRMATIONS, max_bytes // 4 // worst))
+
+
 def _name(value: object) -> bool:
     return isinstance(value, str) and 0 < len(value) <= MAX_NAME
 
@@ -189,6 +284,24 @@ def _dispatches(items: object, max_chain: int) -> Iterable[Dispatch]:
         if not all(type(h) is int and 0 <= h <= _MAX_HASH for h in chain):
             raise BadMessage("bad block hash")
         yield Dispatch(item[0], item[1], tuple(chain))
+
+
+def _confirmations(items: object, seq: int, dispatches: int) -> tuple[Confirmation, ...]:
+    """References to this message's ``d`` entries (of which there are ``dispatches``) or to an
+    earlier message's."""
+    if not isinstance(items, list) or len(items) > MAX_CONFIRMATIONS:
+        raise BadMessage("bad confirmations")
+    out: list[Confirmation] = []
+    for item in items:
+        if not (isinstance(item, list) and len(item) == 3 and _name(item[2])):
+            raise BadMessage("bad confirmation")
+        at, pos = item[0], item[1]
+        if not (type(at) is int and type(pos) is int and 0 <= at <= seq):
+            raise BadMessage("bad confirmation")
+        if not 0 <= pos < (dispatches if at == seq else _MAX_POSITION):
+            raise BadMessage("bad confirmation")
+        out.append(Confirmation(at, pos, item[2]))
+    return tuple(out)
 
 
 def _backlogs(doc: object) -> dict[str, Backlog]:
@@ -286,3 +399,40 @@ class PeerTable:
                     t, r, k = out.get(name, NO_BACKLOG)
                     out[name] = Backlog(t + b.tokens, r + b.requests, k + b.seen)
         return out
+
+
+class Unconfirmed:
+    """Other processes' dispatches merged here, by (sender, seq, position), until a confirmation
+    names them. At most ``max_entries`` of them and ``max_blocks`` chain blocks in all, the
+    oldest forgotten first (a request that never had a first byte is never named)."""
+
+    def __init__(self, max_entries: int = 1 << 14, max_blocks: int = 1 << 18) -> None:
+        self.max_entries = max_entries
+        self.max_blocks = max_blocks
+        self._kept: OrderedDict[tuple[str, int, int], Dispatch] = OrderedDict()
+        self._blocks = 0
+
+    def merged(self, sender: str, seq: int, pos: int, dispatch: Dispatch) -> None:
+        """``dispatch``, entry ``pos`` of ``sender``'s message ``seq``, was merged here."""
+        old = self._kept.pop((sender, seq, pos), None)  # the same message again (a replay)
+        self._blocks += len(dispatch.chain) - (0 if old is None else len(old.chain))
+        self._kept[(sender, seq, pos)] = dispatch
+        while self._kept and (len(self._kept) > self.max_entries
+                              or self._blocks > self.max_blocks):
+            self._blocks -= len(self._kept.popitem(last=False)[1].chain)
+
+    def confirmed(self, msg: Message, pools: Mapping[str, str]) -> tuple[list[Dispatch], int]:
+        """The dispatches ``msg`` confirms, each with the engine that answered it (of the
+        dispatch's pool, as ``pools`` maps engines), and how many of its confirmations name
+        none kept here or an engine outside that pool."""
+        found: list[Dispatch] = []
+        for c in msg.confirmations:
+            d = self._kept.pop((msg.sender, c.seq, c.pos), None)
+            if d is not None:
+                self._blocks -= len(d.chain)
+                if pools.get(c.engine) == d.pool:
+                    found.append(Dispatch(d.pool, c.engine, d.chain))
+        return found, len(msg.confirmations) - len(found)
+
+    def __len__(self) -> int:
+        return len(self._kept)

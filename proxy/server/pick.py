@@ -6,7 +6,8 @@ views, this proxy's open connections per engine, precise holdings, what peer rep
 sent unseen) and records the outcome (the policy's index, the sharing outbox, the precise index,
 the prompt tokens each candidate would compute). The cost model is told of the dispatch under the
 job's identity (unique among open requests, and every relayed job is ranked here first), so that
-the relay's first byte settles the prompt where it was answered. While a peer replica is live and
+the relay's first byte settles the prompt where it was answered; so is the sharing outbox, which
+confirms that first byte to the other processes. While a peer replica is live and
 Redis carries the sharing, the pick among the candidates the cost model leaves open is made in
 Redis, one decision after another across replicas (``proxy.tenancy.shared_decision``); otherwise,
 and whenever Redis does not answer in time, the local ranking stands. A pool whose routable engines
@@ -75,10 +76,13 @@ async def rank(
     }
     job.prompt_tokens = dict(job.prefill)
     policy.observe(key, ranked[0])
+    token = None
     if isinstance(policy, ExpectedTTFT):
-        # The relay's first byte settles the prompt where it is answered (``Relay._answered``).
+        # The relay's first byte settles the prompt where it is answered (``Relay._answered``),
+        # here and, through the outbox, in the other processes.
         policy.dispatched(id(job), key)
-    ctx.outbox.dispatched(pool, ranked[0], chain)
+        token = id(job)
+    ctx.outbox.dispatched(pool, ranked[0], chain, token)
     if holdings is not None and ctx.precise is not None:
         ctx.precise.dispatched(ranked[0], holdings)
     return ranked

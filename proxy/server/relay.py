@@ -232,6 +232,7 @@ class Relay:
         policy = self._ctx.policies.get(self._job.pool)
         if isinstance(policy, ExpectedTTFT):  # announced by ``pick.rank`` under this token
             policy.first_byte(id(self._job), engine.name)
+            self._ctx.outbox.answered(id(self._job), engine.name)
 
     async def _open(self, engine: Engine) -> aiohttp.ClientResponse:
         """Send the request and wait for the response head; raise ``_Retry`` where allowed."""

@@ -1,15 +1,16 @@
 """Routing state shared between proxy processes: the shell around ``proxy.core.sharing``.
 
 Rules:
-- Every ``sharing.interval_s`` (unless quiet, below) one round: take the outbox (dispatches
-  the request path recorded), read each engine's in-flight counts, publish them as one message
-  (or several of at most ``dispatches_per_message`` dispatches: chains of ``max_chain``
-  blocks fit a frame), then
+- Every ``sharing.interval_s`` (unless quiet, below) one round: pack the outbox (dispatches
+  and first bytes the request path recorded: ``Outbox.pack``), read each engine's in-flight
+  counts, publish them as one message (or several, each within its share of a frame), then
   merge what the other processes published: their dispatches go into this process's policies
-  through ``Policy.observe`` exactly as local ones do, their in-flight counts into each
+  through ``Policy.observe`` exactly as local ones do, their first bytes through
+  ``Policy.confirm`` (settled, as the sender settled them), their in-flight counts into each
   engine's ``remote_pending`` (part of its load) and their prefill backlogs into its
   ``remote_backlog`` (part of the cost model's queued work). Own messages and unknown pools or
-  engines are skipped; bad messages are dropped and counted.
+  engines are skipped; bad messages and confirmations of nothing merged here are dropped and
+  counted.
 - Counts are published when they change and at least every ``ttl_s / 4``, so a peer's figures
   never lapse while it lives, and vanish ``ttl_s`` after it dies or loses the transport.
 - Quiet rounds (``proxy.core.sharing.next_round``), over a transport that says when messages
@@ -40,6 +41,7 @@ import contextlib
 import logging
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import replace
 from typing import Protocol, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -49,10 +51,11 @@ from proxy.core.routing import Policy, RouteKey
 from proxy.core.sharing import (
     NO_BACKLOG,
     BadMessage,
-    Dispatch,
     Message,
     Outbox,
     PeerTable,
+    Unconfirmed,
+    confirmations_per_message,
     decode,
     dispatches_per_message,
     encode,
@@ -253,6 +256,8 @@ class SharedRouting:
         self.interval_s = interval_s
         self._max_chain = max_chain
         self._per_message = dispatches_per_message(max_chain, MAX_FRAME)
+        self._per_confirm = confirmations_per_message(MAX_FRAME)
+        self._unconfirmed = Unconfirmed()
         self._clock = clock
         self.metrics = SharingMetrics(registry)
         self.transport = transport
@@ -262,7 +267,7 @@ class SharedRouting:
         self._last_counts: tuple[Mapping[str, object], ...] = ({}, {}, {})
         self._last_sent = -1e18
         self._live: bool | None = None
-        self._dropped_seen = 0
+        self._dropped_seen = (0, 0)  # the outbox's dispatches and first bytes dropped
         self._stopped = False
         # Told (live peers, dispatches merged per pool) after every round; 0 peers when the
         # round failed.
@@ -321,31 +326,38 @@ class SharedRouting:
 
     async def _publish(self, engines: list[HasState], now: float) -> bool:
         """Publish what changed (or a heartbeat); whether the outbox held dispatches."""
-        dispatches = self._outbox.take()
+        msgs = self._outbox.pack(self.sender, self._seq + 1, per_message=self._per_message,
+                                 per_confirm=self._per_confirm)  # fmt: skip
         self._count_drops()
         pending = {e.name: float(e.state.dispatched_since_snapshot) for e in engines}
         opened = {e.name: float(e.state.open_requests) for e in engines}
         prefill = {e.name: e.state.backlog for e in engines}
+        news = any(m.dispatches or m.confirmations for m in msgs)
         changed = (pending, opened, prefill) != self._last_counts
-        if not dispatches and not changed and now - self._last_sent < self._heartbeat_s:
+        if not news and not changed and now - self._last_sent < self._heartbeat_s:
             return False
-        per = self._per_message
-        chunks = [dispatches[i : i + per] for i in range(0, len(dispatches), per)]
-        for i, chunk in enumerate(chunks or [[]]):
-            self._seq += 1
-            counts = (pending, opened, prefill) if i == len(chunks or [[]]) - 1 else ({}, {}, {})
-            msg = Message(self.sender, self._seq, tuple(chunk), *counts)
-            await self._bus.publish(encode(msg))
-            self.metrics.published.labels("dispatches").inc(len(chunk))
+        msgs[-1] = replace(msgs[-1], pending=pending, open=opened, prefill=prefill)
+        self._seq = msgs[-1].seq  # all spent, even on failure: a message may have gone anyway
+        for msg in msgs:
+            try:
+                await self._bus.publish(encode(msg))
+            except BusDown:
+                self._outbox.unsent(msg.seq)
+                raise
+            self.metrics.published.labels("dispatches").inc(len(msg.dispatches))
+            self.metrics.published.labels("confirmations").inc(len(msg.confirmations))
             self.metrics.published.labels("messages").inc()
         self._last_counts, self._last_sent = (pending, opened, prefill), now
-        return bool(dispatches)
+        return any(m.dispatches for m in msgs)
 
     def _count_drops(self) -> None:
-        dropped = self._outbox.dropped - self._dropped_seen
-        if dropped:
-            self.metrics.dropped.labels("batch_full").inc(dropped)
-            self._dropped_seen = self._outbox.dropped
+        dispatches, answers = self._outbox.dropped, self._outbox.dropped_answers
+        seen = self._dropped_seen
+        if dispatches > seen[0]:
+            self.metrics.dropped.labels("batch_full").inc(dispatches - seen[0])
+        if answers > seen[1]:
+            self.metrics.dropped.labels("confirm_batch_full").inc(answers - seen[1])
+        self._dropped_seen = (dispatches, answers)
 
     async def _merge(self, engines: list[HasState], now: float) -> None:
         pools = {e.name: e.pool for e in engines}
@@ -357,22 +369,30 @@ class SharedRouting:
                 continue
             if msg.sender == self.sender:
                 continue
-            self._learn(msg.dispatches, pools)
-            if msg.pending or msg.open or msg.prefill or not msg.dispatches:
+            self._learn(msg, pools)
+            if msg.pending or msg.open or msg.prefill or not (msg.dispatches or msg.confirmations):
                 self._peers.heard(msg, now)
             self.metrics.merged.labels("messages").inc()
 
-    def _learn(self, dispatches: Iterable[Dispatch], pools: Mapping[str, str]) -> None:
+    def _learn(self, msg: Message, pools: Mapping[str, str]) -> None:
         merged = 0
-        for d in dispatches:
+        for pos, d in enumerate(msg.dispatches):
             policy = self._policies.get(d.pool)
             if policy is None or pools.get(d.engine) != d.pool:
                 continue
             # The chain is already seeded by model, tenant and salt; the index needs no more.
             policy.observe(RouteKey(chain=d.chain), d.engine)
+            self._unconfirmed.merged(msg.sender, msg.seq, pos, d)
             self._round[d.pool] = self._round.get(d.pool, 0) + 1
             merged += 1
         self.metrics.merged.labels("dispatches").inc(merged)
+        # After the dispatches: a confirmation may name one of this very message.
+        settled, unknown = self._unconfirmed.confirmed(msg, pools)
+        for d in settled:
+            self._policies[d.pool].confirm(RouteKey(chain=d.chain), d.engine)
+        self.metrics.merged.labels("confirmations").inc(len(settled))
+        if unknown:
+            self.metrics.dropped.labels("unknown_confirmation").inc(unknown)
 
     def _apply_counts(self, engines: list[HasState], now: float) -> int:
         """Set every engine's remote figures; returns the live peers."""

@@ -14,6 +14,8 @@ from redisproc import RedisFactory, RedisServer
 
 from engine_sidecar.sim.cluster import SimCluster, start_cluster
 from proxy.core.config import RoutingConfig, SharingConfig
+from proxy.core.costmodel import ExpectedTTFT
+from proxy.core.holdings import ApproxHoldings
 from proxy.server.app import build_app
 from proxy.server.keys import SHELL
 from proxy.server.lifecycle import ProxyServer
@@ -234,3 +236,28 @@ async def test_a_replica_learns_how_many_peer_dispatches_come_with_its_own(
                 break
         assert blind.expected > 0.0
         assert blind.unseen() == blind.expected
+
+
+async def test_a_prompt_one_replica_served_is_settled_at_the_other(
+    replicas: Replicas, redis_server: RedisServer
+) -> None:
+    """A's first byte reaches B with A's dispatch (``proxy.core.sharing``): B settles the prompt
+    where A's request was answered, as A does, instead of holding it provisionally for ever."""
+    a, b = await replicas(redis_server.url)
+    policies = [s.app[SHELL].policies["target"] for s in (a, b)]
+    async with aiohttp.ClientSession(headers=AUTH) as http:
+        for server in (a, b):
+            await wait_for(lambda s=server: _ready(http, s.url))
+        for server in (a, b):  # each reads the stream: A's dispatch below reaches B
+            await wait_for(lambda s=server: _is(
+                scrape(http, s.url + "/metrics", "kvproxy_sharing_peers"), 1.0))
+        async with http.post(a.url + "/v1/chat/completions", json=body(" settle me")) as r:
+            assert r.status == 200, await r.text()
+        await wait_for(lambda: _is_at_least(scrape(
+            http, b.url + "/metrics", "kvproxy_sharing_merged_total", kind="confirmations"), 1))
+        home = next(iter(await engines_used(http, [a])))
+    for policy in policies:
+        assert isinstance(policy, ExpectedTTFT) and isinstance(policy.holdings, ApproxHoldings)
+    # The prompt's blocks are settled at its engine in B as in A (none were before confirmations).
+    settled = [p.holdings.settled.size(home) for p in policies]
+    assert settled[0] > 0 and settled[1] == settled[0], settled

@@ -165,16 +165,26 @@ async def post(url: str, body: dict[str, object]) -> int:
 
 
 async def test_both_workers_serve_and_metrics_count_them_all(parent: Parent) -> None:
-    statuses = [await post(parent.url, chat(f"hello {i}")) for i in range(24)]
-    assert statuses == [200] * 24
     seats = parent.workers()
     assert len(seats) == 2
+    async with asyncio.timeout(5):  # each hears the other: every dispatch below is merged
+        for _, path in seats.values():
+            await wait_metric(path, "kvproxy_sharing_peers", 1)
+    statuses = [await post(parent.url, chat(f"hello {i}")) for i in range(24)]
+    assert statuses == [200] * 24
     own = [total(await own_metrics(path), "kvproxy_requests_total") for _, path in seats.values()]
     assert all(n > 0 for n in own), f"one worker served nothing: {own}"
     async with aiohttp.ClientSession() as http, http.get(parent.url + "/metrics") as resp:
         merged = await resp.text()
     assert total(merged, "kvproxy_requests_total", status="200") == 24
     assert total(merged, "kvproxy_sharing_live") == 1.0
+    # Each worker settles the prompts its sibling served: their first bytes reach it too.
+    async with asyncio.timeout(5):
+        for _, path in seats.values():
+            await wait_metric(path, "kvproxy_sharing_merged_total", 1, kind="confirmations")
+    for _, path in seats.values():
+        text = await own_metrics(path)
+        assert total(text, "kvproxy_sharing_dropped_total", reason="unknown_confirmation") == 0
 
 
 # What the workers know of each other's dispatches, under the affinity policy: the default cost
