@@ -3,7 +3,10 @@
 Rules (pure, no I/O):
 - An entry holds one complete answer in the non-streamed OpenAI shape, whatever shape the miss was
   relayed in (``proxy.core.recording`` rebuilds it); it is replayed as JSON or as an SSE stream,
-  whichever the client asks for now, the stream in the chunk shape the engine itself would send.
+  whichever the client asks for now, the stream in the chunk shape the engine itself would send
+  (the whole text in one content chunk between the role and the finish). An answer with a field
+  no streamed chunk carries (``streamable``: vLLM's ``prompt_token_ids``, a choice's
+  ``token_ids``, a ``service_tier``) is replayed as JSON only; a stream asking for it misses.
 - Complete means at least one choice and every choice finished with a ``finish_reason`` other than
   ``abort`` (``is_finished``); an entry that does not hold such an answer does not decode.
 - An entry names the tenant and model it belongs to; decoding checks both, so even a key collision
@@ -128,6 +131,20 @@ def is_finished(response: dict[str, Any]) -> bool:
 
 
 # --- replay ---------------------------------------------------------------------------------------
+
+# What a streamed replay carries of an answer and of each choice; any other field with a value
+# would be lost on the way.
+_STREAMED_FIELDS = frozenset({*HEAD_FIELDS, "object", "choices", "usage"})
+_STREAMED_CHOICE = frozenset({"index", "message", "text", "logprobs", "finish_reason",
+                              "stop_reason"})  # fmt: skip
+
+
+def streamable(response: dict[str, Any]) -> bool:
+    """Whether ``replay_sse`` carries everything ``response`` says (unset fields are null)."""
+    if any(response[k] is not None for k in response.keys() - _STREAMED_FIELDS):
+        return False
+    return all(choice[k] is None for choice in response["choices"]
+               for k in choice.keys() - _STREAMED_CHOICE)  # fmt: skip
 
 
 def replay_sse(entry: CachedResponse, *, include_usage: bool) -> bytes:

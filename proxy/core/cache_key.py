@@ -1,13 +1,20 @@
 """Which requests the response cache may answer, and the key an answer is stored under.
 
 Rules (pure, no I/O):
-- Only reproducible answers are cached: ``temperature == 0`` or an integer ``seed``, and ``n == 1``.
+- Only reproducible answers are cached: ``temperature == 0`` or an integer ``seed`` other than
+  ``-1`` (vLLM reads ``-1`` as no seed), and ``n == 1``.
   Config can turn the cache off; a request can refuse it with ``Cache-Control``: ``no-store``
   (neither read nor write) or ``no-cache`` (not answered from the cache, but the fresh answer is
   stored).
 - A streamed request whose answer the cache could never store bypasses it entirely, so it is not
   made to wait for an identical one either: per-token ``logprobs`` and tool calls cannot be merged
-  from stream deltas (see ``recording``). The same requests without ``stream`` stay cacheable.
+  from stream deltas (see ``recording``), nor the token ids ``return_token_ids`` asks for. The
+  same requests without ``stream`` stay cacheable.
+- The key leaves the transport fields out, so the cache answers only requests whose transport
+  fields the engine would accept as they are: ``stream_options`` only on a stream, as an object of
+  the two options vLLM knows with values it reads as booleans; no ``prompt_logprobs`` on a stream;
+  no ``continuous_usage_stats`` (a replay carries the usage once, at the end). Anything else
+  bypasses the cache, and the engine answers it (its 400, where it refuses).
 - The key is an HMAC-SHA256 under a server-side secret over the tenant, the requested model, the
   endpoint and the whole canonical request minus what only shapes the transport (``stream``,
   ``stream_options``) or the scheduling (``priority``). Never a part of the prompt alone: one tenant
@@ -37,6 +44,8 @@ CacheBackendName = Literal["memory", "redis"]
 TRANSPORT_FIELDS = frozenset({"stream", "stream_options", "priority"})
 _KEY_DOMAIN = b"kvproxy-response-cache-v1"
 _EXACT_FLOAT_INTS = 2**53
+_STREAM_OPTIONS = frozenset({"include_usage", "continuous_usage_stats"})
+_BOOL_WORDS = frozenset({"0", "off", "f", "false", "n", "no", "1", "on", "t", "true", "y", "yes"})
 _CONTAINERS = (dict, list)  # a tuple: ``dict | list`` would build a union object on every test
 
 
@@ -98,7 +107,7 @@ def decide(body: Mapping[str, Any], cache_control: str | None, *, enabled: bool)
     directives = _directives(cache_control)
     if "no-store" in directives:
         return CachePolicy(False, False, "no_store")
-    reason = _irreproducible(body) or _unstorable_stream(body)
+    reason = _irreproducible(body) or _unstorable_stream(body) or _unusual_transport(body)
     if reason:
         return CachePolicy(False, False, reason)
     if "no-cache" in directives:
@@ -121,7 +130,7 @@ def _irreproducible(body: Mapping[str, Any]) -> str:
     temperature = body.get("temperature")
     greedy = _is_number(temperature) and temperature == 0
     seed = body.get("seed")
-    seeded = isinstance(seed, int) and not isinstance(seed, bool)
+    seeded = isinstance(seed, int) and not isinstance(seed, bool) and seed != -1
     return "" if greedy or seeded else "sampling"
 
 
@@ -135,7 +144,37 @@ def _unstorable_stream(body: Mapping[str, Any]) -> str:
         return "logprobs"
     if _offered(body, "tools", "tool_choice") or _offered(body, "functions", "function_call"):
         return "tools"
+    if body.get("return_token_ids") not in (None, False):
+        return "token_ids"
     return ""
+
+
+def _unusual_transport(body: Mapping[str, Any]) -> str:
+    """Why the cache must leave a request's transport fields to the engine; "" when it need not
+    (see the rules: the key cannot tell these requests from ones the engine answers)."""
+    options = body.get("stream_options")
+    stream = body.get("stream") is True
+    if options is not None and not (stream and isinstance(options, dict)):
+        return "transport"  # vLLM: options only with a stream (an empty one it lets pass)
+    if options:
+        if not options.keys() <= _STREAM_OPTIONS or not all(
+                v is None or _lax_bool(v) for v in options.values()):
+            return "transport"
+        if options.get("continuous_usage_stats") not in (None, False):
+            return "transport"
+    if stream and body.get("prompt_logprobs") is not None:
+        return "transport"
+    return ""
+
+
+def _lax_bool(value: object) -> bool:
+    """A value pydantic's lax mode surely reads as a boolean, as vLLM validates the stream
+    options (a doubtful one is left to the engine: bypassing costs a hit, never a wrong answer)."""
+    if isinstance(value, bool):
+        return True
+    if isinstance(value, int):
+        return value in (0, 1)
+    return isinstance(value, str) and value.lower() in _BOOL_WORDS
 
 
 def _offered(body: Mapping[str, Any], tools: str, choice: str) -> bool:

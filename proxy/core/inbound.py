@@ -38,10 +38,13 @@ class Inbound:
 
 
 DEFAULT_MAX_DEPTH = 64
+_BOM = b"\xef\xbb\xbf"
 
 
 def parse_body(raw: bytes, max_depth: int = DEFAULT_MAX_DEPTH) -> dict[str, Any]:
     """Parse a JSON object; the error message names what is wrong with it."""
+    if raw[:3] == _BOM:
+        raw = raw[3:]  # a UTF-8 byte order mark: JSON readers (vLLM's among them) skip it
     if not raw:
         raise BadRequest("request body is empty; expected a JSON object", param=None)
     try:

@@ -7,7 +7,9 @@ Rules (pure, no I/O):
   stream that broke off, carried an error event, or had a choice finish with ``abort`` never is.
 - Stream deltas are merged field by field (strings concatenate). A delta this module cannot
   merge faithfully (tool-call fragments, per-token logprobs) makes the answer unstorable rather
-  than wrong.
+  than wrong, and so does any other field with a value that the stored answer would drop: an
+  event's own beyond the head, the choices and the usage (vLLM's ``prompt_token_ids``,
+  ``prompt_text``), a choice's beyond its index, text, finish and stop reason (``token_ids``).
 - An answer longer than ``max_bytes`` is never stored: the relay feeds at most that many bytes and
   only counts the rest (``Recorder.skipped``). Bytes after ``[DONE]`` make a stream unstorable.
 """
@@ -141,6 +143,9 @@ class StreamAssembler:
                     or not isinstance(choices := obj.get("choices"), list)):
                 self._give_up()
                 return
+            if not obj.keys() <= _EVENT_FIELDS and _set_beyond(obj, _EVENT_FIELDS):
+                self._give_up()  # a field the stored answer would drop (token ids, say)
+                return
             if not self._head:
                 self._head = {k: obj[k] for k in HEAD_FIELDS if k in obj}
             if obj.get("usage"):
@@ -180,6 +185,8 @@ class StreamAssembler:
         index = choice.get("index", 0)
         if not isinstance(index, int) or choice.get("logprobs") is not None:
             return False
+        if not choice.keys() <= _CHOICE_FIELDS and _set_beyond(choice, _CHOICE_FIELDS):
+            return False
         into = self._choices.get(index)
         if into is None:
             into = self._choices[index] = _Choice(index)
@@ -202,6 +209,16 @@ class StreamAssembler:
         response["choices"] = choices
         response["usage"] = self._usage
         return response if is_finished(response) else None
+
+
+# What a streamed event and its choices may carry with a value: anything else would be lost.
+_EVENT_FIELDS = frozenset({*HEAD_FIELDS, "object", "choices", "usage"})
+_CHOICE_FIELDS = frozenset({"index", "delta", "text", "logprobs", "finish_reason", "stop_reason"})
+
+
+def _set_beyond(obj: dict[str, Any], known: frozenset[str]) -> bool:
+    """Whether ``obj`` gives a field outside ``known`` a value (vLLM writes unset ones as null)."""
+    return any(obj[k] is not None for k in obj.keys() - known)
 
 
 def _payload(lines: list[bytes]) -> bytes:

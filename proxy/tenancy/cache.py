@@ -31,7 +31,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter
 
-from proxy.core.cache_entry import CachedResponse, EntryError, decode_entry
+from proxy.core.cache_entry import CachedResponse, EntryError, decode_entry, streamable
 from proxy.core.cache_key import CacheConfig, CachePolicy, KeyMaker, decide
 from proxy.core.recording import Recording
 from proxy.core.usage import asks_for_usage
@@ -268,10 +268,16 @@ class ResponseCache:
 
 def _usable(req: CacheRequest, entry: CachedResponse | None) -> CachedResponse | None:
     """The entry, if it can answer ``req``: an answer relayed as a stream without usage figures
-    cannot answer a client that wants them (JSON clients always do); that client refreshes it."""
-    if entry is None or entry.response.get("usage") is not None:
+    cannot answer a client that wants them (JSON clients always do), and a stream cannot carry
+    every answer (``streamable``); that client refreshes it."""
+    if entry is None:
+        return None
+    stream = req.body.get("stream") is True
+    if stream and not streamable(entry.response):
+        return None
+    if entry.response.get("usage") is not None:
         return entry
-    return entry if req.body.get("stream") is True and not asks_for_usage(req.body) else None
+    return entry if stream and not asks_for_usage(req.body) else None
 
 
 class Fill:

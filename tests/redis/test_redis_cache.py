@@ -373,3 +373,20 @@ async def test_a_stored_value_larger_than_any_entry_is_refused_without_reading_i
         assert await cache.backend.get("never-stored") is None
     finally:
         await link.close()
+
+
+async def test_a_json_answer_a_stream_cannot_carry_answers_json_clients_only(
+    cache: ResponseCache,
+) -> None:
+    lookup = await cache.lookup(request())
+    assert lookup.fill is not None
+    doc = orjson.loads(answer("tier"))
+    doc["service_tier"] = "default"  # no streamed chunk has this field
+    async with lookup.fill as fill:
+        fill.start(200, streamed=False)
+        fill.feed(orjson.dumps(doc))
+    assert (await cache.lookup(request())).status == "HIT"
+    stream = await cache.lookup(request(stream=True))
+    assert stream.status == "MISS" and stream.fill is not None
+    await stream.fill.finish(completed=False)
+    assert (await cache.lookup(request())).status == "HIT"  # the JSON entry is kept

@@ -9,7 +9,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.core.cache_entry import CachedResponse, EntryError, decode_entry, replay_sse
+from proxy.core.cache_entry import (
+    CachedResponse,
+    EntryError,
+    decode_entry,
+    replay_sse,
+    streamable,
+)
 from proxy.core.recording import StreamAssembler, complete_json
 
 HEAD = {"id": "chatcmpl-1", "created": 1700000000, "model": "m"}
@@ -96,6 +102,43 @@ def test_other_event_shapes_are_understood(split: int) -> None:
 )
 def test_incomplete_or_unmergeable_streams_are_not_answers(data: bytes) -> None:
     assert assemble(data) is None
+
+
+def token_ids_stream() -> bytes:
+    """vLLM's stream for ``return_token_ids``: the prompt's ids on the first event, each
+    token's on its choice."""
+    first = {**chat_chunk({"role": "assistant", "content": ""}), "prompt_token_ids": [1, 2, 3]}
+    token = chat_chunk({"content": "a"})
+    token["choices"][0]["token_ids"] = [7]
+    return sse(first, token, chat_chunk({}, "stop"))
+
+
+@pytest.mark.parametrize("where", ["event", "choice"])
+def test_a_stream_with_a_field_the_answer_would_drop_is_not_stored(where: str) -> None:
+    data = token_ids_stream()
+    if where == "event":  # only the prompt's ids
+        data = data.replace(b',"token_ids":[7]', b',"token_ids":null')
+    else:  # only the token's ids
+        data = data.replace(b',"prompt_token_ids":[1,2,3]', b"")
+    assert assemble(data) is None
+
+
+def test_fields_vllm_writes_as_null_do_not_stop_a_stream_being_stored() -> None:
+    data = token_ids_stream().replace(b"[1,2,3]", b"null").replace(b"[7]", b"null")
+    result = assemble(data)
+    assert result is not None and result["choices"][0]["message"]["content"] == "a"
+
+
+def test_an_answer_with_a_field_no_stream_carries_is_not_streamable() -> None:
+    choice = {"index": 0, "message": {"role": "assistant", "content": "x"}, "logprobs": None,
+              "finish_reason": "stop", "stop_reason": None, "token_ids": None}  # fmt: skip
+    plain = {**HEAD, "object": "chat.completion", "choices": [choice], "usage": None,
+             "service_tier": None, "prompt_token_ids": None,
+             "system_fingerprint": "fp"}  # fmt: skip
+    assert streamable(plain)
+    assert not streamable({**plain, "prompt_token_ids": [1, 2]})
+    assert not streamable({**plain, "service_tier": "default"})
+    assert not streamable({**plain, "choices": [{**choice, "token_ids": [5]}]})
 
 
 def test_size_bound_gives_up() -> None:
@@ -242,8 +285,9 @@ def test_the_usual_events_fast_path_agrees_with_the_line_by_line_path(variant: i
     fast = assemble(data, split=1 << 20)
     slow = assemble(b": keep-alive\n\n" + data, split=1 << 20)
     assert fast == slow
-    # Not stored: per-token logprobs, a float index, a second choice that never finished.
-    assert (fast is None) == (variant in (2, 4, 5))
+    # Not stored: per-token logprobs, a float index, a second choice that never finished, a
+    # field with a value that the stored answer would drop.
+    assert (fast is None) == (variant in (2, 4, 5, 6))
 
 
 def test_the_fingerprint_on_a_streams_last_chunk_is_kept() -> None:

@@ -50,3 +50,9 @@ def test_a_body_that_is_not_an_object_is_named_in_jsons_words(raw: bytes, words:
     message = str(info.value)
     assert words in message
     assert not any(name in message for name in ("NoneType", "list", "str ", "orjson", "char "))
+
+
+def test_a_body_after_a_utf8_byte_order_mark_is_read_as_json() -> None:
+    assert parse_body(b'\xef\xbb\xbf{"model": "m"}') == {"model": "m"}
+    with pytest.raises(BadRequest, match="empty"):
+        parse_body(b"\xef\xbb\xbf")
