@@ -36,7 +36,8 @@ from bench.workloads import by_name
 from proxy.core.config import RoutingConfig
 from proxy.core.costmodel import queued_tokens
 from proxy.core.routeview import RouteKey
-from proxy.core.sharing import NO_BACKLOG, Message, Outbox, PeerTable
+from proxy.core.sharing import NO_BACKLOG, Message
+from proxy.core.sharing_state import Outbox, PeerTable
 from proxy.core.spread import Blindness
 
 

@@ -33,7 +33,7 @@ from proxy.core.door_config import DoorConfig
 from proxy.core.errors import ExpectationFailed, KvproxyError, PayloadTooLarge
 from proxy.core.isolation import TenantSalts
 from proxy.core.routing import make_policy
-from proxy.core.sharing import Outbox
+from proxy.core.sharing_state import Outbox
 from proxy.core.spread import Blindness
 from proxy.fleet.discovery import REFRESH_S, ModelDiscovery
 from proxy.fleet.engines import Engine, Fleet

@@ -22,7 +22,7 @@ from proxy.core.config import Config
 from proxy.core.errors import NoCapacity
 from proxy.core.isolation import TenantSalts
 from proxy.core.routing import Policy
-from proxy.core.sharing import Outbox
+from proxy.core.sharing_state import Outbox
 from proxy.core.spread import Blindness
 from proxy.fleet.engines import Fleet
 from proxy.fleet.precise import PreciseRouting

@@ -52,15 +52,12 @@ from proxy.core.sharing import (
     NO_BACKLOG,
     BadMessage,
     Message,
-    Outbox,
-    PeerTable,
-    Unconfirmed,
     confirmations_per_message,
     decode,
     dispatches_per_message,
     encode,
-    next_round,
 )
+from proxy.core.sharing_state import Outbox, PeerTable, Unconfirmed, next_round
 from proxy.tenancy.hub import MAX_FRAME, BusDown
 from proxy.tenancy.redis_link import RedisClient, RedisLink, RedisUnavailable
 

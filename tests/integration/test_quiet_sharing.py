@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 from proxy.core.config import RoutingConfig
 from proxy.core.engine_state import EngineState
 from proxy.core.routing import make_policy
-from proxy.core.sharing import Outbox
+from proxy.core.sharing_state import Outbox
 from proxy.tenancy.hub import Hub, HubBus
 from proxy.tenancy.shared_routing import SharedRouting
 

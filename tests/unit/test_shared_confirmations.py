@@ -14,7 +14,7 @@ from proxy.core.config import RoutingConfig
 from proxy.core.costmodel import ExpectedTTFT
 from proxy.core.engine_state import EngineState
 from proxy.core.routeview import RouteKey
-from proxy.core.sharing import Outbox
+from proxy.core.sharing_state import Outbox
 from proxy.tenancy.shared_routing import SharedRouting
 
 CHAIN = tuple(range(101, 121))

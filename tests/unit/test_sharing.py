@@ -18,15 +18,12 @@ from proxy.core.sharing import (
     Confirmation,
     Dispatch,
     Message,
-    Outbox,
-    PeerTable,
-    Unconfirmed,
     confirmations_per_message,
     decode,
     dispatches_per_message,
     encode,
-    next_round,
 )
+from proxy.core.sharing_state import Outbox, PeerTable, Unconfirmed, next_round
 from proxy.core.telemetry import EngineSnapshot
 
 
