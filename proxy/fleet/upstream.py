@@ -168,8 +168,17 @@ def translate(exc: BaseException, engine: str, phase: str) -> UpstreamError:
     if isinstance(exc, TimeoutError):
         return UpstreamTimeout(f"engine {engine} timed out ({phase})")
     # The library's text names the engine's address: the operator's to read, not the client's.
-    log.warning("engine %s failed (%s): %r", engine, phase, exc)
+    log.warning("engine %s failed (%s): %s", engine, phase, loggable(exc))
     return UpstreamError(f"engine {engine} failed ({phase}): {_kind(exc)}")
+
+
+def loggable(exc: BaseException) -> str:
+    """``exc`` for the operator's log: its kind and message, never the request it came from
+    (aiohttp's repr of a response error holds the request's headers: the engine's API key and
+    the client's headers with them)."""
+    if isinstance(exc, aiohttp.ClientResponseError):
+        return f"{type(exc).__name__}(status={exc.status}, message={exc.message!r})"
+    return repr(exc)
 
 
 def _kind(exc: BaseException) -> str:

@@ -6,6 +6,10 @@ Rules:
   gone (499), the engine failing (502) or too slow (504). The proxy's own endpoints are not logged.
 - A line names the tenant, never its API key, and holds no prompt or answer text. Token counts come
   from the engine's ``usage`` when the answer carries one; otherwise they are null, never guessed.
+- The client's own text (the model it asked for) is written cut to ``SHOWN_CHARS`` characters,
+  with every character that is not printable (controls, line and paragraph separators) written
+  as its ``\\uXXXX`` escape: no client can make a line long, or look like two lines to a reader
+  that splits on any line break.
 - The relay does no parsing for it on the hot path: it keeps references to the last few chunks it
   relayed (the whole body for a plain JSON answer), and they are parsed here, once, after the
   answer has gone out, and only when the access log is on.
@@ -26,6 +30,7 @@ import orjson
 from pythonjsonlogger.orjson import OrjsonFormatter
 
 from proxy.core.config import LogConfig
+from proxy.core.pools import SHOWN_CHARS
 from proxy.core.usage import Usage
 
 ACCESS_LOGGER = "kvproxy.access"
@@ -91,7 +96,7 @@ def access_fields(job: AccessJob, now: float) -> dict[str, Any]:
         "tenant": job.tenant,
         "method": "POST",
         "path": job.path or None,
-        "model": job.model,
+        "model": None if job.model is None else _clients(job.model),
         "pool": _named(job.pool),
         "engine": _named(job.engine),
         "priority": job.cls,
@@ -107,6 +112,14 @@ def access_fields(job: AccessJob, now: float) -> dict[str, Any]:
         "ttft_s": ttft,
         "duration_s": round(now - job.started_at, 6),
     }
+
+
+def _clients(text: str) -> str:
+    """A client's string as the log writes it (see the rules)."""
+    cut = text[:SHOWN_CHARS] + ("..." if len(text) > SHOWN_CHARS else "")
+    if cut.isprintable():
+        return cut
+    return "".join(c if c.isprintable() else f"\\u{ord(c):04x}" for c in cut)
 
 
 def _named(value: str) -> str | None:

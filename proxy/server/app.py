@@ -336,8 +336,9 @@ async def _expect(request: web.Request) -> web.StreamResponse | None:
         error = ExpectationFailed("the only expectation the proxy meets is 100-continue")
     response = render(error)
     response.force_close()
-    response.headers["X-Request-Id"] = handlers.request_id(request)
+    rid = response.headers["X-Request-Id"] = handlers.request_id(request)
     response.headers["X-Cache"] = "BYPASS"  # a proxied path's answer, as its other refusals
+    handlers.refused_from_head(request, rid, error)
     return response
 
 

@@ -281,6 +281,16 @@ def _engine_priority(ctx: ShellContext, pool: str, priority: Priority) -> int | 
     return engine_priority(priority)
 
 
+def refused_from_head(request: web.Request, request_id: str, error: KvproxyError) -> None:
+    """A proxied request refused from its head alone, before its handler runs (``Expect``):
+    counted and logged as every other proxied request is, with no tenant (not identified)."""
+    ctx = request.app[SHELL]
+    job = Job(request_id, ctx.clock(), cls=Priority.STANDARD.value, path=request.path)
+    job.status = error.status
+    job.extra_headers["X-Cache"] = "BYPASS"
+    _observe(ctx, job)
+
+
 def _observe(ctx: ShellContext, job: Job) -> None:
     m = ctx.metrics
     status = str(job.status or 500)
@@ -316,12 +326,16 @@ def _account(ctx: ShellContext, job: Job, status: str) -> None:
 
 
 async def models(request: web.Request) -> web.Response:
+    # A key where keys are required, as for completions (vLLM with ``--api-key`` and OpenAI ask
+    # for one here too): the names, pools and tiers are not for anyone who can reach the port.
+    await request.app[DOOR].identify(request.headers)
     ctx = request.app[SHELL]
     data = [_model_card(ctx, entry) for entry in model_names(ctx.cfg)]
     return _json({"object": "list", "data": data})
 
 
 async def model(request: web.Request) -> web.Response:
+    await request.app[DOOR].identify(request.headers)  # as ``models``
     ctx = request.app[SHELL]
     name = request.match_info["model"]
     entry = find_model(ctx.cfg, name)

@@ -74,6 +74,7 @@ from proxy.fleet.engines import Engine
 from proxy.fleet.upstream import (
     DATA_POST,
     AnswerTooLarge,
+    loggable,
     redirect_status,
     response_headers,
     retryable_status,
@@ -467,7 +468,8 @@ class Relay:
             log.info("stream from %s cut at the client's deadline", engine.name)
         elif failure is not None:
             self._failed(engine, failure, "mid_stream")
-            log.warning("stream from %s broke after the first byte: %r", engine.name, failure)
+            log.warning("stream from %s broke after the first byte: %s", engine.name,
+                        loggable(failure))
         else:
             self._outcome(engine, Outcome.SUCCESS, None)
             engine.state.on_complete(self._ticket, self._ctx.clock())

@@ -282,6 +282,24 @@ async def test_admin_view_needs_the_admin_key_when_one_is_set(
         ProxyServer(Config(server=ServerConfig(port=0), pools=(pool,), auth=auth))
 
 
+async def test_the_model_list_needs_a_key_where_keys_are_required() -> None:
+    auth = AuthConfig(required=True, tenants=(TenantConfig("acme", keys=("sk-acme-tenant-key",)),))
+    pool = PoolConfig("target", "m", (EngineConfig("e0", "http://127.0.0.1:9"),))
+    server = ProxyServer(Config(server=ServerConfig(port=0), pools=(pool,), auth=auth))
+    await server.start()
+    try:
+        async with aiohttp.ClientSession() as http:
+            for path in ("/v1/models", "/v1/models/m"):
+                for key, status in ((None, 401), ("sk-wrong", 401), ("sk-acme-tenant-key", 200)):
+                    headers = {} if key is None else {"Authorization": f"Bearer {key}"}
+                    async with http.get(server.url + path, headers=headers) as resp:
+                        assert resp.status == status, (path, key)
+                        if status == 401:
+                            assert (await resp.json())["error"]["type"] == "authentication_error"
+    finally:
+        await server.stop()
+
+
 async def _raw_post(url: str, head: bytes, body: bytes) -> tuple[int, bytes]:
     """Send a request head and body in one write (so the body arrives with its head); returns the
     status and the response bytes."""

@@ -18,7 +18,7 @@ from integration.stack import TARGET_MODEL, Stack, StackFactory, chat_body
 from multidict import CIMultiDict
 
 from proxy.core.cache_key import _normalise
-from proxy.core.config import TelemetryConfig, UpstreamConfig
+from proxy.core.config import LogConfig, TelemetryConfig, UpstreamConfig
 from proxy.core.door_config import LimitsConfig
 from proxy.core.errors import UpstreamError
 from proxy.server.app import error_middleware
@@ -286,11 +286,26 @@ async def _exchange(url: str, request: bytes) -> bytes:
         await close(writer)
 
 
-async def test_an_unknown_expectation_is_an_openai_shaped_417(rogue: RogueEngine) -> None:
-    async with proxy_for(rogue) as proxy:
+async def _requests_counted(url: str, status: str) -> float:
+    async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as resp:
+        text = await resp.text()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("kvproxy_requests_total{") and f'status="{status}"' in line)
+
+
+async def test_an_unknown_expectation_is_an_openai_shaped_417(
+    rogue: RogueEngine, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="kvproxy.access")
+    async with proxy_for(rogue, log=LogConfig(access=True)) as proxy:
         raw = await _exchange(proxy.url, head("POST", CHAT, Expect="200-ok",
                                               Content_Type="application/json",
                                               Content_Length="2") + b"{}")
+        # Counted and logged as every proxied request, however it ended.
+        assert await _requests_counted(proxy.url, "417") == 1
+    lines = [r for r in caplog.records if r.name == "kvproxy.access"]
+    assert [(r.status, r.path, r.tenant, r.cache) for r in lines] == [  # type: ignore[attr-defined]
+        (417, CHAT, None, "BYPASS")]
     status_line, _, rest = raw.partition(b"\r\n")
     assert status_line.split()[1] == b"417"
     headers, _, body = rest.partition(b"\r\n\r\n")
@@ -307,6 +322,7 @@ async def test_a_body_announced_too_large_is_refused_before_it_is_invited(
         raw = await _exchange(proxy.url, head("POST", CHAT, Expect="100-continue",
                                               Content_Type="application/json",
                                               Content_Length=str(10**9)))
+        assert await _requests_counted(proxy.url, "413") == 1
     assert raw.startswith(b"HTTP/1.1 413 ")  # no "100 Continue" first: nothing was invited
     assert b"x-cache: bypass" in raw.partition(b"\r\n\r\n")[0].lower()
     assert _error(raw.partition(b"\r\n\r\n")[2])["code"] == "payload_too_large"

@@ -124,3 +124,19 @@ def test_the_access_log_is_not_silenced_by_the_process_log_level(
     finally:
         root.setLevel(level)
     assert out.getvalue()
+
+
+@pytest.mark.parametrize("fmt", ["json", "logfmt"])
+def test_a_clients_model_name_is_one_short_line_whatever_it_holds(
+    access_logger: logging.Logger, fmt: str
+) -> None:
+    out = io.StringIO()
+    accesslog.install(LogConfig(access=True, access_format=fmt), out)
+    forged = "m\u0085request_id=FORGED status=200\u2028\u009b" + "x" * 10_000
+    fields = access_fields(_job(model=forged, status=404), 101.0)
+    accesslog.emit(fields)
+    line = out.getvalue()
+    assert len(line.splitlines()) == 1 and len(line) < 1000
+    assert fields["model"].startswith("m\\u0085request_id=FORGED status=200\\u2028\\u009bxxx")
+    assert fields["model"].endswith("...")
+    assert access_fields(_job(model="gpt-4o"), 101.0)["model"] == "gpt-4o"
