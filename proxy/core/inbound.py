@@ -2,6 +2,11 @@
 
 Rules: pure and synchronous (no aiohttp, no I/O). Only the fields the proxy itself uses are
 validated; everything else in the body is the engine's business and is passed on untouched.
+Those fields are read as vLLM reads them (pydantic's lax mode), so that what the engine would
+take the proxy takes too: an integer also as a float without a fraction (``5.0``) or a string of
+one (``"5"``), a number also as a string of one, ``stream`` also as ``0``/``1`` or a word
+(``"true"``, ``"no"``, ...); such a value is written back in its own type, so everything after
+(routing, the cache key, the engine) sees one spelling. A boolean is never a number here.
 Every rejection is a ``BadRequest`` whose ``param`` names the offending field, so that clients get
 the same kind of 400 that the OpenAI API would give them. A body nested deeper than ``max_depth``
 levels (the top-level object is level 1) is refused at parse, by an iterative walk, so no later
@@ -11,6 +16,7 @@ step (re-encoding, the cache key) ever meets one.
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -177,7 +183,8 @@ def _prompt_item(item: object) -> bool:
     return isinstance(item, list) and all(_is_int(t) for t in item)
 
 
-def _check_sampling(body: Mapping[str, Any]) -> None:
+def _check_sampling(body: dict[str, Any]) -> None:
+    _read_lax(body)
     _flag(body, "stream")
     for name in ("max_tokens", "max_completion_tokens"):
         _positive_int(body, name)
@@ -188,6 +195,44 @@ def _check_sampling(body: Mapping[str, Any]) -> None:
     seed = body.get("seed")
     if seed is not None and not _is_int(seed):
         raise BadRequest("'seed' must be an integer", param="seed")
+
+
+_INT_FIELDS = ("max_tokens", "max_completion_tokens", "n", "seed")
+_TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
+_FALSE = frozenset({"0", "off", "f", "false", "n", "no"})
+
+
+def _read_lax(body: dict[str, Any]) -> None:
+    """The fields the proxy uses in their own types where vLLM would take another spelling (see
+    the rules); a value vLLM would refuse is left as it is, for the checks to refuse."""
+    for name in _INT_FIELDS:
+        value = body.get(name)
+        if isinstance(value, float | str) and (whole := _lax_int(value)) is not None:
+            body[name] = whole
+    temperature = body.get("temperature")
+    if isinstance(temperature, str):
+        try:
+            read = float(temperature.strip())
+        except ValueError:
+            pass
+        else:
+            if math.isfinite(read):
+                body["temperature"] = read
+    stream = body.get("stream")
+    if isinstance(stream, str) and stream.strip().lower() in _TRUE | _FALSE:
+        body["stream"] = stream.strip().lower() in _TRUE
+    elif _is_int(stream) and stream in (0, 1):
+        body["stream"] = bool(stream)
+
+
+def _lax_int(value: float | str) -> int | None:
+    if isinstance(value, float):
+        return int(value) if value.is_integer() else None
+    text = value.strip()
+    digits = text[1:] if text[:1] in "+-" else text
+    if not digits.isascii() or not digits.isdigit() or len(digits) > 19:
+        return None
+    return int(text)
 
 
 def _flag(body: Mapping[str, Any], name: str) -> bool:

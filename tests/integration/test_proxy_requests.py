@@ -34,7 +34,7 @@ from .stack import TARGET_MODEL, Stack, StackFactory, chat_body
         ({"model": TARGET_MODEL, "messages": [{"content": "x"}]}, "messages[0].role"),
         (chat_body("x", temperature="hot"), "temperature"),
         (chat_body("x", max_tokens=0), "max_tokens"),
-        (chat_body("x", stream="yes"), "stream"),
+        (chat_body("x", stream="maybe"), "stream"),  # "yes" is a boolean to vLLM, and here
         (chat_body("x", n=0), "n"),
         (chat_body("x", seed=1.5), "seed"),
         (chat_body("x", priority="urgent"), "priority"),
