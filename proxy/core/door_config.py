@@ -19,6 +19,7 @@ from proxy.core.cache_key import CacheConfig
 from proxy.core.config_checks import at_least_zero, positive
 from proxy.core.errors import ConfigError
 from proxy.core.limit_rules import Limits
+from proxy.core.redis_url import check_redis_url
 
 TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\Z")  # \Z: no newline after it
 _HEX64 = re.compile(r"[0-9a-f]{64}\Z")
@@ -99,8 +100,7 @@ class RedisConfig:
     discover_engines: bool = False
 
     def __post_init__(self) -> None:
-        if self.url and not self.url.startswith(("redis://", "rediss://", "unix://")):
-            raise ConfigError("url", "must be a redis://, rediss:// or unix:// URL")
+        check_redis_url(self.url)
         positive(self, "op_timeout_s", "connect_timeout_s")
         if self.max_connections < 1:
             raise ConfigError("max_connections", "must be >= 1")

@@ -8,8 +8,9 @@ Rules:
   worker's scraper shares its scrapes with its siblings over the parent's hub
   (``proxy.fleet.scrape_share``).
 - One middleware turns every exception into a response: ``KvproxyError`` renders itself,
-  aiohttp's own HTTP errors (unknown route, wrong method) become OpenAI-shaped errors, anything else
-  is logged and becomes a 500. ``asyncio.CancelledError`` always propagates.
+  aiohttp's own HTTP errors become OpenAI-shaped errors, anything else is logged and becomes a
+  500. ``asyncio.CancelledError`` always propagates. An unknown path or method is answered in the
+  same shape by a last, catch-all route, never raised (aiohttp's raised 404 leaves a cycle).
 - Every response names its server as plain ``kvproxy`` (no versions, no libraries) and carries
   ``X-Request-Id``; an error that leaves the body unread closes the connection.
 """
@@ -145,6 +146,21 @@ def _routes(app: web.Application) -> None:
     app.router.add_get("/ready", handlers.ready)
     app.router.add_get("/metrics", handlers.metrics)
     app.router.add_get("/admin/engines", handlers.admin_engines)
+    # Last, so every other route matches first: every other path and method.
+    app.router.add_route("*", "/{unrouted:.*}", _unrouted)
+
+
+async def _unrouted(request: web.Request) -> web.Response:
+    """No route for this path (404), or none for this method (405 with ``Allow``). Left to
+    aiohttp's router, these are exceptions raised from a route that refers to itself: every such
+    request left a cycle (route -> exception -> traceback -> frames -> the request) that only a
+    full collection frees, rare under the tuned collector (``server.gc_*``)."""
+    allowed: set[str] = set()
+    for resource in request.app.router.resources():
+        if resource is not request.match_info.route.resource:
+            allowed |= (await resource.resolve(request))[1]
+    exc = web.HTTPMethodNotAllowed(request.method, allowed) if allowed else web.HTTPNotFound()
+    return _http_error(request, exc)
 
 
 async def _upstream_sessions(app: web.Application) -> AsyncIterator[None]:

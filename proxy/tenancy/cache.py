@@ -246,6 +246,9 @@ class ResponseCache:
         except EntryError as exc:
             self.metrics.errors.labels("decode").inc()
             log.warning("cache entry ignored: %s", exc)
+        except Exception as exc:  # a backend's own bug: still a miss, not the client's 500
+            self.metrics.errors.labels("get").inc()
+            log.warning("cache read failed (%s): served as a miss", type(exc).__name__)
         return None
 
     async def _store(self, key: str, value: bytes) -> None:
@@ -253,6 +256,10 @@ class ResponseCache:
             await self.backend.set(key, value, self.cfg.ttl_s)
         except RedisUnavailable:
             self.metrics.errors.labels("set").inc()
+            return
+        except Exception as exc:  # a backend's own bug: the answer is not stored, nothing more
+            self.metrics.errors.labels("set").inc()
+            log.warning("cache store failed (%s): not stored", type(exc).__name__)
             return
         self.metrics.stores_by("stored").inc()
 

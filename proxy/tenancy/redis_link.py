@@ -4,8 +4,9 @@ Rules:
 - ``[redis] url`` empty means no Redis: every feature keeps working in-process (per replica).
 - Every operation runs under ``op_timeout_s``; redis-py's own retries are off, because a retry loop
   inside one client request is exactly the latency Redis trouble must not add.
-- A failed or timed-out operation raises ``RedisUnavailable`` and puts the link in back-off for
-  ``retry_after_failure_s``: during back-off calls fail at once instead of each paying the timeout.
+- A failed or timed-out operation (whatever the type of the exception the client raised) raises
+  ``RedisUnavailable`` and puts the link in back-off for ``retry_after_failure_s``: during
+  back-off calls fail at once instead of each paying the timeout.
   A command the server refused (a key of another type, a script's error: one key's trouble, which
   anyone with access to Redis can cause) fails only itself (errors ``kind="refused"``); refusals
   that say the server cannot serve (read-only, out of memory, loading, busy) back off as failures.
@@ -26,7 +27,7 @@ import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry, Counter
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import OutOfMemoryError, ReadOnlyError, RedisError, ResponseError
+from redis.exceptions import OutOfMemoryError, ReadOnlyError, ResponseError
 from redis.maint_notifications import MaintNotificationsConfig
 
 from proxy.core.door_config import RedisConfig
@@ -110,7 +111,11 @@ class RedisLink:
             # operation fails, as a miss or a local decision; Redis itself is fine for the rest.
             self.metrics.errors.labels(op, "refused").inc()
             raise RedisUnavailable(f"redis {op}: the command was refused", "refused") from None
-        except (RedisError, OSError, TimeoutError) as exc:
+        except Exception as exc:  # not BaseException: CancelledError passes through
+            # Not only RedisError, OSError and TimeoutError: redis-py raises other types too (a
+            # TypeError from a connection option its connection class refuses, a ValueError from
+            # a reply it cannot parse). Still Redis trouble: the same back-off and one line per
+            # episode, never a traceback per call from every loop and request.
             self._failed(op, exc)
             kind = "timeout" if isinstance(exc, TimeoutError) else "error"
             raise RedisUnavailable(f"redis {op}: {type(exc).__name__}", kind) from None
@@ -119,8 +124,8 @@ class RedisLink:
         kind = "timeout" if isinstance(exc, TimeoutError) else "error"
         self.metrics.errors.labels(op, kind).inc()
         if self.available:
-            log.warning("redis %s failed (%s); falling back for %.1f s", op, kind,
-                        self.cfg.retry_after_failure_s)  # fmt: skip
+            log.warning("redis %s failed (%s: %s); falling back for %.1f s", op, kind,
+                        type(exc).__name__, self.cfg.retry_after_failure_s)  # fmt: skip
         self._down_until = self._clock() + self.cfg.retry_after_failure_s
 
     async def close(self) -> None:
