@@ -29,6 +29,8 @@ from engine_sidecar.vllm.kvevents import (
     kv_events_args,
     kv_events_env,
 )
+from proxy.core.errors import ConfigError
+from proxy.core.redis_url import check_redis_url
 
 ROLES = ("draft", "target")
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -316,6 +318,10 @@ def _validate_sidecar(settings: SidecarSettings) -> None:
     for name, value in vars(settings).items():
         if isinstance(value, float) and not math.isfinite(value):
             raise ProfileError(f"sidecar.{name}", "must be a finite number")
+    try:  # the proxy's check: redis-py takes a bad option at start-up and fails every connection
+        check_redis_url(settings.redis_url or "")
+    except ConfigError as exc:
+        raise ProfileError("sidecar.redis_url", exc.reason) from None
 
 
 def parse_profile(text: str, *, name: str, env: Mapping[str, str]) -> Profile:

@@ -228,6 +228,19 @@ def test_a_port_given_on_the_command_line_is_checked_as_the_profiles_is() -> Non
             assert exc.value.field == f"sidecar.{name}"
 
 
+def test_a_redis_url_redis_could_not_connect_with_is_refused_in_the_profile_and_the_cli() -> None:
+    profile = parse(MINIMAL)
+    for bad in ("redis://:hunter2@r:6379/0?socket_timeot=1", "redis://r:notaport", "http://r:6379"):
+        text = f'[engine]\nmodel = "m"\nserved_model_name = "s"\n[sidecar]\nredis_url = "{bad}"\n'
+        with pytest.raises(ProfileError) as exc:
+            parse_profile(text, name="p.toml", env={})
+        assert exc.value.field == "sidecar.redis_url" and "hunter2" not in str(exc.value)
+        with pytest.raises(ProfileError) as exc:
+            with_overrides(profile, sidecar={"redis_url": bad})
+        assert exc.value.field == "sidecar.redis_url"
+    assert with_overrides(profile, sidecar={"redis_url": "redis://redis:6379/0"})
+
+
 def test_a_profile_file_that_is_not_text_or_not_a_file_is_a_profile_error(tmp_path: Path) -> None:
     path = tmp_path / "p.toml"
     path.write_bytes(b"\xff\xfe[engine]\n")
