@@ -46,6 +46,8 @@ _BACKOFF_S = 0.5
 _BACKOFF_MAX_S = 30.0
 _HEALTHY_S = 30.0
 _EXIT_GRACE_S = 10.0
+# The status a seat reports when its worker could not even be started (an exit status of 1).
+_SPAWN_FAILED = 1
 
 
 def reserve_port(host: str, port: int) -> tuple[socket.socket, int]:
@@ -104,21 +106,34 @@ class Supervisor:
         while True:
             started = time.monotonic()
             self._started[index] = asyncio.get_running_loop().time()
-            proc = await asyncio.create_subprocess_exec(*self._argv(index))
-            self.procs[index] = proc
-            code = await proc.wait()
-            if self.stopping:
-                # Our own SIGTERM, reaching a worker before it could take it gracefully (it was
-                # still starting, so it served no one), is a clean stop too.
-                return 0 if code == -signal.SIGTERM else code
-            if not self.ready.is_set():
-                log.error("worker %d exited with status %d before the proxy served", index, code)
-                self.failed.set()
-                return code
-            if time.monotonic() - started >= _HEALTHY_S:
-                backoff = _BACKOFF_S
-            log.warning("worker %d (pid %d) exited with status %d; restarting it in %.1f s",
-                        index, proc.pid, code, backoff)  # fmt: skip
+            try:
+                proc = await asyncio.create_subprocess_exec(*self._argv(index))
+            except OSError as exc:  # out of file descriptors or processes, for now
+                if self.stopping:
+                    return 0
+                if not self.ready.is_set():
+                    log.error("worker %d could not start: %s", index, exc)
+                    self.failed.set()
+                    return _SPAWN_FAILED
+                # A seat is never given up while the proxy serves: tried again, backing off.
+                log.error("worker %d could not be restarted (%s); trying again in %.1f s",
+                          index, exc, backoff)  # fmt: skip
+            else:
+                self.procs[index] = proc
+                code = await proc.wait()
+                if self.stopping:
+                    # Our own SIGTERM, reaching a worker before it could take it gracefully (it
+                    # was still starting, so it served no one), is a clean stop too.
+                    return 0 if code == -signal.SIGTERM else code
+                if not self.ready.is_set():
+                    log.error("worker %d exited with status %d before the proxy served",
+                              index, code)  # fmt: skip
+                    self.failed.set()
+                    return code
+                if time.monotonic() - started >= _HEALTHY_S:
+                    backoff = _BACKOFF_S
+                log.warning("worker %d (pid %d) exited with status %d; restarting it in %.1f s",
+                            index, proc.pid, code, backoff)  # fmt: skip
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stopped.wait(), backoff)
             if self.stopping:
@@ -184,7 +199,7 @@ async def run_workers(cfg: Config, command: Sequence[str], count: int) -> int:
     holder, port = reserve_port(cfg.server.host, cfg.server.port)  # a port in use: nothing made
     directory = tempfile.mkdtemp(prefix="kvproxy-workers-")
     sup = Supervisor(cfg, [*command, "--port", str(port)], count, directory)
-    hub = Hub(os.path.join(directory, "hub.sock"), on_hello=sup.on_hello)
+    hub = Hub(os.path.join(directory, "hub.sock"), on_hello=sup.on_hello, seats=count)
     watch: asyncio.Task[None] | None = None
     try:
         await hub.start()

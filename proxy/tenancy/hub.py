@@ -11,7 +11,12 @@ Rules:
 - Bounded everywhere: a frame over ``max_frame`` closes that connection; a sibling whose socket
   buffer already holds ``max_buffer`` bytes misses the frame (counted in ``dropped``) rather than
   growing the hub's memory; a worker's inbound queue keeps at most ``max_queue`` frames (oldest go).
-- The socket lives in a directory only the parent's user can enter (``tempfile.mkdtemp``).
+- The socket lives in a directory only the parent's user can enter (``tempfile.mkdtemp``). Even
+  so the hub bounds what a connection can hold: one that has not said ``HELLO`` within
+  ``HELLO_TIMEOUT_S`` is closed, a ``HELLO`` naming a seat outside ``0..seats-1`` is refused, and
+  past ``max_connections`` open at once a new one is closed at once (a process of the same user
+  opening connections and saying nothing ran the parent out of file descriptors, and with them
+  out of the means to restart a worker).
 - A worker that loses the hub keeps serving alone and reconnects with a bounded back-off.
 - Liveness: a worker also sends ``BEAT`` (empty, never forwarded) every ``beat_s`` from its event
   loop; the hub keeps when it last heard from each worker (``last_heard``, any frame), which is
@@ -35,6 +40,8 @@ TELEMETRY = 3
 BEAT = 4
 _FORWARDED = frozenset({DATA, TELEMETRY})
 MAX_FRAME = 1 << 20
+# A worker says hello as soon as it has connected; this leaves a slow start-up room to spare.
+HELLO_TIMEOUT_S = 10.0
 _HEAD = struct.Struct(">IB")
 
 
@@ -68,11 +75,19 @@ class Hub:
     """The parent's side: accepts workers and forwards each one's frames to the others."""
 
     def __init__(self, path: str, *, on_hello: Callable[[int], None] | None = None,
-                 max_frame: int = MAX_FRAME, max_buffer: int = 8 * MAX_FRAME) -> None:
+                 seats: int = 1024, max_frame: int = MAX_FRAME,
+                 max_buffer: int = 8 * MAX_FRAME, max_connections: int | None = None,
+                 hello_timeout_s: float = HELLO_TIMEOUT_S) -> None:
         self.path = path
         self._on_hello = on_hello
+        self._seats = seats
         self._max_frame = max_frame
         self._max_buffer = max_buffer
+        # Room for every seat twice over (a restarted worker's connection may overlap the old).
+        self._max_connections = 2 * seats + 8 if max_connections is None else max_connections
+        self._hello_timeout_s = hello_timeout_s
+        self._open = 0
+        self.refused = 0  # connections closed for the bounds above
         self._workers: dict[int, asyncio.StreamWriter] = {}
         # The loop's time of the last frame from each worker index (kept after a disconnect).
         self.last_heard: dict[int, float] = {}
@@ -92,11 +107,22 @@ class Hub:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         index: int | None = None
+        self._open += 1
         try:
-            kind, payload = await read_frame(reader, self._max_frame)
-            if kind != HELLO:
+            if self._open > self._max_connections:
+                self.refused += 1
                 return
-            index = int(payload)
+            try:
+                async with asyncio.timeout(self._hello_timeout_s):
+                    kind, payload = await read_frame(reader, self._max_frame)
+            except TimeoutError:
+                self.refused += 1
+                return
+            seat = int(payload) if kind == HELLO and payload.isdigit() else -1
+            if not 0 <= seat < self._seats:
+                self.refused += 1
+                return
+            index = seat
             clock = asyncio.get_running_loop().time
             self.last_heard[index] = clock()
             old = self._workers.pop(index, None)
@@ -113,6 +139,7 @@ class Hub:
         except (EOFError, ValueError, ConnectionError):
             pass
         finally:
+            self._open -= 1
             if index is not None and self._workers.get(index) is writer:
                 del self._workers[index]
             writer.close()

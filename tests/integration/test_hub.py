@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.tenancy.hub import Hub, HubBus
+from proxy.tenancy.hub import HELLO, Hub, HubBus, frame
 
 
 @pytest.fixture
@@ -95,4 +95,61 @@ async def test_a_quiet_worker_beats_and_its_beats_reach_no_sibling(tmp_path: Pat
                 await task
         for bus in (quiet, other):
             await bus.close()
+        await parent.close()
+
+
+async def _closed_by_hub(reader: asyncio.StreamReader) -> bool:
+    """Whether the hub closes this connection within a second (nothing is ever sent to it)."""
+    try:
+        async with asyncio.timeout(1.0):
+            return await reader.read(1) == b""
+    except TimeoutError:
+        return False
+
+
+async def test_the_hub_holds_no_connection_that_is_not_a_worker(tmp_path: Path) -> None:
+    path = str(tmp_path / "hub.sock")
+    hellos: list[int] = []
+    parent = Hub(path, on_hello=hellos.append, seats=2, max_connections=4, hello_timeout_s=0.2)
+    await parent.start()
+    opened: list[asyncio.StreamWriter] = []
+    try:
+        # Silent: closed once the hello is overdue.
+        silent, writer = await asyncio.open_unix_connection(path)
+        opened.append(writer)
+        assert await _closed_by_hub(silent)
+        # A hello for a seat this proxy does not have, or not a seat at all: refused.
+        for payload in (b"2", b"-1", b"x"):
+            reader, writer = await asyncio.open_unix_connection(path)
+            opened.append(writer)
+            writer.write(frame(HELLO, payload))
+            assert await _closed_by_hub(reader)
+        assert hellos == [] and parent.refused == 4
+        # Past the bound, a new connection is closed at once, whatever it would say.
+        idle = []
+        for _ in range(4):
+            reader, writer = await asyncio.open_unix_connection(path)
+            opened.append(writer)
+            idle.append(reader)
+        extra, writer = await asyncio.open_unix_connection(path)
+        opened.append(writer)
+        assert await _closed_by_hub(extra)
+        # The bound counts open connections: once the idle ones are gone a worker gets in.
+        for reader in idle:
+            assert await _closed_by_hub(reader)  # their hellos were overdue
+        bus = HubBus(path, 1)
+        task = asyncio.create_task(bus.run())
+        try:
+            async with asyncio.timeout(5):
+                while not bus.live:  # noqa: ASYNC110
+                    await asyncio.sleep(0.01)
+            assert hellos == [1]
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await bus.close()
+    finally:
+        for writer in opened:
+            writer.close()
         await parent.close()
