@@ -13,6 +13,7 @@ import argparse
 import logging
 import math
 import os
+import resource
 import sys
 from collections.abc import Coroutine, Sequence
 from importlib import metadata
@@ -31,6 +32,8 @@ from proxy.server.workers import run_workers, worker_command
 
 EXIT_CONFIG = 2
 EXIT_START = 1
+# With no hard limit on open files, the soft one is raised this far (the kernel's usual nr_open).
+_OPEN_FILES_CAP = 1 << 20
 LOG_LEVELS: tuple[str, ...] = ("debug", "info", "warning", "error", "critical")
 LOG_FORMATS: tuple[str, ...] = ("text", "json")
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -112,6 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "serve":
             cfg = _serve_config(args)
+            raise_open_files_limit()  # workers inherit it
             workers, seat = _workers(args.workers), _seat(args.worker_seat)
             if seat is None and workers > 1:
                 command = worker_command(_worker_args(args))
@@ -126,6 +130,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Most often the port is taken; a traceback would hide the one line that matters.
         print(f"kvproxy: cannot start: {exc}", file=sys.stderr)
         return EXIT_START
+
+
+def raise_open_files_limit() -> int:
+    """Raise this process's soft limit on open files to its hard limit, as servers do: every
+    client connection, engine connection and stream holds one, and a shell's or a service
+    manager's default soft limit (often 1,024) runs out far below what a proxy in front of a
+    fleet holds open. Returns the soft limit in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return soft
+    want = hard if hard != resource.RLIM_INFINITY else max(soft, _OPEN_FILES_CAP)
+    if soft >= want:
+        return soft
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    except (ValueError, OSError):
+        return soft  # not ours to raise (a container's seccomp, say): serve with it
+    return want
 
 
 def _time_scale(raw: str) -> float:

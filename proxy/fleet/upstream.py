@@ -27,6 +27,7 @@ Rules:
 
 from __future__ import annotations
 
+import errno
 import logging
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -170,6 +171,18 @@ def translate(exc: BaseException, engine: str, phase: str) -> UpstreamError:
     # The library's text names the engine's address: the operator's to read, not the client's.
     log.warning("engine %s failed (%s): %s", engine, phase, loggable(exc))
     return UpstreamError(f"engine {engine} failed ({phase}): {_kind(exc)}")
+
+
+# The proxy's own resources, not the engine's fault: a connection it could not even open.
+_PROXY_SHORT = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+
+
+def proxy_short(exc: BaseException) -> bool:
+    """Whether a failed connect is the proxy's own want (no file descriptor, buffer or memory
+    left here), which says nothing about the engine."""
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return exc.os_error.errno in _PROXY_SHORT
+    return isinstance(exc, OSError) and exc.errno in _PROXY_SHORT
 
 
 def loggable(exc: BaseException) -> str:

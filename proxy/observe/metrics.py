@@ -204,6 +204,12 @@ class ProxyMetrics:
             "How long each garbage collection stopped the process, by generation",
             ["generation"], buckets=_GC_BUCKETS, registry=r,
         )  # fmt: skip
+        self.proxy_short = Counter(
+            "kvproxy_proxy_short",
+            "Requests refused because the proxy could not open a connection to an engine for "
+            "want of its own resources (file descriptors, buffers, memory), not the engine's",
+            registry=r,
+        )  # fmt: skip
         self.relay_pauses = Counter(
             "kvproxy_relay_pauses",
             "Times a stream's engine reading paused because its client's buffer was full",

@@ -31,6 +31,8 @@ from aiohttp.web_protocol import RequestHandler
 log = logging.getLogger(__name__)
 
 SERVER_NAME = "kvproxy"
+_SLOW_HEAD_LOG_EVERY_S = 60.0
+_SLOW_HEADS: list[float] = [0, float("-inf")]  # closed since the last line, and that line's time
 
 
 class GuardedHandler(RequestHandler):
@@ -118,8 +120,14 @@ class GuardedHandler(RequestHandler):
         self._head_timer = None
         if not self._awaiting_head or self._messages:
             return
-        log.info("closing a client connection: request head not received in %.1fs",
-                 self._header_timeout_s)
+        _SLOW_HEADS[0] += 1
+        now = asyncio.get_running_loop().time()
+        if now - _SLOW_HEADS[1] >= _SLOW_HEAD_LOG_EVERY_S:
+            # One line a minute with the count: a client opening connections and sending nothing
+            # must not write a log line per connection.
+            log.info("closed %d client connection(s) whose request head did not arrive in "
+                     "%.1fs (since the last such line)", _SLOW_HEADS[0], self._header_timeout_s)
+            _SLOW_HEADS[:] = [0, now]
         self.force_close()
 
 

@@ -75,6 +75,7 @@ from proxy.fleet.upstream import (
     DATA_POST,
     AnswerTooLarge,
     loggable,
+    proxy_short,
     redirect_status,
     response_headers,
     retryable_status,
@@ -89,6 +90,10 @@ from proxy.server.splice import BodyWatch, Capture, DeadlinePassed, Splice
 log = logging.getLogger(__name__)
 
 REASON_CONNECTIONS_FULL = "engine_connections_full"
+SHORT_REASON = "proxy_resources"
+# The last time the proxy's own want was logged (one line a minute, not one per request).
+_SHORT_LOG_EVERY_S = 60.0
+_SHORT_LOGGED = [float("-inf")]
 
 CLIENT_CLOSED = 499  # nginx's convention for "client went away", used as a metrics label only
 
@@ -258,6 +263,8 @@ class Relay:
                     **DATA_POST,
                 )
         except aiohttp.ClientConnectionError as exc:
+            if proxy_short(exc):
+                raise self._short(exc) from None
             # Refused, reset, connect timeout, or dropped before any response head: nothing of the
             # answer exists yet, so another engine may serve it.
             self._outcome(engine, Outcome.FAILURE, "connect", Result.CONNECT)
@@ -276,6 +283,19 @@ class Relay:
         if unusable(resp.status, resp.headers):
             raise self._unusable(engine, resp)
         return resp
+
+    def _short(self, exc: aiohttp.ClientConnectionError) -> NoCapacity:
+        """The proxy could not open a connection for want of its own resources (file descriptors
+        taken by client connections, say): no verdict on the engine, no retry elsewhere (every
+        engine would meet the same want), a 503 the client may retry, one warning a minute."""
+        self._ctx.metrics.proxy_short.inc()
+        now = self._ctx.clock()
+        if now - _SHORT_LOGGED[0] >= _SHORT_LOG_EVERY_S:
+            _SHORT_LOGGED[0] = now
+            log.warning("the proxy cannot open connections to engines: %s (raise the open-files "
+                        "limit, or bound client connections)", loggable(exc))
+        return NoCapacity("the proxy is short of resources (open connections); try again",
+                          reason=SHORT_REASON, retry_after_s=1.0)
 
     def _unusable(self, engine: Engine, resp: aiohttp.ClientResponse) -> _Retry:
         """A final status that is no answer (1xx, 101 included, or past 599), or a body in an

@@ -8,6 +8,7 @@ Real servers on loopback: the proxy in front of rogue engines.
 from __future__ import annotations
 
 import asyncio
+import errno
 import time
 from typing import Any
 
@@ -16,6 +17,7 @@ import orjson
 import pytest
 
 from proxy.core.config import BreakerConfig, OutlierConfig, UpstreamConfig
+from proxy.server.keys import SHELL
 
 from .rogue import RogueEngine
 from .shell import CHAT, chat, proxy_for
@@ -128,3 +130,33 @@ async def test_a_head_that_is_not_http_is_retried_on_another_engine(
             assert await _errors(proxy.url, "malformed_head") >= 1
     finally:
         await other.stop()
+
+
+async def test_a_proxy_out_of_file_descriptors_blames_no_engine(
+    rogue: RogueEngine, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Client connections held the last descriptors: the engine is not at fault, no other engine
+    would do better, and the client is told to come back (before: a 502, then a breaker open
+    on a healthy engine, then 503 'no engine reachable' for everyone)."""
+
+    async def no_descriptor(req: Any, *args: Any, **kwargs: Any) -> Any:
+        raise aiohttp.ClientConnectorError(req.connection_key,
+                                           OSError(errno.EMFILE, "Too many open files"))
+
+    async with proxy_for(rogue) as proxy:
+        # The proxy's own data-path connections only (the test's client is not short of any).
+        connector = proxy.app[SHELL].session.connector
+        monkeypatch.setattr(connector, "_create_direct_connection", no_descriptor)
+        for _ in range(6):
+            status, raw, _ = await _post(proxy.url, chat())
+            assert status == 503
+            assert orjson.loads(raw)["error"]["type"] == "overloaded"
+        monkeypatch.undo()
+        async with aiohttp.ClientSession() as http, http.get(proxy.url + "/metrics") as resp:
+            text = await resp.text()
+        assert "kvproxy_proxy_short_total 6.0" in text
+        assert await _errors(proxy.url, "connect") == 0
+        status, _, _ = await _post(proxy.url, chat())  # the engine was never shut out
+        assert status == 200
+    warned = [r for r in caplog.records if "cannot open connections" in r.getMessage()]
+    assert len(warned) <= 1  # one line a minute at most, not one per request

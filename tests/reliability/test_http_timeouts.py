@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 
 import aiohttp
 import orjson
+import pytest
 
 from .rogue import RogueEngine
 from .shell import (
@@ -55,6 +57,19 @@ async def test_a_connection_that_never_sends_a_head_is_closed(rogue: RogueEngine
         reader, writer = await connect(proxy.url)
         assert await closed_by_peer(reader, timeout_s=5.0)
         await close(writer)
+
+
+async def test_many_connections_that_never_send_a_head_write_one_log_line(
+    rogue: RogueEngine, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="proxy.server.connections")
+    async with proxy_for(rogue, server=server_config(header_timeout_s=HEAD_LIMIT_S)) as proxy:
+        opened = [await connect(proxy.url) for _ in range(20)]
+        for reader, writer in opened:
+            assert await closed_by_peer(reader, timeout_s=5.0)
+            await close(writer)
+    lines = [r.getMessage() for r in caplog.records if "did not arrive" in r.getMessage()]
+    assert len(lines) <= 1  # counted, one line a minute at most; not a line per connection
 
 
 async def test_kept_alive_connection_serves_requests_and_times_its_next_head(

@@ -74,3 +74,20 @@ def test_json_process_log_lines() -> None:
     doc = orjson.loads(accesslog.json_formatter().format(record))
     assert (doc["level"], doc["logger"], doc["message"]) == ("WARNING", name, "up 3")
     assert "time" in doc
+
+
+def test_serve_raises_its_open_files_limit_to_the_hard_one() -> None:
+    """A proxy holds a descriptor per client connection, engine connection and stream: a low
+    soft limit (1,024 by many defaults) is raised as far as the hard limit lets it."""
+    script = (
+        "import resource\n"
+        "from proxy.cli import raise_open_files_limit\n"
+        "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))\n"
+        "print(raise_open_files_limit(), resource.getrlimit(resource.RLIMIT_NOFILE)[0], hard)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         check=True, timeout=30).stdout.split()
+    returned, soft, hard = (int(v) for v in out)
+    assert returned == soft and soft > 64
+    assert soft == hard or hard == -1  # -1: no hard limit (raised to a cap instead)
