@@ -29,8 +29,14 @@ from typing import cast
 from urllib.parse import urlsplit
 
 from proxy.core.http_reply import BadReply, ReplyReader, ReplyTooLarge
+from proxy.fleet.upstream import proxy_short
 
 MAX_HEAD = 64 * 1024
+
+
+# The failure reason of a scrape this process could not even attempt (no file descriptor left):
+# never charged to the engine.
+PROXY_SHORT = "proxy_short"
 
 
 class FetchError(Exception):
@@ -242,7 +248,9 @@ class MetricsClient:
             _, conn = await loop.create_connection(
                 lambda: _Connection(self._max_body, release, resend), target.host, target.port
             )
-        except OSError:
+        except OSError as exc:
+            if proxy_short(exc):  # this process is out of descriptors: no word on the engine
+                raise FetchError(PROXY_SHORT, "the proxy cannot open a connection") from None
             raise FetchError("connect", "cannot connect to the metrics endpoint") from None
         return conn
 

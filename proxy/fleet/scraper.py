@@ -63,9 +63,16 @@ from proxy.core.engine_state import Health
 from proxy.core.scrape_relay import Outcome
 from proxy.core.telemetry import EngineSnapshot, MetricsError, parse_metrics
 from proxy.fleet.engines import Engine, Fleet
-from proxy.fleet.metrics_client import FetchError, MetricsClient, status_error, supports
+from proxy.fleet.metrics_client import (
+    PROXY_SHORT,
+    FetchError,
+    MetricsClient,
+    status_error,
+    supports,
+)
 from proxy.fleet.periodic import stop_if_cancelled
 from proxy.fleet.scrape_share import FROZEN, ScrapeShare, failed_outcome, ok_outcome
+from proxy.fleet.upstream import proxy_short
 from proxy.observe.looplag import LoopLag, nearest_tick
 from proxy.observe.metrics import ProxyMetrics
 
@@ -228,8 +235,14 @@ class Scraper:
         try:
             snapshot, digest = self._judge(engine, fetch.result(), started)
         except FetchError as exc:
+            if exc.reason == PROXY_SHORT:
+                self._metrics.scrape_failures.labels(engine.name, PROXY_SHORT).inc()
+                return None  # as ``proxy_busy``: this process's want, no verdict on the engine
             return self._failed(engine, started, exc.reason, exc.detail)
         except aiohttp.ClientError as exc:
+            if proxy_short(exc):
+                self._metrics.scrape_failures.labels(engine.name, PROXY_SHORT).inc()
+                return None
             reason, detail = _transport(exc)
             return self._failed(engine, started, reason, detail, str(exc) or type(exc).__name__)
         except MetricsError as exc:

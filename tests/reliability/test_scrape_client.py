@@ -5,11 +5,12 @@ reply can go wrong closing it."""
 from __future__ import annotations
 
 import asyncio
+import errno
 from collections.abc import AsyncIterator
 
 import pytest
 
-from proxy.fleet.metrics_client import FetchError, MetricsClient, supports
+from proxy.fleet.metrics_client import PROXY_SHORT, FetchError, MetricsClient, supports
 
 BODY = b"vllm:num_requests_running 0\n"
 OK = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(BODY), BODY)
@@ -162,6 +163,20 @@ async def test_a_refused_connection_is_a_connect_failure() -> None:
     with pytest.raises(FetchError) as err:
         await MetricsClient(max_body=4096).get(f"http://127.0.0.1:{port}/metrics")
     assert err.value.reason == "connect" and str(port) not in str(err.value)
+
+
+async def test_a_proxy_out_of_descriptors_is_its_own_failure_not_the_engines(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    loop = asyncio.get_running_loop()
+
+    async def no_descriptor(*args: object, **kwargs: object) -> object:
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr(loop, "create_connection", no_descriptor)
+    with pytest.raises(FetchError) as err:
+        await MetricsClient(max_body=4096).get("http://127.0.0.1:9/metrics")
+    assert err.value.reason == PROXY_SHORT  # the scraper charges no engine for this reason
 
 
 def test_only_plain_http_is_spoken_here() -> None:

@@ -6,9 +6,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+import pytest
 from integration.stack import proxy_config
 
 from proxy.core.config import TelemetryConfig
+from proxy.fleet.metrics_client import PROXY_SHORT, FetchError, MetricsClient
 from proxy.fleet.scraper import Scraper
 from proxy.server.app import build_app
 from proxy.server.keys import SCRAPER_TASK, SHELL
@@ -50,3 +52,36 @@ async def test_a_slow_engine_delays_no_other_engines_snapshot() -> None:
         await server.stop()
         await fast.stop()
         await slow.stop()
+
+
+async def test_a_scrape_the_proxy_could_not_open_is_no_failure_of_the_engine(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async def no_descriptor(*args: object, **kwargs: object) -> object:
+        raise FetchError(PROXY_SHORT, "the proxy cannot open a connection")
+
+    engine = RogueEngine()
+    await engine.start()
+    telemetry = TelemetryConfig(interval_s=5.0, timeout_s=4.0, stale_after_s=5.0)
+    cfg = proxy_config([engine.url], ["e0"], ["target"], telemetry=telemetry)
+    server = ProxyServer(cfg, app=build_app(cfg))
+    try:
+        await server.start()
+        task = server.app[SCRAPER_TASK]
+        task.cancel()  # the test runs its own rounds
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        ctx = server.app[SHELL]
+        assert ctx.scrape_session is not None
+        scraper = Scraper(ctx.fleet, ctx.scrape_session, cfg.telemetry, ctx.metrics, ctx.clock)
+        monkeypatch.setattr(MetricsClient, "_connect", no_descriptor)
+        state = ctx.fleet.get("e0").state
+        for _ in range(5):
+            await asyncio.wait_for(scraper.scrape_all(), 5.0)
+        assert state.consecutive_failures == 0  # the engine was never asked: no verdict
+        failures = ctx.metrics.scrape_failures.labels("e0", PROXY_SHORT)._value.get()
+        assert failures == 5
+        scraper.close()
+    finally:
+        await server.stop()
+        await engine.stop()
