@@ -13,11 +13,24 @@ from proxy.core.config import TelemetryConfig
 from proxy.fleet.metrics_client import PROXY_SHORT, FetchError, MetricsClient
 from proxy.fleet.scraper import Scraper
 from proxy.server.app import build_app
+from proxy.server.context import ShellContext
 from proxy.server.keys import SCRAPER_TASK, SHELL
 from proxy.server.lifecycle import ProxyServer
 
 from .rogue import RogueEngine
 from .test_telemetry_trust import until
+
+
+async def _own_scraper(server: ProxyServer) -> tuple[ShellContext, Scraper]:
+    """The proxy's context and a scraper of its fleet whose rounds the test runs (the proxy's
+    own scraping task is stopped)."""
+    task = server.app[SCRAPER_TASK]
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    ctx = server.app[SHELL]
+    assert ctx.scrape_session is not None
+    return ctx, Scraper(ctx.fleet, ctx.scrape_session, ctx.cfg.telemetry, ctx.metrics, ctx.clock)
 
 
 async def test_a_slow_engine_delays_no_other_engines_snapshot() -> None:
@@ -31,13 +44,7 @@ async def test_a_slow_engine_delays_no_other_engines_snapshot() -> None:
     try:
         await server.start()
         slow.behaviour.metrics_hold = True
-        task = server.app[SCRAPER_TASK]
-        task.cancel()  # the test runs its own round
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        ctx = server.app[SHELL]
-        assert ctx.scrape_session is not None
-        scraper = Scraper(ctx.fleet, ctx.scrape_session, cfg.telemetry, ctx.metrics, ctx.clock)
+        ctx, scraper = await _own_scraper(server)
         fast_state, slow_state = ctx.fleet.get("fast").state, ctx.fleet.get("slow").state
         fast_state.snapshot = slow_state.snapshot = None
         round_ = asyncio.ensure_future(scraper.scrape_all())
@@ -67,13 +74,7 @@ async def test_a_scrape_the_proxy_could_not_open_is_no_failure_of_the_engine(
     server = ProxyServer(cfg, app=build_app(cfg))
     try:
         await server.start()
-        task = server.app[SCRAPER_TASK]
-        task.cancel()  # the test runs its own rounds
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        ctx = server.app[SHELL]
-        assert ctx.scrape_session is not None
-        scraper = Scraper(ctx.fleet, ctx.scrape_session, cfg.telemetry, ctx.metrics, ctx.clock)
+        ctx, scraper = await _own_scraper(server)
         monkeypatch.setattr(MetricsClient, "_connect", no_descriptor)
         state = ctx.fleet.get("e0").state
         for _ in range(5):
