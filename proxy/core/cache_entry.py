@@ -28,6 +28,13 @@ ENTRY_VERSION = 1
 _UNFINISHED = frozenset({None, "abort"})
 # The answer's own fields, the same in every streamed chunk and in the stored answer.
 HEAD_FIELDS: tuple[str, ...] = ("id", "created", "model", "system_fingerprint")
+# An answer's fields that both shapes carry (a streamed chunk's, and the stored answer's).
+ANSWER_FIELDS = frozenset({*HEAD_FIELDS, "object", "choices", "usage"})
+
+
+def set_beyond(obj: dict[str, Any], known: frozenset[str]) -> bool:
+    """Whether ``obj`` gives a field outside ``known`` a value (vLLM writes unset ones as null)."""
+    return not obj.keys() <= known and any(obj[k] is not None for k in obj.keys() - known)
 
 
 class EntryError(ValueError):
@@ -132,19 +139,17 @@ def is_finished(response: dict[str, Any]) -> bool:
 
 # --- replay ---------------------------------------------------------------------------------------
 
-# What a streamed replay carries of an answer and of each choice; any other field with a value
-# would be lost on the way.
-_STREAMED_FIELDS = frozenset({*HEAD_FIELDS, "object", "choices", "usage"})
+# What a streamed replay carries of each choice (of the answer: ``ANSWER_FIELDS``); any other
+# field with a value would be lost on the way.
 _STREAMED_CHOICE = frozenset({"index", "message", "text", "logprobs", "finish_reason",
                               "stop_reason"})  # fmt: skip
 
 
 def streamable(response: dict[str, Any]) -> bool:
     """Whether ``replay_sse`` carries everything ``response`` says (unset fields are null)."""
-    if any(response[k] is not None for k in response.keys() - _STREAMED_FIELDS):
+    if set_beyond(response, ANSWER_FIELDS):
         return False
-    return all(choice[k] is None for choice in response["choices"]
-               for k in choice.keys() - _STREAMED_CHOICE)  # fmt: skip
+    return not any(set_beyond(choice, _STREAMED_CHOICE) for choice in response["choices"])
 
 
 def replay_sse(entry: CachedResponse, *, include_usage: bool) -> bytes:

@@ -38,6 +38,7 @@ import orjson
 
 from proxy.core.config_checks import positive
 from proxy.core.errors import ConfigError
+from proxy.core.usage import FALSE_WORDS, TRUE_WORDS
 
 CacheBackendName = Literal["memory", "redis"]
 # Fields that change how an answer travels or when it runs, never what it says.
@@ -45,7 +46,6 @@ TRANSPORT_FIELDS = frozenset({"stream", "stream_options", "priority"})
 _KEY_DOMAIN = b"kvproxy-response-cache-v1"
 _EXACT_FLOAT_INTS = 2**53
 _STREAM_OPTIONS = frozenset({"include_usage", "continuous_usage_stats"})
-_BOOL_WORDS = frozenset({"0", "off", "f", "false", "n", "no", "1", "on", "t", "true", "y", "yes"})
 _CONTAINERS = (dict, list)  # a tuple: ``dict | list`` would build a union object on every test
 
 
@@ -174,7 +174,7 @@ def _lax_bool(value: object) -> bool:
         return True
     if isinstance(value, int):
         return value in (0, 1)
-    return isinstance(value, str) and value.lower() in _BOOL_WORDS
+    return isinstance(value, str) and value.lower() in TRUE_WORDS | FALSE_WORDS
 
 
 def _offered(body: Mapping[str, Any], tools: str, choice: str) -> bool:

@@ -25,6 +25,7 @@ import orjson
 
 from proxy.core.errors import BadRequest
 from proxy.core.prefix import canonical_chat, canonical_prompt
+from proxy.core.usage import FALSE_WORDS, TRUE_WORDS
 
 
 class Endpoint(enum.Enum):
@@ -198,8 +199,6 @@ def _check_sampling(body: dict[str, Any]) -> None:
 
 
 _INT_FIELDS = ("max_tokens", "max_completion_tokens", "n", "seed")
-_TRUE = frozenset({"1", "on", "t", "true", "y", "yes"})
-_FALSE = frozenset({"0", "off", "f", "false", "n", "no"})
 
 
 def _read_lax(body: dict[str, Any]) -> None:
@@ -219,8 +218,8 @@ def _read_lax(body: dict[str, Any]) -> None:
             if math.isfinite(read):
                 body["temperature"] = read
     stream = body.get("stream")
-    if isinstance(stream, str) and stream.strip().lower() in _TRUE | _FALSE:
-        body["stream"] = stream.strip().lower() in _TRUE
+    if isinstance(stream, str) and stream.strip().lower() in TRUE_WORDS | FALSE_WORDS:
+        body["stream"] = stream.strip().lower() in TRUE_WORDS
     elif _is_int(stream) and stream in (0, 1):
         body["stream"] = bool(stream)
 

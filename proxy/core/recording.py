@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import orjson
 
-from proxy.core.cache_entry import HEAD_FIELDS, is_finished
+from proxy.core.cache_entry import ANSWER_FIELDS, HEAD_FIELDS, is_finished, set_beyond
 from proxy.core.token_runs import find_run
 
 
@@ -143,7 +143,7 @@ class StreamAssembler:
                     or not isinstance(choices := obj.get("choices"), list)):
                 self._give_up()
                 return
-            if not obj.keys() <= _EVENT_FIELDS and _set_beyond(obj, _EVENT_FIELDS):
+            if set_beyond(obj, ANSWER_FIELDS):
                 self._give_up()  # a field the stored answer would drop (token ids, say)
                 return
             if not self._head:
@@ -185,7 +185,7 @@ class StreamAssembler:
         index = choice.get("index", 0)
         if not isinstance(index, int) or choice.get("logprobs") is not None:
             return False
-        if not choice.keys() <= _CHOICE_FIELDS and _set_beyond(choice, _CHOICE_FIELDS):
+        if set_beyond(choice, _CHOICE_FIELDS):
             return False
         into = self._choices.get(index)
         if into is None:
@@ -211,14 +211,9 @@ class StreamAssembler:
         return response if is_finished(response) else None
 
 
-# What a streamed event and its choices may carry with a value: anything else would be lost.
-_EVENT_FIELDS = frozenset({*HEAD_FIELDS, "object", "choices", "usage"})
+# What a streamed choice may carry with a value (an event: ``ANSWER_FIELDS``): anything else
+# would be lost.
 _CHOICE_FIELDS = frozenset({"index", "delta", "text", "logprobs", "finish_reason", "stop_reason"})
-
-
-def _set_beyond(obj: dict[str, Any], known: frozenset[str]) -> bool:
-    """Whether ``obj`` gives a field outside ``known`` a value (vLLM writes unset ones as null)."""
-    return any(obj[k] is not None for k in obj.keys() - known)
 
 
 def _payload(lines: list[bytes]) -> bytes:

@@ -64,8 +64,9 @@ def usage_of_body(body: bytes) -> Usage | None:
         return None
 
 
-# What vLLM's request model (pydantic, lax) reads as a true boolean, besides ``true`` itself.
-_TRUE_WORDS = frozenset({"1", "on", "t", "true", "y", "yes"})
+# The strings vLLM's request model (pydantic, lax) reads as booleans, true and false.
+TRUE_WORDS = frozenset({"1", "on", "t", "true", "y", "yes"})
+FALSE_WORDS = frozenset({"0", "off", "f", "false", "n", "no"})
 
 
 def asks_for_usage(body: Mapping[str, Any]) -> bool:
@@ -79,7 +80,7 @@ def asks_for_usage(body: Mapping[str, Any]) -> bool:
         return value
     if isinstance(value, int | float):
         return value == 1
-    return isinstance(value, str) and value.lower() in _TRUE_WORDS
+    return isinstance(value, str) and value.lower() in TRUE_WORDS
 
 
 def with_usage(body: Mapping[str, Any]) -> tuple[dict[str, Any], bool]:

@@ -43,6 +43,7 @@ from proxy.core.kv_config import EngineEvents, KvEventsConfig
 from proxy.core.kvindex import BadBatch, Batch, Cleared, ExactIndex, Limits, Removed, parse_batch
 from proxy.core.kvstate import Listening, Mode, Seq, Sequencer
 from proxy.observe.kvmetrics import KvEventMetrics
+from proxy.observe.throttle import Throttle
 
 log = logging.getLogger(__name__)
 END_SEQ = b"\xff" * 8
@@ -89,8 +90,7 @@ class EngineListener:
         self._clock = clock
         self._topic = events.topic.encode()
         self._replay_failed_at = float("-inf")
-        self._warned_at = float("-inf")
-        self._unwarned = 0  # index restarts not logged since the last line
+        self._warn = Throttle(_WARN_EVERY_S)  # a storm of index restarts is one line
         self.ctx: zmq.asyncio.Context | None = None  # the owner's, set before ``run``
 
     @property
@@ -264,11 +264,10 @@ class EngineListener:
         self.index.reset()
         self._metrics.restarts.labels(self.engine, reason).inc()
         now = self._clock()
-        if now - self._warned_at < _WARN_EVERY_S:
-            self._unwarned += 1  # a storm of them is one line, not one per batch
+        held = self._warn.due(now)
+        if held is None:
             return
-        also = f"; {self._unwarned} more since the last line" if self._unwarned else ""
-        self._warned_at, self._unwarned = now, 0
+        also = f"; {held} more since the last line" if held else ""
         log.warning("engine %s: KV-event index emptied (%s%s)", self.engine,
                     reason.replace("_", " "), also)
 

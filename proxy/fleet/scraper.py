@@ -221,6 +221,11 @@ class Scraper:
         finally:
             self._observe_duration(engine, started)
 
+    def _own_want(self, engine: Engine) -> None:
+        """This process could not open the connection (no descriptor left): counted, and, as
+        ``proxy_busy``, no verdict on the engine."""
+        self._metrics.scrape_failures.labels(engine.name, PROXY_SHORT).inc()
+
     def _observe_duration(self, engine: Engine, started: float) -> None:
         # The labelled child looked up once per engine, not on every scrape.
         child = self._durations.get(engine.name)
@@ -236,12 +241,12 @@ class Scraper:
             snapshot, digest = self._judge(engine, fetch.result(), started)
         except FetchError as exc:
             if exc.reason == PROXY_SHORT:
-                self._metrics.scrape_failures.labels(engine.name, PROXY_SHORT).inc()
-                return None  # as ``proxy_busy``: this process's want, no verdict on the engine
+                self._own_want(engine)
+                return None
             return self._failed(engine, started, exc.reason, exc.detail)
         except aiohttp.ClientError as exc:
             if proxy_short(exc):
-                self._metrics.scrape_failures.labels(engine.name, PROXY_SHORT).inc()
+                self._own_want(engine)
                 return None
             reason, detail = _transport(exc)
             return self._failed(engine, started, reason, detail, str(exc) or type(exc).__name__)

@@ -28,11 +28,12 @@ import orjson
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
+from proxy.observe.throttle import Throttle
+
 log = logging.getLogger(__name__)
 
 SERVER_NAME = "kvproxy"
-_SLOW_HEAD_LOG_EVERY_S = 60.0
-_SLOW_HEADS: list[float] = [0, float("-inf")]  # closed since the last line, and that line's time
+_SLOW_HEADS = Throttle(60.0)  # connections closed for a slow head: a count a minute at most
 
 
 class GuardedHandler(RequestHandler):
@@ -120,14 +121,11 @@ class GuardedHandler(RequestHandler):
         self._head_timer = None
         if not self._awaiting_head or self._messages:
             return
-        _SLOW_HEADS[0] += 1
-        now = asyncio.get_running_loop().time()
-        if now - _SLOW_HEADS[1] >= _SLOW_HEAD_LOG_EVERY_S:
-            # One line a minute with the count: a client opening connections and sending nothing
-            # must not write a log line per connection.
+        # A client opening connections and sending nothing must not write a line per connection.
+        held = _SLOW_HEADS.due(asyncio.get_running_loop().time())
+        if held is not None:
             log.info("closed %d client connection(s) whose request head did not arrive in "
-                     "%.1fs (since the last such line)", _SLOW_HEADS[0], self._header_timeout_s)
-            _SLOW_HEADS[:] = [0, now]
+                     "%.1fs (since the last such line)", held + 1, self._header_timeout_s)
         self.force_close()
 
 

@@ -82,6 +82,7 @@ from proxy.fleet.upstream import (
     translate,
     unusable,
 )
+from proxy.observe.throttle import Throttle
 from proxy.server.context import ShellContext
 from proxy.server.ending import Ending, StreamEnd, cut_event, tell_recorder
 from proxy.server.job import Job, deadline_error
@@ -91,9 +92,7 @@ log = logging.getLogger(__name__)
 
 REASON_CONNECTIONS_FULL = "engine_connections_full"
 SHORT_REASON = "proxy_resources"
-# The last time the proxy's own want was logged (one line a minute, not one per request).
-_SHORT_LOG_EVERY_S = 60.0
-_SHORT_LOGGED = [float("-inf")]
+_SHORT_WARN = Throttle(60.0)  # the proxy's own want: one line a minute, not one per request
 
 CLIENT_CLOSED = 499  # nginx's convention for "client went away", used as a metrics label only
 
@@ -289,9 +288,7 @@ class Relay:
         taken by client connections, say): no verdict on the engine, no retry elsewhere (every
         engine would meet the same want), a 503 the client may retry, one warning a minute."""
         self._ctx.metrics.proxy_short.inc()
-        now = self._ctx.clock()
-        if now - _SHORT_LOGGED[0] >= _SHORT_LOG_EVERY_S:
-            _SHORT_LOGGED[0] = now
+        if _SHORT_WARN.due(self._ctx.clock()) is not None:
             log.warning("the proxy cannot open connections to engines: %s (raise the open-files "
                         "limit, or bound client connections)", loggable(exc))
         return NoCapacity("the proxy is short of resources (open connections); try again",
