@@ -52,6 +52,10 @@ class ServerConfig:
     # ``--workers N``: a worker whose event loop has sent its parent nothing for this long
     # (stopped, or blocked in one call) is killed and restarted. It beats every fifth of this.
     worker_stuck_after_s: float = 10.0
+    # Client connections one process keeps open at once; the next is answered 503 (shed reason
+    # ``connections``) and closed. Unset: from the process's open-files limit at start
+    # (``proxy.core.conncap``), so that clients run out before the engine side does.
+    max_connections: int | None = None
 
     def __post_init__(self) -> None:
         _require(0 <= self.port <= 65535, "port", "must be in 0..65535")
@@ -67,6 +71,8 @@ class ServerConfig:
         _require(self.drain_timeout_s >= 0, "drain_timeout_s", "must be >= 0")
         stuck = self.worker_stuck_after_s
         _require(1.0 <= stuck <= 3600.0, "worker_stuck_after_s", "must be in 1..3600")
+        cap = self.max_connections
+        _require(cap is None or 1 <= cap <= 10_000_000, "max_connections", "must be in 1..10000000")
         # orjson refuses to write documents nested deeper than 254 levels.
         _require(2 <= self.max_json_depth <= 200, "max_json_depth", "must be in 2..200")
 

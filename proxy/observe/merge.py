@@ -29,6 +29,8 @@ GAUGE_MERGE: dict[str, str] = {
     "kvproxy_sharing_peers": "min",
     "kvproxy_engine_snapshot_age_seconds": "min",
     "kvproxy_pool_shed_rate": "sum",
+    "kvproxy_client_connections": "sum",
+    "kvproxy_client_connections_limit": "sum",
 }
 
 

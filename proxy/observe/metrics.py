@@ -210,6 +210,19 @@ class ProxyMetrics:
             "want of its own resources (file descriptors, buffers, memory), not the engine's",
             registry=r,
         )  # fmt: skip
+        self.client_connections = Gauge(
+            "kvproxy_client_connections", "Client connections open", registry=r
+        )
+        self.client_connections_limit = Gauge(
+            "kvproxy_client_connections_limit",
+            "Client connections the proxy keeps open at once (server.max_connections; +Inf: none)",
+            registry=r,
+        )  # fmt: skip
+        self.client_connections_refused = Counter(
+            "kvproxy_client_connections_refused",
+            "Requests answered 503 because their connection opened past server.max_connections",
+            registry=r,
+        )  # fmt: skip
         self.relay_pauses = Counter(
             "kvproxy_relay_pauses",
             "Times a stream's engine reading paused because its client's buffer was full",

@@ -12,6 +12,12 @@ Rules:
 - What aiohttp answers by itself (a request it cannot parse, an exception outside the app's
   middleware) is answered in the proxy's shape too: an OpenAI-shaped JSON error, ``Server:
   kvproxy``, a request id, and no library text or traceback (those go to the log).
+- Open client connections are counted per process against ``server.max_connections`` (unset:
+  ``proxy.core.conncap``). A connection that opens past the cap serves one request and is closed:
+  a proxied request is answered 503 (shed reason ``connections``, ``Retry-After``) without reaching
+  the app, and the proxy's own probes (``/health``, ``/ready``, ``/metrics``) are answered as usual
+  with ``Connection: close``, so an orchestrator does not restart a proxy that a flood of
+  connections holds at its cap. Refusals are counted and logged as a count, once a minute at most.
 - Everything else is aiohttp's ``RequestHandler`` as it is; the subclass touches only the hooks
   named above (``connection_made``, ``data_received``, ``_handle_request``, ``finish_response``).
 """
@@ -22,18 +28,25 @@ import asyncio
 import logging
 import uuid
 from http import HTTPStatus
-from typing import Any
+from typing import Any, cast
 
 import orjson
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
+from proxy.core.errors import NoCapacity
+from proxy.observe.metrics import ProxyMetrics
 from proxy.observe.throttle import Throttle
 
 log = logging.getLogger(__name__)
 
 SERVER_NAME = "kvproxy"
+REASON_CONNECTIONS = "connections"
 _SLOW_HEADS = Throttle(60.0)  # connections closed for a slow head: a count a minute at most
+_REFUSALS = Throttle(60.0)  # connections past the cap: a count a minute at most
+# Answered on a connection past the cap as on any other: an orchestrator's probes and scrapes.
+_PROBES = frozenset({"/health", "/ready", "/metrics"})
+_RETRY_AFTER_S = 1.0
 
 
 class GuardedHandler(RequestHandler):
@@ -45,13 +58,16 @@ class GuardedHandler(RequestHandler):
         self._head_timer: asyncio.TimerHandle | None = None
         # True between requests: the next bytes to come are a request head.
         self._awaiting_head = True
+        self._past_cap = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._arm_head_timer()
+        self._past_cap = cast(GuardedServer, self._manager).opened()
         super().connection_made(transport)
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._disarm_head_timer()
+        cast(GuardedServer, self._manager).closed()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -70,10 +86,28 @@ class GuardedHandler(RequestHandler):
         # A pipelined request's head may have been parsed while the previous one ran.
         self._awaiting_head = False
         self._disarm_head_timer()
+        if self._past_cap:
+            args = (*args[:2], self._only_probes(args[2]))
         try:
             return await super()._handle_request(*args, **kwargs)
         finally:
             self._awaiting_head = True
+
+    def _only_probes(self, app_handler: Any) -> Any:
+        """The request handler of a connection past the cap: one probe answered, then closed;
+        anything else refused at once."""
+        server = cast(GuardedServer, self._manager)
+
+        async def handle(request: web.BaseRequest) -> web.StreamResponse:
+            if request.path in _PROBES:
+                response: web.StreamResponse = await app_handler(request)
+            else:
+                response = server.refusal()
+            if not response.prepared:
+                response.force_close()
+            return response
+
+        return handle
 
     async def finish_response(
         self, request: web.BaseRequest, resp: web.StreamResponse, start_time: float | None
@@ -145,9 +179,10 @@ def _error_body(status: int) -> bytes:
 
 
 class GuardedServer(web.Server):
-    """aiohttp's connection factory, making ``GuardedHandler`` connections."""
+    """aiohttp's connection factory, making ``GuardedHandler`` connections, counting them."""
 
-    def __init__(self, plain: web.Server, *, header_timeout_s: float) -> None:
+    def __init__(self, plain: web.Server, *, header_timeout_s: float, cap: int | None = None,
+                 metrics: ProxyMetrics | None = None) -> None:
         # Rebuilt from the server aiohttp's runner made, so every setting it chose is kept.
         super().__init__(
             plain.request_handler,
@@ -157,20 +192,58 @@ class GuardedServer(web.Server):
             **plain._kwargs,
         )
         self._header_timeout_s = header_timeout_s
+        self.cap = cap
+        self.open = 0
+        self._metrics = metrics
+        if metrics is not None:
+            metrics.client_connections_limit.set(float("inf") if cap is None else cap)
 
     def __call__(self) -> RequestHandler:
         return GuardedHandler(
             self, loop=self._loop, header_timeout_s=self._header_timeout_s, **self._kwargs
         )
 
+    def opened(self) -> bool:
+        """Count a new connection; True when it is past the cap."""
+        self.open += 1
+        if self._metrics is not None:
+            self._metrics.client_connections.inc()
+        return self.cap is not None and self.open > self.cap
+
+    def closed(self) -> None:
+        self.open -= 1
+        if self._metrics is not None:
+            self._metrics.client_connections.dec()
+
+    def refusal(self) -> web.Response:
+        """The answer to a proxied request on a connection past the cap."""
+        if self._metrics is not None:
+            self._metrics.client_connections_refused.inc()
+        held = _REFUSALS.due(asyncio.get_running_loop().time())
+        if held is not None:
+            log.warning("refused %d request(s) on client connections past server.max_connections "
+                        "= %s (since the last such line)", held + 1, self.cap)
+        exc = NoCapacity(
+            f"the proxy holds its limit of {self.cap} client connections; retry later",
+            reason=REASON_CONNECTIONS, retry_after_s=_RETRY_AFTER_S,
+        )
+        headers = {**exc.headers(), "Server": SERVER_NAME, "X-Request-Id": uuid.uuid4().hex,
+                   "X-Cache": "BYPASS"}
+        return web.Response(status=exc.status, body=exc.body(), content_type="application/json",
+                            headers=headers)
+
 
 class GuardedRunner(web.AppRunner):
-    """``AppRunner`` whose connections enforce the request-head deadline."""
+    """``AppRunner`` whose connections enforce the request-head deadline and the cap."""
 
-    def __init__(self, app: web.Application, *, header_timeout_s: float, **kwargs: Any) -> None:
+    def __init__(self, app: web.Application, *, header_timeout_s: float, cap: int | None = None,
+                 metrics: ProxyMetrics | None = None, **kwargs: Any) -> None:
         super().__init__(app, **kwargs)
         self._header_timeout_s = header_timeout_s
+        self._cap = cap
+        self._metrics = metrics
 
     async def _make_server(self) -> web.Server:
         plain = await super()._make_server()
-        return GuardedServer(plain, header_timeout_s=self._header_timeout_s)
+        return GuardedServer(plain, header_timeout_s=self._header_timeout_s, cap=self._cap,
+                             metrics=self._metrics)

@@ -12,7 +12,9 @@ Rules:
 - Handlers are cancelled when their client disconnects (``handler_cancellation``), which is how an
   abandoned request reaches the relay's ``finally`` and closes its engine connection at once.
 - Client connections are ``connections.GuardedHandler``: request heads have a deadline
-  (``server.header_timeout_s``), idle kept-alive connections ``server.keepalive_timeout_s``.
+  (``server.header_timeout_s``), idle kept-alive connections ``server.keepalive_timeout_s``, and
+  their number a cap (``server.max_connections``, else ``proxy.core.conncap``'s from the open-files
+  limit).
 - Shutdown order: stop admitting (``/ready`` 503, new requests 503) while still listening, wait for
   open requests up to ``server.drain_timeout_s``; streams still open then are ended with an SSE
   error event (their engine connections closed), and get a short grace to write it; then close the
@@ -30,12 +32,14 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import resource
 import signal
 from collections.abc import Callable
 
 from aiohttp import web
 
 from proxy.core.config import Config
+from proxy.core.conncap import client_cap
 from proxy.server.app import build_app
 from proxy.server.connections import GuardedRunner
 from proxy.server.handlers import own_metrics
@@ -60,9 +64,12 @@ class ProxyServer:
         self.cfg = cfg
         self.app = app if app is not None else build_app(cfg)
         self._reuse_port = reuse_port
+        engines = sum(len(pool.engines) for pool in cfg.pools)
         self._runner = GuardedRunner(
             self.app,
             header_timeout_s=cfg.server.header_timeout_s,
+            cap=client_cap(cfg.server.max_connections, _open_files(), engines),
+            metrics=self.app[SHELL].metrics,
             keepalive_timeout=cfg.server.keepalive_timeout_s,
             handler_cancellation=True,
             shutdown_timeout=_FINAL_GRACE_S,
@@ -121,6 +128,13 @@ class ProxyServer:
         await self.stop()
         log.info("kvproxy stopped")
         return finished
+
+
+def _open_files() -> int | None:
+    """This process's soft limit on open files (``kvproxy serve`` raised it at start), or None
+    when there is none."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return None if soft == resource.RLIM_INFINITY else soft
 
 
 def _bound_port(runner: web.AppRunner) -> int:

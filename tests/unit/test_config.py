@@ -127,6 +127,8 @@ def test_env_then_cli(tmp_path: Path) -> None:
         ({}, ["server.gc_middle_threshold=0"], "server.gc_middle_threshold"),
         ({}, ["server.worker_stuck_after_s=0.5"], "server.worker_stuck_after_s"),
         ({"KVPROXY_SERVER_WORKER_STUCK_AFTER_S": "nan"}, [], "server.worker_stuck_after_s"),
+        ({}, ["server.max_connections=0"], "server.max_connections"),
+        ({"KVPROXY_SERVER_MAX_CONNECTIONS": "many"}, [], "server.max_connections"),
         # NaN passes a check written as "if x < 0: refuse"; infinity fails where it is used.
         ({}, ["cache.ttl_s=nan"], "cache.ttl_s"),
         ({}, ["cache.single_flight_timeout_s=nan"], "cache.single_flight_timeout_s"),
