@@ -52,9 +52,10 @@ class ServerConfig:
     # ``--workers N``: a worker whose event loop has sent its parent nothing for this long
     # (stopped, or blocked in one call) is killed and restarted. It beats every fifth of this.
     worker_stuck_after_s: float = 10.0
-    # Client connections one process keeps open at once; the next is answered 503 (shed reason
-    # ``connections``) and closed. Unset: from the process's open-files limit at start
-    # (``proxy.core.conncap``), so that clients run out before the engine side does.
+    # Client connections one process keeps open at once; past it, a few more answer one request
+    # each (a proxied one 503, shed reason ``connections``), then connections are closed as soon
+    # as accepted. Unset: from the process's open-files limit at start (``proxy.core.conncap``),
+    # so that clients run out before the engine side does.
     max_connections: int | None = None
 
     def __post_init__(self) -> None:

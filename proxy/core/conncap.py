@@ -1,12 +1,18 @@
 """How many client connections one proxy process keeps open at once.
 
 Rules:
+- Up to the cap, connections are served as usual. Past it, a grace of a few more (``grace``)
+  are let in, each to be answered one request and closed (the proxy's probes still answered, a
+  proxied request refused): a client is told why, and an orchestrator's probes still reach the
+  proxy. Past cap and grace together, a connection is closed as soon as it is accepted, so that
+  a flood of connections holds no more descriptors than the cap and the grace.
 - A configured ``server.max_connections`` is the cap as given.
 - Unset, the cap comes from the process's open-files limit: a client connection that streams holds
   one engine connection too, so clients get half of what is left after a fixed reserve (listening
-  sockets, logs, Redis, the scrape and KV-event connections of each engine). At that cap a flood
-  of client connections is answered 503 before the proxy lacks a descriptor for an engine
-  connection, where every request already admitted would fail (``upstream.proxy_short``).
+  sockets, logs, Redis, the scrape and KV-event connections of each engine) and the grace. At
+  that cap, every client let in finds a descriptor for its engine connection; without it, a flood
+  of idle connections made the proxy's next engine connection fail for want of descriptors, and
+  requests already admitted with it (``upstream.proxy_short``).
 - No limit on open files (``RLIM_INFINITY``) means no cap.
 """
 
@@ -17,9 +23,17 @@ from __future__ import annotations
 RESERVE = 64
 # Each engine's scrape connection and KV-event sockets (subscriber and replay).
 PER_ENGINE = 3
-# A cap below this would refuse an ordinary test client's pool; a limit that low is refused
-# here rather than serving a handful of clients.
+# Never a smaller cap, however low the limit: a proxy that can serve a few clients should.
 FLOOR = 16
+# The grace past a cap of n: n / GRACE_SHARE, within these bounds.
+GRACE_MIN = 4
+GRACE_MAX = 256
+GRACE_SHARE = 16
+
+
+def grace(cap: int) -> int:
+    """Connections let in past ``cap``, each for one request."""
+    return max(GRACE_MIN, min(GRACE_MAX, cap // GRACE_SHARE))
 
 
 def client_cap(configured: int | None, open_files: int | None, engines: int) -> int | None:
@@ -30,4 +44,5 @@ def client_cap(configured: int | None, open_files: int | None, engines: int) -> 
     if open_files is None:
         return None
     spare = open_files - RESERVE - PER_ENGINE * engines
-    return max(FLOOR, spare // 2)
+    # grace(cap) <= grace(spare) for any cap <= spare: the grace taken off here covers it.
+    return max(FLOOR, (spare - grace(spare)) // 2)

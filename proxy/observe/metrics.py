@@ -220,8 +220,13 @@ class ProxyMetrics:
         )  # fmt: skip
         self.client_connections_refused = Counter(
             "kvproxy_client_connections_refused",
-            "Requests answered 503 because their connection opened past server.max_connections",
-            registry=r,
+            "Proxied requests answered 503 because their connection opened past "
+            "server.max_connections", registry=r,
+        )  # fmt: skip
+        self.client_connections_dropped = Counter(
+            "kvproxy_client_connections_dropped",
+            "Client connections closed as soon as accepted: past server.max_connections and "
+            "its grace", registry=r,
         )  # fmt: skip
         self.relay_pauses = Counter(
             "kvproxy_relay_pauses",

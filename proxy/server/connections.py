@@ -13,11 +13,14 @@ Rules:
   middleware) is answered in the proxy's shape too: an OpenAI-shaped JSON error, ``Server:
   kvproxy``, a request id, and no library text or traceback (those go to the log).
 - Open client connections are counted per process against ``server.max_connections`` (unset:
-  ``proxy.core.conncap``). A connection that opens past the cap serves one request and is closed:
-  a proxied request is answered 503 (shed reason ``connections``, ``Retry-After``) without reaching
-  the app, and the proxy's own probes (``/health``, ``/ready``, ``/metrics``) are answered as usual
-  with ``Connection: close``, so an orchestrator does not restart a proxy that a flood of
-  connections holds at its cap. Refusals are counted and logged as a count, once a minute at most.
+  ``proxy.core.conncap``'s cap from the open-files limit). Past the cap, a grace of a few more
+  connections (``conncap.grace``) are each answered one request and closed: a proxied request is
+  refused 503 (shed reason ``connections``, counted and logged as every proxied request is, by
+  its handler: ``past_cap``), anything else (the probes, ``/metrics``) answered as usual, with
+  ``Connection: close``; their head must come within ``_PAST_CAP_HEAD_S``. Past the cap and the
+  grace, a connection is closed as soon as it is accepted, so that idle connections cannot take
+  the descriptors that clients within the cap need for their engine connections. Refusals and
+  closes are logged as counts, once a minute at most.
 - Everything else is aiohttp's ``RequestHandler`` as it is; the subclass touches only the hooks
   named above (``connection_made``, ``data_received``, ``_handle_request``, ``finish_response``).
 """
@@ -34,6 +37,7 @@ import orjson
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
+from proxy.core.conncap import grace
 from proxy.core.errors import NoCapacity
 from proxy.observe.metrics import ProxyMetrics
 from proxy.observe.throttle import Throttle
@@ -43,10 +47,15 @@ log = logging.getLogger(__name__)
 SERVER_NAME = "kvproxy"
 REASON_CONNECTIONS = "connections"
 _SLOW_HEADS = Throttle(60.0)  # connections closed for a slow head: a count a minute at most
-_REFUSALS = Throttle(60.0)  # connections past the cap: a count a minute at most
-# Answered on a connection past the cap as on any other: an orchestrator's probes and scrapes.
-_PROBES = frozenset({"/health", "/ready", "/metrics"})
+_REFUSALS = Throttle(60.0)  # requests refused past the cap: a count a minute at most
+_DROPS = Throttle(60.0)  # connections closed at once past the cap and its grace: the same
 _RETRY_AFTER_S = 1.0
+# A connection past the cap holds a descriptor of the grace: its head comes within this, or the
+# place goes to the next one.
+_PAST_CAP_HEAD_S = 1.0
+
+# What ``GuardedServer.opened`` says of a new connection.
+WITHIN, PAST_CAP, DROPPED = 0, 1, 2
 
 
 class GuardedHandler(RequestHandler):
@@ -58,12 +67,18 @@ class GuardedHandler(RequestHandler):
         self._head_timer: asyncio.TimerHandle | None = None
         # True between requests: the next bytes to come are a request head.
         self._awaiting_head = True
-        self._past_cap = False
+        # Opened past the cap, within its grace: one request, then closed.
+        self.past_cap = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        place = cast(GuardedServer, self._manager).opened()
+        if place == PAST_CAP:
+            self.past_cap = True
+            self._header_timeout_s = min(self._header_timeout_s, _PAST_CAP_HEAD_S)
         self._arm_head_timer()
-        self._past_cap = cast(GuardedServer, self._manager).opened()
         super().connection_made(transport)
+        if place == DROPPED:
+            self.force_close()  # nothing read, nothing buffered: closed at once
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._disarm_head_timer()
@@ -86,28 +101,16 @@ class GuardedHandler(RequestHandler):
         # A pipelined request's head may have been parsed while the previous one ran.
         self._awaiting_head = False
         self._disarm_head_timer()
-        if self._past_cap:
-            args = (*args[:2], self._only_probes(args[2]))
+        if self.past_cap:
+            args = (*args[:2], _closing(args[2]))
         try:
             return await super()._handle_request(*args, **kwargs)
         finally:
             self._awaiting_head = True
 
-    def _only_probes(self, app_handler: Any) -> Any:
-        """The request handler of a connection past the cap: one probe answered, then closed;
-        anything else refused at once."""
-        server = cast(GuardedServer, self._manager)
-
-        async def handle(request: web.BaseRequest) -> web.StreamResponse:
-            if request.path in _PROBES:
-                response: web.StreamResponse = await app_handler(request)
-            else:
-                response = server.refusal()
-            if not response.prepared:
-                response.force_close()
-            return response
-
-        return handle
+    def refusal(self) -> NoCapacity:
+        """Why a proxied request on this connection (past the cap) is refused, counted."""
+        return cast(GuardedServer, self._manager).refusal()
 
     async def finish_response(
         self, request: web.BaseRequest, resp: web.StreamResponse, start_time: float | None
@@ -163,6 +166,26 @@ class GuardedHandler(RequestHandler):
         self.force_close()
 
 
+def _closing(handler: Any) -> Any:
+    """``handler``, its answer saying ``Connection: close`` (one request past the cap)."""
+
+    async def handle(request: web.BaseRequest) -> web.StreamResponse:
+        response: web.StreamResponse = await handler(request)
+        if not response.prepared:
+            response.force_close()
+        return response
+
+    return handle
+
+
+def past_cap(request: web.BaseRequest) -> NoCapacity | None:
+    """The refusal of a proxied ``request`` whose connection opened past the cap, else None."""
+    protocol = request.protocol
+    if isinstance(protocol, GuardedHandler) and protocol.past_cap:
+        return protocol.refusal()
+    return None
+
+
 def _error_body(status: int) -> bytes:
     try:
         phrase = HTTPStatus(status).phrase
@@ -203,34 +226,44 @@ class GuardedServer(web.Server):
             self, loop=self._loop, header_timeout_s=self._header_timeout_s, **self._kwargs
         )
 
-    def opened(self) -> bool:
-        """Count a new connection; True when it is past the cap."""
+    def opened(self) -> int:
+        """Count a new connection: ``WITHIN`` the cap, ``PAST_CAP`` (within its grace) or
+        ``DROPPED``."""
         self.open += 1
         if self._metrics is not None:
             self._metrics.client_connections.inc()
-        return self.cap is not None and self.open > self.cap
+        cap = self.cap
+        if cap is None or self.open <= cap:
+            return WITHIN
+        if self.open <= cap + grace(cap):
+            return PAST_CAP
+        if self._metrics is not None:
+            self._metrics.client_connections_dropped.inc()
+        held = _DROPS.due(asyncio.get_running_loop().time())
+        if held is not None:
+            log.warning("closed %d client connection(s) as soon as accepted: past "
+                        "server.max_connections = %d and its grace of %d (since the last such "
+                        "line)", held + 1, cap, grace(cap))
+        return DROPPED
 
     def closed(self) -> None:
         self.open -= 1
         if self._metrics is not None:
             self._metrics.client_connections.dec()
 
-    def refusal(self) -> web.Response:
-        """The answer to a proxied request on a connection past the cap."""
+    def refusal(self) -> NoCapacity:
+        """Why a proxied request on a connection past the cap is refused, counted."""
         if self._metrics is not None:
             self._metrics.client_connections_refused.inc()
         held = _REFUSALS.due(asyncio.get_running_loop().time())
         if held is not None:
             log.warning("refused %d request(s) on client connections past server.max_connections "
                         "= %s (since the last such line)", held + 1, self.cap)
-        exc = NoCapacity(
+        return NoCapacity(
             f"the proxy holds its limit of {self.cap} client connections; retry later",
-            reason=REASON_CONNECTIONS, retry_after_s=_RETRY_AFTER_S,
+            reason=REASON_CONNECTIONS,
+            retry_after_s=_RETRY_AFTER_S,
         )
-        headers = {**exc.headers(), "Server": SERVER_NAME, "X-Request-Id": uuid.uuid4().hex,
-                   "X-Cache": "BYPASS"}
-        return web.Response(status=exc.status, body=exc.body(), content_type="application/json",
-                            headers=headers)
 
 
 class GuardedRunner(web.AppRunner):

@@ -48,6 +48,7 @@ from proxy.observe.metrics import CONTENT_TYPE
 from proxy.server import specanswer
 from proxy.server.admit import HOLDING, need_tokens
 from proxy.server.body import read_body
+from proxy.server.connections import past_cap
 from proxy.server.context import ShellContext
 from proxy.server.job import Job, deadline_error
 from proxy.server.keys import MODELS, REQUEST_ID, SHELL, WORKER
@@ -99,6 +100,9 @@ completions = functools.partial(_proxy, endpoint=Endpoint.COMPLETIONS)
 async def _serve(
     request: web.Request, ctx: ShellContext, endpoint: Endpoint, job: Job
 ) -> web.StreamResponse:
+    refused = past_cap(request)
+    if refused is not None:  # before anything is read: the connection closes after this answer
+        raise refused
     door = request.app[DOOR]
     tenant = await door.identify(request.headers)
     job.tenant = tenant

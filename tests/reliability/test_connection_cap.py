@@ -1,8 +1,9 @@
-"""A cap on client connections (``server.max_connections``): past it, a proxied request is
-answered 503 and its connection closed, the proxy's probes still answer, and the connections
-within the cap are served as before.
+"""A cap on client connections (``server.max_connections``): past it, a grace of a few
+connections each get one request answered (a proxied request refused 503, the probes answered)
+and are closed; past the grace, connections are closed as soon as they are accepted; the
+connections within the cap are served as before.
 
-Idle client connections are raw sockets over loopback; the refused request is the SDK's.
+Idle client connections are raw sockets over loopback; the refused requests are the SDK's.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from collections.abc import AsyncIterator
 import aiohttp
 import openai
 import pytest
+
+from proxy.core.conncap import grace
 
 from .rogue import RogueEngine
 from .shell import (
@@ -29,6 +32,7 @@ from .shell import (
 )
 
 CAP = 3
+GRACE = grace(CAP)
 
 
 def _client(url: str) -> openai.AsyncOpenAI:
@@ -46,29 +50,36 @@ async def _held(url: str, count: int) -> AsyncIterator[None]:
             await close(writer)
 
 
-async def _metric(url: str, name: str) -> float:
+async def _exposition(url: str) -> str:
     async with aiohttp.ClientSession() as http, http.get(url + "/metrics") as resp:
-        text = await resp.text()
-    for line in text.splitlines():
+        return await resp.text()
+
+
+async def _metric(url: str, name: str) -> float:
+    for line in (await _exposition(url)).splitlines():
         if line.startswith(name + " "):
             return float(line.split()[1])
     raise AssertionError(f"{name} not exposed")
 
 
-async def test_a_request_past_the_cap_is_refused_and_its_connection_closed(
+async def test_a_request_past_the_cap_is_refused_counted_and_its_connection_closed(
     rogue: RogueEngine,
 ) -> None:
     async with proxy_for(rogue, server=server_config(max_connections=CAP)) as proxy:
         async with _held(proxy.url, CAP):
             client = _client(proxy.url)
             with pytest.raises(openai.APIStatusError) as caught:
-                await client.chat.completions.create(**chat())
+                await client.chat.completions.create(
+                    **chat(), extra_headers={"X-Request-Id": "past-the-cap-1"}
+                )
             await client.close()
             response = caught.value.response
             assert response.status_code == 503
             assert response.headers["x-kvproxy-shed-reason"] == "connections"
             assert response.headers["retry-after"] == "1"
             assert response.headers["connection"] == "close"
+            assert response.headers["x-request-id"] == "past-the-cap-1"
+            assert response.headers["x-cache"] == "BYPASS"
             error = response.json()["error"]
             assert error["type"] == "overloaded"
             assert f"limit of {CAP} client connections" in error["message"]
@@ -77,19 +88,23 @@ async def test_a_request_past_the_cap_is_refused_and_its_connection_closed(
         answer = await client.chat.completions.create(**chat())
         await client.close()
         assert answer.choices[0].message.content
-        assert await _metric(proxy.url, "kvproxy_client_connections_refused_total") == 1
-        assert await _metric(proxy.url, "kvproxy_client_connections_limit") == CAP
+        text = await _exposition(proxy.url)
+        assert "kvproxy_client_connections_refused_total 1.0" in text
+        assert f"kvproxy_client_connections_limit {float(CAP)}" in text
+        # Counted as every proxied request is: a shed, with its status.
+        assert 'kvproxy_shed_total{class="standard",pool="none",reason="connections"} 1.0' in text
+        assert 'pool="none",status="503"} 1.0' in text
     assert len(rogue.requests_to(CHAT)) == 1  # the refused request never reached an engine
 
 
-async def test_probes_are_answered_past_the_cap_then_the_connection_closes(
+async def test_other_requests_past_the_cap_are_answered_then_the_connection_closes(
     rogue: RogueEngine,
 ) -> None:
     async with (
         proxy_for(rogue, server=server_config(max_connections=CAP)) as proxy,
         _held(proxy.url, CAP),
     ):
-        for path in ("/health", "/ready", "/metrics"):
+        for path in ("/health", "/ready", "/metrics", "/v1/models"):
             reader, writer = await connect(proxy.url)
             writer.write(head("GET", path))
             answer = await read_response(reader)
@@ -97,6 +112,34 @@ async def test_probes_are_answered_past_the_cap_then_the_connection_closes(
             assert answer.headers["connection"] == "close"
             assert await closed_by_peer(reader, timeout_s=5.0)
             await close(writer)
+        # Malformed HTTP is a 400, as within the cap, not a 503 that invites a retry.
+        reader, writer = await connect(proxy.url)
+        writer.write(b"GARBAGE\r\n\r\n")
+        assert (await read_response(reader)).status == 400
+        await close(writer)
+
+
+async def test_past_the_cap_and_its_grace_connections_are_closed_at_once(
+    rogue: RogueEngine,
+) -> None:
+    # The head deadline stays at its default (10 s): what closes these is the cap, not it.
+    async with proxy_for(rogue, server=server_config(max_connections=CAP)) as proxy:
+        async with _held(proxy.url, CAP):
+            grace_held = [await connect(proxy.url) for _ in range(GRACE)]
+            reader, writer = await connect(proxy.url)  # past the cap and the grace
+            assert await closed_by_peer(reader, timeout_s=0.5)
+            await close(writer)
+            # Those of the grace that send nothing give their place back within a second or so.
+            for grace_reader, _ in grace_held:
+                assert await closed_by_peer(grace_reader, timeout_s=3.0)
+            for _, grace_writer in grace_held:
+                await close(grace_writer)
+        assert await _metric(proxy.url, "kvproxy_client_connections_dropped_total") == 1
+        # A client within the cap, after all of this, is served.
+        client = _client(proxy.url)
+        answer = await client.chat.completions.create(**chat())
+        await client.close()
+        assert answer.choices[0].message.content
 
 
 async def test_connections_within_the_cap_keep_being_served(rogue: RogueEngine) -> None:
@@ -109,7 +152,7 @@ async def test_connections_within_the_cap_keep_being_served(rogue: RogueEngine) 
             answer = await client.chat.completions.create(**chat())
             assert answer.choices[0].message.content
         await client.close()
-        # Once the client's connection is closed, /metrics gets the place.
+        # Once the client's connection is closed, /metrics gets the place (or the grace's).
         assert await _metric(proxy.url, "kvproxy_client_connections_refused_total") == 0
 
 
