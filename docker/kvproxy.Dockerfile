@@ -15,4 +15,6 @@ RUN pip install --no-deps . && useradd --system --uid 10001 kvproxy
 USER kvproxy
 
 EXPOSE 8000 8100
-CMD ["kvproxy", "serve", "--host", "0.0.0.0", "--port", "8000"]
+# Alone (`docker run -p 8000:8000 kvproxy:local`) the image runs the demo: the proxy in front of
+# simulated engines. compose.yaml and the Kubernetes manifests run `kvproxy serve --config ...`.
+CMD ["kvproxy", "demo", "--host", "0.0.0.0", "--port", "8000"]
