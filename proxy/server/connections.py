@@ -75,7 +75,8 @@ class GuardedHandler(RequestHandler):
         if place == PAST_CAP:
             self.past_cap = True
             self._header_timeout_s = min(self._header_timeout_s, _PAST_CAP_HEAD_S)
-        self._arm_head_timer()
+        if place != DROPPED:
+            self._arm_head_timer()
         super().connection_made(transport)
         if place == DROPPED:
             self.force_close()  # nothing read, nothing buffered: closed at once
