@@ -28,6 +28,9 @@ ALIAS, TARGET, DRAFT = "sf", "target-model", "draft-model"
 KEYS = {"alice": "sk-alice-0123456789", "bob": "sk-bobby-0123456789"}
 
 
+REFUSAL = "this engine takes no such request"
+
+
 @dataclasses.dataclass
 class Front:
     """A forwarder in front of one engine: records what it is sent, fails a path on demand."""
@@ -37,7 +40,9 @@ class Front:
     fail: dict[str, int] = dataclasses.field(default_factory=dict)  # path -> calls let through
     hang: dict[str, int] = dataclasses.field(default_factory=dict)  # the same, then no answer
     stall_first: set[str] = dataclasses.field(default_factory=set)  # the first call: no answer
+    refuse: dict[str, int] = dataclasses.field(default_factory=dict)  # as ``fail``, with a 400
     calls: dict[str, int] = dataclasses.field(default_factory=dict)
+    answered: list[tuple[str, int]] = dataclasses.field(default_factory=list)  # path, status
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()
@@ -56,10 +61,17 @@ class Front:
             if left <= 0:
                 return web.json_response({"error": {"message": "boom"}}, status=500)
             self.fail[request.path] = left - 1
+        left = self.refuse.get(request.path)
+        if left is not None:
+            if left <= 0:
+                return web.json_response({"error": {"message": REFUSAL, "type": "BadRequestError",
+                                                    "code": 400}}, status=400)
+            self.refuse[request.path] = left - 1
         async with aiohttp.ClientSession() as http, http.request(
                 request.method, self.upstream + request.path_qs, data=raw or None,
                 headers={"Content-Type": "application/json"}) as resp:
             body = await resp.read()
+            self.answered.append((request.path, resp.status))
             return web.Response(body=body, status=resp.status,
                                 content_type=resp.content_type)
 
@@ -142,10 +154,23 @@ async def test_a_target_failing_mid_stream_ends_it_with_one_error_event(
 async def test_a_refusal_by_the_target_is_a_400_with_the_engines_words(
         stack: Callable[..., Awaitable[Stack]]) -> None:
     s = await stack()
+    s.target.refuse["/v1/completions"] = 0  # its verifications, after the drafting began
+    status, raw = await s.post(_chat("hello there"))
+    assert status == 400, raw
+    error = orjson.loads(raw)["error"]
+    assert error["code"] == "engine_refused" and REFUSAL in error["message"]
+    assert [p for p, _ in s.draft.bodies if p == "/v1/completions"]  # it was drafting
+    assert s.target.calls["/v1/completions"] >= 1
+
+
+async def test_a_prompt_past_the_context_is_a_400_before_any_drafting(
+        stack: Callable[..., Awaitable[Stack]]) -> None:
+    s = await stack()
     status, raw = await s.post(_chat("word " * 3000))  # longer than the 2048-token context
     assert status == 400, raw
     error = orjson.loads(raw)["error"]
-    assert error["type"] == "invalid_request_error" and "context" in error["message"].lower()
+    assert error["code"] == "context_length_exceeded" and "context" in error["message"].lower()
+    assert not [p for p, _ in s.draft.bodies if p == "/v1/completions"]
 
 
 async def test_max_tokens_past_the_context_left_is_a_400_before_any_drafting(
@@ -178,7 +203,11 @@ async def test_stream_options_without_a_stream_are_the_targets_to_refuse(
     s = await stack()
     status, _ = await s.post(_chat("hi", stream_options={"include_usage": True}))
     assert not [p for p, _ in s.draft.bodies if p == "/v1/completions"]  # not drafted
-    assert status in (200, 400)  # whatever the target says of it, unchanged
+    # Passed through to the target as it came, and the target's own answer is the client's.
+    passed = [b for p, b in s.target.bodies if p == "/v1/chat/completions"]
+    assert len(passed) == 1
+    assert passed[0]["stream_options"] == {"include_usage": True} and "stream" not in passed[0]
+    assert s.target.answered[-1] == ("/v1/chat/completions", status)
 
 
 async def test_the_tokenizer_check_asks_past_an_engine_that_is_down() -> None:

@@ -10,6 +10,7 @@ import os
 import re
 import signal
 import sys
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -414,14 +415,27 @@ async def test_workers_whose_parent_was_killed_leave_nothing_behind(
     assert list(scratch.iterdir()) == []  # the last worker out removed the directory
 
 
-async def test_a_stop_while_a_worker_waits_to_restart_is_prompt_and_clean(parent: Parent) -> None:
-    # Worker 0 dies; the parent waits its back-off before starting it again. A SIGTERM in that
-    # wait ends it at once: nothing of that worker is left to drain, so the stop is clean.
-    pid = parent.workers()[0][0]
-    os.kill(pid, signal.SIGKILL)
-    async with asyncio.timeout(5):
-        while not any("worker 0" in line and "restarting" in line for line in parent.log):  # noqa: ASYNC110
+async def _worker_pid(parent: Parent, index: int) -> int:
+    """The pid of worker ``index`` once one is running (after a restart's back-off)."""
+    async with asyncio.timeout(10):
+        while (worker := parent.workers().get(index)) is None:  # noqa: ASYNC110
             await asyncio.sleep(0.01)
+    return worker[0]
+
+
+async def test_a_stop_while_a_worker_waits_to_restart_is_prompt_and_clean(parent: Parent) -> None:
+    # Worker 0 dies as soon as it is back, until the parent's back-off before restarting it has
+    # doubled to 4 s. A SIGTERM in that wait ends it at once, not when the back-off runs out:
+    # nothing of that worker is left to drain, so the stop is clean too.
+    for backoff in ("0.5", "1.0", "2.0", "4.0"):
+        pid = await _worker_pid(parent, 0)
+        os.kill(pid, signal.SIGKILL)
+        async with asyncio.timeout(10):
+            while not any(f"(pid {pid})" in line and f"restarting it in {backoff} s" in line  # noqa: ASYNC110
+                          for line in parent.log):  # fmt: skip
+                await asyncio.sleep(0.01)
+    stopped_at = time.monotonic()
     parent.proc.send_signal(signal.SIGTERM)
     async with asyncio.timeout(15):
         assert await parent.proc.wait() == 0
+    assert time.monotonic() - stopped_at < 2.0  # well inside the 4 s back-off
