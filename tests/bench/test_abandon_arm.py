@@ -29,6 +29,8 @@ def test_the_abandon_arm_turns_the_rule_on_and_nothing_else(tmp_path: Path) -> N
     off = _routing(Router("kvproxy", "expected_ttft"), tmp_path / "off")
     assert on.policy == off.policy == "expected_ttft"
     assert on.charge_abandoned
+    # Written out, not left to the default: the arm keeps its meaning if the default changes.
+    assert "charge_abandoned = true" in (tmp_path / "on" / "kvproxy.toml").read_text()
     # The rule is the default now: the plain arm runs it too, from the default config.
     assert off.charge_abandoned == RoutingConfig().charge_abandoned
 

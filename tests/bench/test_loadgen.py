@@ -117,6 +117,11 @@ async def test_closed_loop_keeps_its_streams_busy(server):
                                        run_start=time.perf_counter())
     assert len(recs) >= 3 and all(r.ok for r in recs)
     assert span >= 0.3
+    # Three streams, each one request at a time: at some moment all three are in flight, never
+    # more (one stream would send them one after another).
+    spans = [(r.sent_at, r.sent_at + (r.e2e or 0.0)) for r in recs]
+    overlap = max(sum(1 for a, b in spans if a <= t < b) for t, _ in spans)
+    assert overlap == 3
 
 
 def test_session_header_names_the_conversation():

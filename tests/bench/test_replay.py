@@ -52,8 +52,12 @@ def test_cache_aware_model_is_deterministic() -> None:
 
 
 def test_variants_set_their_rule_and_unknown_ones_are_refused() -> None:
-    router = KvproxyRouter("expected_ttft+abandon", 2, RoutingConfig())
+    # From a configuration with the rule off, so that only the variant can turn it on.
+    off = RoutingConfig(charge_abandoned=False)
+    router = KvproxyRouter("expected_ttft+abandon", 2, off)
     assert router.cfg.charge_abandoned and not router.drain
+    assert not KvproxyRouter("expected_ttft", 2, off).cfg.charge_abandoned
+    assert KvproxyRouter("expected_ttft+unbounded", 2, off).cfg.charge_abandoned
     assert KvproxyRouter("expected_ttft+drain", 2, RoutingConfig()).drain
     assert not KvproxyRouter("expected_ttft+plain", 2, RoutingConfig()).cfg.charge_abandoned
     unbounded = KvproxyRouter("expected_ttft+unbounded", 2, RoutingConfig())

@@ -1,6 +1,7 @@
 """The soak benchmark's pure parts (slopes, RSS summary, /proc readers) and its report."""
 
 import os
+import socket
 
 from bench.report_soak import soak_markdown
 from bench.soak import rss_mib, rss_summary, slope, upstream_sockets
@@ -33,6 +34,14 @@ def test_rss_summary_reports_start_peak_end_and_growth_per_10k():
 def test_proc_readers_see_this_process():
     assert rss_mib(os.getpid()) > 1
     assert upstream_sockets(os.getpid(), {1}) == 0
+    # One established connection of this process to a listener: counted by the listener's port,
+    # not by any other (the accepted end's remote port is the client's own).
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port)):
+            accepted, _ = listener.accept()
+            with accepted:
+                assert upstream_sockets(os.getpid(), {port}) == 1
 
 
 def test_report_shows_every_run_and_the_memory_comparison():
