@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -162,11 +163,24 @@ async def test_disabled_or_unlimited_costs_nothing() -> None:
 
 
 async def test_renewer_task_lifecycle() -> None:
+    # Started, it renews the open leases every third of their time to live; closed, it is gone.
     gate = RequestGate(LimitsConfig(enabled=True, concurrent_streams=1, lease_ttl_s=3))
+    renewals = 0
+    renew = gate.renew
+
+    async def counted() -> None:
+        nonlocal renewals
+        renewals += 1
+        await renew()
+
+    gate.renew = counted  # type: ignore[method-assign]
     gate.start()
     lease = await gate.admit("acme")
-    await asyncio.sleep(0)
+    await asyncio.sleep(1.3)  # one renewal a second at a 3 s lease
+    assert renewals >= 1
+    assert any(t.get_name() == "kvproxy-lease-renewer" for t in asyncio.all_tasks())
     await gate.close()
+    assert not any(t.get_name() == "kvproxy-lease-renewer" for t in asyncio.all_tasks())
     await lease.settle(0)
 
 
@@ -179,19 +193,23 @@ async def test_unlimited_traffic_has_no_lease_to_settle() -> None:
 
 
 @pytest.mark.parametrize(("level", "updated"), [
-    ("-inf", "1"), ("inf", "1"), ("nan", "1"), ("-1e300", "1"), ("0.5", "1e300"),
+    ("-inf", "now"), ("inf", "now"), ("nan", "now"), ("-inf", "1"), ("0.5", "1e300"),
+    # A finite debt is a bucket's state, kept to an hour of refill: an old one is paid back.
+    ("-1e300", "1"),
 ])
 async def test_a_tampered_bucket_is_forgotten_not_a_500_nor_a_refusal_for_ever(
     redis_server: RedisServer, level: str, updated: str,
 ) -> None:
     # Whatever another process wrote into a tenant's bucket, the gate answers: the bucket is
-    # read as full (a value no script of the proxy writes), never as an endless wait.
+    # read as full (a value no script of the proxy writes), never as an endless wait. Updated
+    # "now": no refill since could pay a debt back (one written in 1970 would be refilled).
     link = RedisLink(RedisConfig(url=redis_server.url, **SLOW_OK))
     gate = RequestGate(gate_cfg(requests_per_min=60, tokens_per_min=1000), link)
+    stamp = str(time.time()) if updated == "now" else updated
     try:
         for name in ("requests", "tokens"):
             await link.client.hset(link.tenant_key("acme", name),
-                                   mapping={"level": level, "updated": updated})
+                                   mapping={"level": level, "updated": stamp})
         lease = await gate.admit("acme")
         await lease.settle(10)
     finally:

@@ -219,7 +219,8 @@ async def test_tokens_per_minute_through_the_proxy(make_stack: StackFactory) -> 
     second, body = await stack.post(chat("one more", temperature=0.5))
     assert second.status == 429 and b'"code":"tokens_per_min"' in body
     assert int(second.headers["Retry-After"]) >= (usage - 20) * 60 // 20
-    # Streamed without usage figures: charged by estimate, still charged.
+    # Streamed without asking for usage: the proxy asks the engine for it and charges it (an
+    # engine that sends none is charged by estimate: tests/reliability/test_usage_estimate.py).
     other, _ = await stack.post(chat("x" * 400, temperature=0.5, stream=True), tenant="beta")
     assert other.status == 200
     again, _ = await stack.post(chat("y", temperature=0.5, stream=True), tenant="beta")
