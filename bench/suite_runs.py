@@ -1,8 +1,10 @@
 """The routing suite's runs, read from ``bench/results/suite.json``: figures, peers, rounds.
 
 Rules:
-- Each (workload, round) is judged on its own: the *best peer* is the peer policy (any router
-  but kvproxy) with the lowest TTFT p90 in that workload and round.
+- Each (workload, round) is judged on its own, and each figure against the *best peer on that
+  figure*: the peer policy (any router but kvproxy) with the lowest value of it (the highest,
+  for the hit rate) in that workload and round. A peer best on p90 need not be best on p50, and
+  a target "p50 ≤ the best peer's" means the lowest p50 any peer reached.
 - A run that did not finish reads as NaN, never as a figure.
 """
 
@@ -28,10 +30,18 @@ def is_peer(run: Run) -> bool:
     return not str(run.get("router", "")).startswith("kvproxy/")
 
 
-def best_peer(runs: Sequence[Run]) -> Run | None:
-    """The peer run with the lowest TTFT p90 among ``runs`` (one workload, one round)."""
-    peers = [r for r in runs if is_peer(r) and not math.isnan(figure(r, "ttft_p90"))]
-    return min(peers, key=lambda r: figure(r, "ttft_p90")) if peers else None
+HIGHER_IS_BETTER = frozenset({"hit_rate"})
+
+
+def best_peer(runs: Sequence[Run], key: str = "ttft_p90") -> Run | None:
+    """The peer run best on ``key`` among ``runs`` (one workload, one round): the lowest
+    latency, or the highest hit rate."""
+    peers = [r for r in runs if is_peer(r) and not math.isnan(figure(r, key))]
+    if not peers:
+        return None
+    if key in HIGHER_IS_BETTER:
+        return max(peers, key=lambda r: figure(r, key))
+    return min(peers, key=lambda r: figure(r, key))
 
 
 def group(runs: Sequence[Run]) -> dict[tuple[str, int], list[Run]]:

@@ -8,8 +8,11 @@ Targets (kvproxy's default policy, and the same policy in precise mode where it 
   every router's.
 
 Rules:
-- The best peer is ``suite_runs.best_peer``: the peer policy with the lowest TTFT p90 in that
-  workload and round. A figure that is missing is "not measured", never met.
+- Each percentile is held against the best peer on that percentile (``suite_runs.best_peer``
+  with its key): p90 against the peer with the lowest p90, p50 against the peer with the
+  lowest p50, in that workload and round; the goal reads "the best peer's" for each, and one
+  peer fast at p90 but slow at p50 would otherwise make the p50 target easier than stated.
+  A figure that is missing is "not measured", never met.
 - A target is also set against the workload's idle floor (``bench.idle_floor``): where the
   target p90 (``P90_SHARE`` x the best peer's) is below the floor's p90, no router can meet it
   on that workload, and the verdict says so next to the miss; the floor never turns a miss
@@ -32,8 +35,8 @@ HIT_SHARE = 0.95
 HIT_SHARE_PRECISE = 0.98
 NO_REUSE_P90 = 1.05
 JUDGED = (DEFAULT_KVPROXY, DEFAULT_KVPROXY + PRECISE)
-HEADER = ("workload", "round", "router", f"p90 ÷ best peer (≤ {P90_SHARE:g})",
-          "p50 ÷ best peer (≤ 1)", "hit ÷ oracle", "target p90 ÷ idle floor p90", "verdict")
+HEADER = ("workload", "round", "router", f"p90 ÷ best peer on p90 (≤ {P90_SHARE:g})",
+          "p50 ÷ best peer on p50 (≤ 1)", "hit ÷ oracle", "target p90 ÷ idle floor p90", "verdict")
 
 
 def judge(run: Run, runs: Sequence[Run], oracle: float, floor_p90: float) -> list[object]:
@@ -46,12 +49,13 @@ def judge(run: Run, runs: Sequence[Run], oracle: float, floor_p90: float) -> lis
         misses = _misses([("p90", p90, NO_REUSE_P90, True)])
         return [fmt(p90, 3) + f" (÷ best of all, ≤ {NO_REUSE_P90:g})", "n/a", "n/a", "n/a",
                 misses]
-    best = best_peer(runs)
-    p90 = ratio(figure(run, "ttft_p90"), figure(best or {}, "ttft_p90"))
-    p50 = ratio(figure(run, "ttft_p50"), figure(best or {}, "ttft_p50"))
+    best90 = best_peer(runs, "ttft_p90")
+    best50 = best_peer(runs, "ttft_p50")
+    p90 = ratio(figure(run, "ttft_p90"), figure(best90 or {}, "ttft_p90"))
+    p50 = ratio(figure(run, "ttft_p50"), figure(best50 or {}, "ttft_p50"))
     hit = ratio(figure(run, "hit_rate"), oracle)
     share = HIT_SHARE_PRECISE if precise else HIT_SHARE
-    target = P90_SHARE * figure(best or {}, "ttft_p90")
+    target = P90_SHARE * figure(best90 or {}, "ttft_p90")
     reach = ratio(target, floor_p90)
     verdict = _misses([("p90", p90, P90_SHARE, True), ("p50", p50, 1.0, True),
                        ("hit", hit, share, False)])

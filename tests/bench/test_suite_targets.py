@@ -2,6 +2,7 @@
 workload's idle floor is called unreachable beside the miss (never turned into a pass)."""
 
 from bench.report_suite import suite_markdown
+from bench.suite_runs import best_peer
 from bench.suite_targets import judge, targets_section
 from tests.bench.test_suite import SUITE, _run, _workload
 
@@ -77,3 +78,38 @@ def test_the_report_carries_the_judgement_per_round_and_the_floor():
     # Results from before the floor was computed: the column reads n/a, the verdicts stand.
     assert "| 0.667 | 0.667 | 0.750 (≥ 0.95) | n/a | not met: hit |" in targets_section(
         SUITE["workloads"], {("rag", 0): SUITE["runs"][:4]})
+
+
+def _peers_split():
+    """Two peers: one best on p90, the other best on p50 (as sglang and vllm on rag)."""
+    tail = _run("rag", "vllm-router/cache_aware", 4.0, 0.7)  # p50 2.0, p90 4.0
+    head = _run("rag", "sglang-router/cache_aware", 5.0, 0.7)
+    head["summary"]["ttft_p50"] = 1.0  # p50 1.0, p90 5.0
+    return tail, head
+
+
+def test_each_percentile_is_held_against_the_peer_best_on_that_percentile():
+    tail, head = _peers_split()
+    ours = _run("rag", "kvproxy/expected_ttft", 3.0, 0.78)  # p90 3.0, p50 1.5
+    row = judge(ours, [ours, tail, head], 0.8, 0.5)
+    assert row[0] == "0.750"  # 3.0 over vllm's 4.0, the lowest p90
+    assert row[1] == "1.500"  # 1.5 over sglang's 1.0, the lowest p50 (not vllm's 2.0)
+    assert row[-1] == "not met: p50"
+    assert best_peer([ours, tail, head], "ttft_p50") is head
+    assert best_peer([ours, tail, head]) is tail
+
+
+def test_the_report_divides_each_figure_by_the_peer_best_on_it():
+    tail, head = _peers_split()
+    ours = _run("rag", "kvproxy/expected_ttft", 3.0, 0.78)
+    data = {**SUITE, "workloads": [_workload("rag", 0.8)], "runs": [ours, tail, head]}
+    text = suite_markdown(data)
+    summary = text.split("## Summary")[1].split("## Targets")[0]
+    p50 = summary.split("TTFT p50 / the best peer's")[1].split("TTFT p99")[0]
+    assert "| `kvproxy/expected_ttft` | 1.50 |" in p50
+    assert "| `vllm-router/cache_aware` | 2.00 |" in p50
+    assert "best on that figure" in summary
+    rows = text.split("## Workload `rag`")[1]
+    row = next(line for line in rows.splitlines() if line.startswith("| `kvproxy/"))
+    # p50, p90, p99 (6.0 over 8.0), ITL, hit (0.78 over 0.7) to the best peer on each
+    assert "| 1.50 | 0.75 | 0.75 | 1.00 | 1.11 |" in row
