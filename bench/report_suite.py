@@ -7,6 +7,9 @@ Rules:
   (any router but kvproxy) in that workload and round, its p90 over the lowest p90, its hit
   rate over the highest, and so on; the peer best on one figure is often not best on
   another. A workload or round where no peer ran has no ratios.
+- Percentiles are over completed requests only, so a run that failed or shed some carries the
+  count beside its figures in the summary (``suite_runs.lost``), and a kvproxy round that lost
+  any is not counted as below the best peer.
 - ``hit / oracle`` divides the engines' measured hit rate by ``bench.traces.oracle_hit_rate``
   of the same slice over the fleet's KV size; on ``unique`` (no reuse) it is undefined.
 """
@@ -18,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from bench.markdown import Run, fmt, ms, num, stamp, table
 from bench.stats import ratio
-from bench.suite_runs import best_peer, figure, group
+from bench.suite_runs import best_peer, figure, group, lost, lost_text
 from bench.suite_targets import targets_section
 from bench.targets import DEFAULT_KVPROXY as KVPROXY
 
@@ -113,8 +116,14 @@ def workload_section(w: Mapping[str, object], groups: Mapping[tuple[str, int], l
                       table(HEADER, rows) if rows else "No runs.", ""])
 
 
-def _cells(values: Sequence[float], digits: int) -> str:
-    return " / ".join(fmt(v, digits) for v in values) if values else "n/a"
+def _cells(values: Sequence[str]) -> str:
+    return " / ".join(values) if values else "n/a"
+
+
+def _cell(value: float, run: Run) -> str:
+    """A matrix cell: the figure, and the requests the run lost where it lost any (its
+    percentiles leave them out, so the figure alone flatters it)."""
+    return fmt(value, 2) + (f" ({lost_text(run)})" if lost(run)[0] > 0 else "")
 
 
 Value = Callable[[str, Run, Sequence[Run]], float]  # (workload, run, its round's runs)
@@ -148,8 +157,8 @@ def summary_matrix(workloads: Sequence[str], routers: Sequence[str],
             for (wname, _), runs in groups.items():
                 run = next((r for r in runs if r.get("router") == name), None)
                 if wname == w and run is not None:
-                    vals.append(value(w, run, runs))
-            row.append(_cells(vals, 2))
+                    vals.append(_cell(value(w, run, runs), run))
+            row.append(_cells(vals))
         rows.append(row)
     return table(("router", *(f"`{w}`" for w in workloads)), rows)
 
@@ -157,16 +166,22 @@ def summary_matrix(workloads: Sequence[str], routers: Sequence[str],
 def verdicts(workloads: Sequence[str], groups: Mapping[tuple[str, int], list[Run]]) -> str:
     lines = []
     for w in workloads:
-        wins = total = 0
+        wins = total = incomplete = 0
         for (wname, _), runs in groups.items():
             ours = next((r for r in runs if r.get("router") == KVPROXY), None)
             best = best_peer(runs)
             if wname != w or ours is None or best is None:
                 continue
             total += 1
+            if lost(ours)[0] != 0:  # a p90 over the requests it kept (or unknown) is no win
+                incomplete += 1
+                continue
             wins += figure(ours, "ttft_p90") < figure(best, "ttft_p90")
+        note = (f" ({incomplete} with failed or shed requests, not counted)" if incomplete
+                else "")
         lines.append(f"- `{w}`: `{KVPROXY}` TTFT p90 below the best peer's in {wins} of {total} "
-                     f"rounds" if total else f"- `{w}`: not measured (no peer or no kvproxy run)")
+                     f"rounds{note}" if total
+                     else f"- `{w}`: not measured (no peer or no kvproxy run)")
     return "\n".join(lines)
 
 

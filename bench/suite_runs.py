@@ -6,6 +6,9 @@ Rules:
   for the hit rate) in that workload and round. A peer best on p90 need not be best on p50, and
   a target "p50 ≤ the best peer's" means the lowest p50 any peer reached.
 - A run that did not finish reads as NaN, never as a figure.
+- A run's percentiles are over its completed requests only (``bench.stats.summarize``), so a
+  run that shed or failed some reads faster than it served: ``lost`` gives the count, for the
+  verdicts and tables to show beside the figures.
 """
 
 from __future__ import annotations
@@ -24,6 +27,22 @@ def figure(run: Run, key: str) -> float:
         return num(run.get("hit_rate"))
     summary = run.get("summary")
     return num(summary.get(key)) if isinstance(summary, Mapping) else math.nan
+
+
+def lost(run: Run) -> tuple[float, float]:
+    """(requests not completed: failed, shed or rate-limited; requests sent) of a finished run;
+    NaN where the summary lacks the counts."""
+    summary = run.get("summary")
+    if run.get("status") != "ok" or not isinstance(summary, Mapping):
+        return math.nan, math.nan
+    sent = num(summary.get("requests"))
+    return sent - num(summary.get("completed")), sent
+
+
+def lost_text(run: Run) -> str:
+    """``k of n failed or shed``, as the verdicts and tables print it."""
+    missing, sent = lost(run)
+    return f"{missing:.0f} of {sent:.0f} failed or shed"
 
 
 def is_peer(run: Run) -> bool:

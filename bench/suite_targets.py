@@ -13,6 +13,10 @@ Rules:
   lowest p50, in that workload and round; the goal reads "the best peer's" for each, and one
   peer fast at p90 but slow at p50 would otherwise make the p50 target easier than stated.
   A figure that is missing is "not measured", never met.
+- Every request must complete: the percentiles are over completed requests only, so a run that
+  shed or failed some (``suite_runs.lost``) is "not met (k of n failed or shed)" whatever its
+  percentiles, which are then named beside it as well; the table's ``not completed`` column
+  gives the count. A run whose summary lacks the counts is "not measured".
 - A target is also set against the workload's idle floor (``bench.idle_floor``): where the
   target p90 (``P90_SHARE`` x the best peer's) is below the floor's p90, no router can meet it
   on that workload, and the verdict says so next to the miss; the floor never turns a miss
@@ -27,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from bench.markdown import Run, fmt, num, table
 from bench.peers import PRECISE
 from bench.stats import ratio
-from bench.suite_runs import best_peer, figure
+from bench.suite_runs import best_peer, figure, lost, lost_text
 from bench.targets import DEFAULT_KVPROXY
 
 P90_SHARE = 0.85
@@ -36,7 +40,8 @@ HIT_SHARE_PRECISE = 0.98
 NO_REUSE_P90 = 1.05
 JUDGED = (DEFAULT_KVPROXY, DEFAULT_KVPROXY + PRECISE)
 HEADER = ("workload", "round", "router", f"p90 ÷ best peer on p90 (≤ {P90_SHARE:g})",
-          "p50 ÷ best peer on p50 (≤ 1)", "hit ÷ oracle", "target p90 ÷ idle floor p90", "verdict")
+          "p50 ÷ best peer on p50 (≤ 1)", "hit ÷ oracle", "target p90 ÷ idle floor p90",
+          "not completed", "verdict")
 
 
 def judge(run: Run, runs: Sequence[Run], oracle: float, floor_p90: float) -> list[object]:
@@ -48,7 +53,7 @@ def judge(run: Run, runs: Sequence[Run], oracle: float, floor_p90: float) -> lis
         p90 = ratio(figure(run, "ttft_p90"), lowest)
         misses = _misses([("p90", p90, NO_REUSE_P90, True)])
         return [fmt(p90, 3) + f" (÷ best of all, ≤ {NO_REUSE_P90:g})", "n/a", "n/a", "n/a",
-                misses]
+                *_completion(run, misses)]
     best90 = best_peer(runs, "ttft_p90")
     best50 = best_peer(runs, "ttft_p50")
     p90 = ratio(figure(run, "ttft_p90"), figure(best90 or {}, "ttft_p90"))
@@ -62,7 +67,20 @@ def judge(run: Run, runs: Sequence[Run], oracle: float, floor_p90: float) -> lis
     if "p90" in verdict and reach < 1.0:
         verdict += (f"; the p90 target ({fmt(target, 2)} s) is below the idle floor "
                     f"({fmt(floor_p90, 2)} s): no router can meet it")
-    return [fmt(p90, 3), fmt(p50, 3), f"{fmt(hit, 3)} (≥ {share:g})", fmt(reach, 2), verdict]
+    return [fmt(p90, 3), fmt(p50, 3), f"{fmt(hit, 3)} (≥ {share:g})", fmt(reach, 2),
+            *_completion(run, verdict)]
+
+
+def _completion(run: Run, verdict: str) -> list[str]:
+    """The ``not completed`` cell and the verdict once incomplete runs are failed."""
+    missing, sent = lost(run)
+    if math.isnan(missing):
+        return ["n/a", "not measured"]
+    if missing == 0:
+        return [f"0 of {sent:.0f}", verdict]
+    rest = {"met": "", "not measured": "; figures not measured"}.get(
+        verdict, "; " + verdict.removeprefix("not met: ") + " also missed")
+    return [lost_text(run), f"not met ({lost_text(run)}){rest}"]
 
 
 def _misses(checks: Sequence[tuple[str, float, float, bool]]) -> str:

@@ -72,11 +72,11 @@ def test_the_report_carries_the_judgement_per_round_and_the_floor():
     # rag round 1: 2.0 / 3.0 = 0.67, p50 1.0 / 1.5, hit 0.6 / 0.8 = 0.75: hit missed;
     # rag round 2: 5.0 / 4.0; unique: 1.0 against the best of all, 1.0.
     assert rows[0].startswith("| `rag` | 1 | `kvproxy/expected_ttft` | 0.667 | 0.667 | 0.750")
-    assert rows[0].endswith("| 6.37 | not met: hit |")  # 0.85 x 3.0 / 0.4 = 6.375
+    assert rows[0].endswith("| 6.37 | 0 of 10 | not met: hit |")  # 0.85 x 3.0 / 0.4 = 6.375
     assert rows[1].endswith("not met: p90, p50, hit |")
     assert rows[2].startswith("| `unique` | 1 |") and rows[2].endswith("| met |")
     # Results from before the floor was computed: the column reads n/a, the verdicts stand.
-    assert "| 0.667 | 0.667 | 0.750 (≥ 0.95) | n/a | not met: hit |" in targets_section(
+    assert "| 0.667 | 0.667 | 0.750 (≥ 0.95) | n/a | 0 of 10 | not met: hit |" in targets_section(
         SUITE["workloads"], {("rag", 0): SUITE["runs"][:4]})
 
 
@@ -113,3 +113,37 @@ def test_the_report_divides_each_figure_by_the_peer_best_on_it():
     row = next(line for line in rows.splitlines() if line.startswith("| `kvproxy/"))
     # p50, p90, p99 (6.0 over 8.0), ITL, hit (0.78 over 0.7) to the best peer on each
     assert "| 1.50 | 0.75 | 0.75 | 1.00 | 1.11 |" in row
+
+
+def _shed(run, missing):
+    run["summary"].update(completed=run["summary"]["requests"] - missing, shed=float(missing))
+    return run
+
+
+def test_a_run_that_shed_or_failed_requests_is_not_met_whatever_its_percentiles():
+    peer = _run("rag", "sglang-router/cache_aware", 4.0, 0.7)
+    fast = _shed(_run("rag", "kvproxy/expected_ttft", 3.0, 0.78), 3)  # every figure met
+    row = judge(fast, [fast, peer], 0.8, 0.5)
+    assert row[-2:] == ["3 of 10 failed or shed", "not met (3 of 10 failed or shed)"]
+    slow = _shed(_run("rag", "kvproxy/expected_ttft", 3.6, 0.78), 1)
+    assert _verdict(slow, [slow, peer]) == "not met (1 of 10 failed or shed); p90 also missed"
+    unique = _shed(_run("unique", "kvproxy/expected_ttft", 1.0, 0.0), 2)
+    other = _run("unique", "kvproxy/round_robin", 1.0, 0.0)
+    assert _verdict(unique, [unique, other], oracle=0.0) == "not met (2 of 10 failed or shed)"
+    complete = _run("rag", "kvproxy/expected_ttft", 3.0, 0.78)
+    assert judge(complete, [complete, peer], 0.8, 0.5)[-2:] == ["0 of 10", "met"]
+    del complete["summary"]["completed"]  # no counts: completeness unknown
+    assert _verdict(complete, [complete, peer]) == "not measured"
+
+
+def test_the_report_shows_failed_or_shed_requests_beside_the_verdict_and_the_matrix():
+    peer = _run("rag", "sglang-router/cache_aware", 4.0, 0.7)
+    ours = _shed(_run("rag", "kvproxy/expected_ttft", 3.0, 0.78), 4)
+    data = {**SUITE, "workloads": [_workload("rag", 0.8)], "runs": [ours, peer]}
+    text = suite_markdown(data)
+    section = text.split("## Targets, judged per round")[1].split("## Workload")[0]
+    assert "| 4 of 10 failed or shed | not met (4 of 10 failed or shed) |" in section
+    summary = text.split("## Summary")[1].split("## Targets")[0]
+    assert "| `kvproxy/expected_ttft` | 0.75 (4 of 10 failed or shed) |" in summary
+    assert ("`rag`: `kvproxy/expected_ttft` TTFT p90 below the best peer's in 0 of 1 rounds "
+            "(1 with failed or shed requests, not counted)") in summary
