@@ -114,6 +114,7 @@ def write_workers(results: Path) -> str | None:
     """Writes ``workers.md``; returns its text for the page."""
     # Imported here: bench.workers imports this module (through bench.routing).
     from bench.workers import markdown as workers_markdown  # noqa: PLC0415
+    from bench.workers import rejudge  # noqa: PLC0415
 
     path = results / "workers.json"
     if not path.exists():
@@ -121,7 +122,8 @@ def write_workers(results: Path) -> str | None:
     data = read_json(path)
     if not data.get("verdicts"):
         return None  # an unfinished run
-    text = workers_markdown(data)
+    # Judged again from the runs: the stored verdicts follow the rule of the day they were written.
+    text = workers_markdown(rejudge(data) if isinstance(data.get("runs"), list) else data)
     (results / "workers.md").write_text(text)
     return text
 
