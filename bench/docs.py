@@ -125,7 +125,8 @@ def _shift(text: str, link_prefix: str) -> str:
     out = []
     for line in text.splitlines():
         shifted = "##" + line if line.startswith("#") else line
-        if shifted.startswith("![") and "](" in shifted:
+        # An image or a link line (a report's link to its notes) points next to the report.
+        if shifted.startswith(("![", "[")) and "](" in shifted:
             alt, _, rest = shifted.partition("](")
             shifted = f"{alt}]({link_prefix}{rest}"
         out.append(shifted)
