@@ -95,11 +95,14 @@ def sidecar_factory(tmp_path: Path) -> Iterator:
     started: list[subprocess.Popen[bytes]] = []
 
     def start(extra_sidecar: str = "", crash_marker: Path | None = None,
-              python: str = sys.executable) -> Sidecar:
+              python: str = sys.executable, restart_initial_s: float = 0.2,
+              restart_max_s: float = 1.0, start_log: Path | None = None) -> Sidecar:
         port, vllm_port = free_port(), free_port()
         env_line = f'PYTHONPATH = "{FAKE_VLLM}"'
         if crash_marker is not None:
             env_line += f', FAKE_VLLM_CRASH_MARKER = "{crash_marker}"'
+        if start_log is not None:
+            env_line += f', FAKE_VLLM_START_LOG = "{start_log}"'
         profile = tmp_path / f"fake-{port}.toml"
         profile.write_text(f"""
 [engine]
@@ -113,8 +116,8 @@ vllm_port = {vllm_port}
 python = "{python}"
 health_interval_s = 0.1
 warmup_requests = 2
-restart_initial_s = 0.2
-restart_max_s = 1.0
+restart_initial_s = {restart_initial_s}
+restart_max_s = {restart_max_s}
 spec_poll_s = 0.2
 drain_timeout_s = 10.0
 stop_timeout_s = 5.0
@@ -167,20 +170,49 @@ def test_spec_window_derives_acceptance(sidecar_factory) -> None:
 
 
 def test_engine_crash_is_restarted_with_backoff(sidecar_factory, tmp_path: Path) -> None:
-    marker = tmp_path / "crash-once"
+    marker, starts = tmp_path / "crash-once", tmp_path / "starts"
     marker.write_text("")
-    sc = sidecar_factory(crash_marker=marker)
+    sc = sidecar_factory(crash_marker=marker, restart_initial_s=1.5, restart_max_s=3.0,
+                         start_log=starts)
     wait_for(lambda: get(sc.url + "/ready")[0] == 200, what="ready after a crashed first start")
     assert sc.ready()["restarts"] == 1
     assert metric(get(sc.url + "/metrics")[1], "kvproxy_sidecar_engine_restarts_total") == 1
+    # The restart waited out the back-off: the second start came at least restart_initial_s
+    # after the first one began (which crashed at once). A lower bound only: load makes it later.
+    first, second = (float(t) for t in starts.read_text().split())
+    assert second - first >= 1.5, f"restarted {second - first:.2f} s after the crashed start"
+    assert "restart 1 in 1.5 s" in sc.ready()["events"]
 
 
 def test_missing_interpreter_keeps_retrying_and_never_reports_ready(sidecar_factory,
                                                                     tmp_path: Path) -> None:
-    sc = sidecar_factory(python=str(tmp_path / "no-such-python"))
-    wait_for(lambda: get(sc.url + "/ready")[0] == 503 and sc.ready()["restarts"] >= 2,
-             what="restarts with backoff")
-    assert sc.ready()["engine_up"] is False
+    launched = time.monotonic()
+    sc = sidecar_factory(python=str(tmp_path / "no-such-python"), restart_initial_s=0.5,
+                         restart_max_s=2.0)
+    # ``before_first``: when the last poll that still saw no restart was sent (the first restart
+    # came after it); ``seen_third``: when a poll first saw the third. Between the first and the
+    # third restart lie the first two delays (0.5 s, then 1.0 s), so no less than 1.5 s.
+    before_first, seen_third, restarts = launched, None, 0
+    deadline = launched + 30.0
+    while time.monotonic() < deadline:
+        sent = time.monotonic()
+        status, body = get(sc.url + "/ready")
+        restarts = json.loads(body)["restarts"] if body else 0
+        if restarts == 0:
+            before_first = sent
+        elif restarts >= 3:
+            seen_third = time.monotonic()
+            break
+        time.sleep(0.05)
+    assert seen_third is not None, f"only {restarts} restarts in 30 s"
+    assert status == 503
+    assert seen_third - before_first >= 1.5, \
+        f"3 restarts within {seen_third - before_first:.2f} s: no back-off between them"
+    info = sc.ready()
+    assert info["engine_up"] is False
+    # The delays grow as documented: doubling from restart_initial_s, capped at restart_max_s.
+    assert [e for e in info["events"] if e.startswith("restart ")][:3] == [
+        "restart 1 in 0.5 s", "restart 2 in 1.0 s", "restart 3 in 2.0 s"], info["events"]
     assert get(sc.url + "/health")[0] == 200
 
 

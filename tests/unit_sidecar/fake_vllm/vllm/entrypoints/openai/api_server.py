@@ -3,8 +3,10 @@
 Accepts the flags the sidecar passes and serves /health, /v1/completions and /metrics with the
 metric names vLLM uses. ``max_tokens`` >= 1000 makes a request take ``max_tokens / 1000`` seconds
 so drain behaviour can be observed. Env FAKE_VLLM_CRASH_MARKER: if that file exists at start-up,
-it is removed and the server exits with status 3 (a crash on first start). Like vLLM's engine
-core, a child process runs beside the server; ``GET /child`` tells its pid.
+it is removed and the server exits with status 3 (a crash on first start). Env
+FAKE_VLLM_START_LOG: a file each start appends its ``time.monotonic()`` to, before the crash check
+(how far apart the supervisor's restarts were). Like vLLM's engine core, a child process runs
+beside the server; ``GET /child`` tells its pid.
 """
 
 import argparse
@@ -12,6 +14,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import time
 
 from aiohttp import web
 
@@ -62,6 +65,9 @@ def main():
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--served-model-name", default="fake")
     args, _ = parser.parse_known_args()
+    if start_log := os.environ.get("FAKE_VLLM_START_LOG"):
+        with open(start_log, "a") as f:
+            f.write(f"{time.monotonic()}\n")
     marker = os.environ.get("FAKE_VLLM_CRASH_MARKER")
     if marker and os.path.exists(marker):
         os.remove(marker)
