@@ -94,16 +94,46 @@ async def test_batch_size_schedule_sets_the_draft_length(start: Start,
 
 async def test_derived_spec_series_match_the_vllm_sidecars(start: Start,
                                                           http: aiohttp.ClientSession) -> None:
+    """The sim exports the vLLM sidecar's derived series, and their values are the engine's: one
+    conditional acceptance of 0.8 on K=3 accepts position i with probability 0.8^(i+1)."""
     cluster = await start(num_speculative_tokens=3, acceptance=(0.8,), time_scale=FAST)
     url = cluster.urls[0]
-    await metric(http, url, "vllm:num_requests_running")  # the window's first sample
-    await _stream(http, url, 80)
+    await metric(http, url, "vllm:num_requests_running")  # the window's first sample: all zero
+    await _stream(http, url, 1000)
     async with http.get(url + "/metrics") as resp:
         text = await resp.text()
     for name in ("num_speculative_tokens 3", "window_drafts", "acceptance_rate",
                  "mean_acceptance_length", 'acceptance_per_position{position="2"}',
                  "best_num_speculative_tokens"):
         assert f"kvproxy_sidecar_spec_{name}" in text
+
+    def value(name: str, label: str = "") -> float:
+        """The sum of the samples of ``name`` (over the engine's labels) carrying ``label``."""
+        found = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                 if line.split("{", 1)[0].split(" ", 1)[0] == name and label in line]
+        assert found, (name, label)
+        return sum(found)
+
+    spec = "kvproxy_sidecar_spec_"
+    drafts = value("vllm:spec_decode_num_drafts_total")
+    draft_tokens = value("vllm:spec_decode_num_draft_tokens_total")
+    accepted = value("vllm:spec_decode_num_accepted_tokens_total")
+    per_pos = [value("vllm:spec_decode_num_accepted_tokens_per_pos_total", f'position="{i}"')
+               for i in range(3)]
+    derived = [value(spec + "acceptance_per_position", f'position="{i}"') for i in range(3)]
+    # ~1000 tokens at ~2.95 a step: some 340 drafts, so a position's share is within 0.03 (one
+    # standard deviation) of its probability; 0.1 is over 3 of them.
+    assert drafts >= 250 and draft_tokens == 3 * drafts
+    assert value(spec + "window_drafts") == drafts  # the window starts at zero
+    expected = [0.8, 0.8 ** 2, 0.8 ** 3]
+    assert derived == pytest.approx(expected, abs=0.1)
+    assert value(spec + "acceptance_rate") == pytest.approx(sum(expected) / 3, abs=0.1)
+    assert value(spec + "mean_acceptance_length") == pytest.approx(1 + sum(expected), abs=0.3)
+    # And they are exactly what the engine's own counters say (what the vLLM sidecar derives).
+    assert derived == pytest.approx([a / drafts for a in per_pos])
+    assert value(spec + "acceptance_rate") == pytest.approx(accepted / draft_tokens)
+    assert value(spec + "mean_acceptance_length") == pytest.approx(1 + accepted / drafts)
+    assert accepted == pytest.approx(sum(per_pos))
 
 
 async def test_admin_restart_drains_then_runs_the_new_schedule(
