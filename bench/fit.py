@@ -99,11 +99,11 @@ def _summed(slices: dict[tuple[str, int, int], tuple[float, float, int]], name: 
 
 async def idle_rates(started: list[tuple[Router, Managed, Endpoint]]) -> dict[str, float]:
     """Each router's CPU seconds per second with no traffic at all, all measured at once."""
-    before = {router.name: proc.cpu_seconds() for router, proc, _ in started}
+    before = {router.name: proc.tree_cpu_seconds() for router, proc, _ in started}
     t0 = time.perf_counter()
     await asyncio.sleep(IDLE_S)
     span = time.perf_counter() - t0
-    return {router.name: (proc.cpu_seconds() - before[router.name]) / span
+    return {router.name: (proc.tree_cpu_seconds() - before[router.name]) / span
             for router, proc, _ in started}
 
 

@@ -15,9 +15,11 @@ Rules:
   request) and its slice (``--steady-waves`` requests past the ramp). Where a request outlasts
   a fixed slice (at 2,048 streams one takes about 10 s), a slice would otherwise time one wave
   of requests, not a rate anything sustains.
-- Router CPU per request: ``/proc/<pid>/stat`` CPU time over the router's own slices divided by
-  the requests they completed (the router's idle work between its slices, e.g. scraping, is
-  charged to it too, so the figure is an upper bound).
+- Router CPU per request: the CPU time of the router's whole process tree (``/proc/<pid>/stat``
+  of the parent and of its live workers, for ``+wN`` routers) read as each of its slices starts
+  and ends, summed over its slices and divided by the requests they completed. CPU between its
+  slices is not counted; its background work during a slice (kvproxy's scraping) is, since a
+  slice cannot tell it apart from serving.
 - The relay test puts kvproxy (and any other router named in ``--relay-routers``, one after
   another) alone on one core in front of a source that streams as fast as it
   can (``bench.firehose``), with the source and the client on the other core: "paced" (events
@@ -391,12 +393,12 @@ async def _slice(session: aiohttp.ClientSession, paths: Paths,
         before = proxywatch.lag_buckets(text_before)
         sampler = asyncio.create_task(proxywatch.watch(session, endpoint.base_url, watch, stop),
                                       name="proxy-watch")
-    cpu0 = proc.cpu_seconds() if proc else 0.0
+    cpu0 = proc.tree_cpu_seconds() if proc else 0.0
     dropped0 = machine.listen_overflows()
     ticks0 = machine.core_times()
     recs, span = await closed_loop(session, pick, concurrency=conc, duration_s=slice_s,
                                    run_start=start, ramp_s=ramp_s)
-    cpu1 = proc.cpu_seconds() if proc else 0.0
+    cpu1 = proc.tree_cpu_seconds() if proc else 0.0
     dropped1 = machine.listen_overflows()
     if busy is not None:
         for core, share in machine.cores_busy(ticks0, machine.core_times()).items():
@@ -451,9 +453,9 @@ def _relay_mode(args: argparse.Namespace, work: Path, streams: int, interval_ms:
         proxy.wait_http(ready, timeout_s=60)
         if args.engine_cores:
             os.sched_setaffinity(0, {int(c) for c in args.engine_cores.split(",")})
-        cpu0 = proxy.cpu_seconds()
+        cpu0 = proxy.tree_cpu_seconds()
         events, span = run_async(_firehose_load(endpoint, args, streams))
-        cpu_used = proxy.cpu_seconds() - cpu0
+        cpu_used = proxy.tree_cpu_seconds() - cpu0
     except Exception as exc:
         traceback.print_exc()
         return {"error": f"{type(exc).__name__}: {exc}"[:1000]}

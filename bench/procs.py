@@ -116,6 +116,11 @@ class Managed:
     def cpu_seconds(self) -> float:
         return cpu_seconds(self.pid)
 
+    def tree_cpu_seconds(self) -> float:
+        """CPU of the process and its live children: a router started with workers (e.g.
+        ``kvproxy/...+w2``) serves from the children, whose CPU the parent's stat omits."""
+        return tree_cpu_seconds(self.pid)
+
     def stop(self, grace_s: float = 10.0) -> None:
         if self.proc is None or self.proc.poll() is not None:
             return
