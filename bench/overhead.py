@@ -146,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
                      "router_cores": args.router_cores,
                      "loadgen_cores": _loadgen_cores(args) or "unpinned", "ramp_s": args.ramp_s,
                      "steady_waves": args.steady_waves,
+                     # Latency percentiles leave out the requests sent during a slice's ramp.
+                     "latency_after_ramp": True,
                      "fit_tokens": args.fit_tokens, "fit_concurrency": args.fit_concurrency},
         "unavailable": {}, "levels": {},
     }
@@ -246,6 +248,64 @@ def pinned(cores: str | None) -> Iterator[None]:
         os.sched_setaffinity(0, old)
 
 
+LATENCY_KEYS = ("ttft_p50", "ttft_p90", "ttft_p99", "itl_p50", "itl_p99", "e2e_p50", "e2e_p99")
+
+
+def after_ramp(recs: list[RequestRecord], ramp_s: float) -> list[RequestRecord]:
+    """The records of one slice sent at or after its ramp's end: the cut the steady tokens/s
+    makes. Before it only some streams are open (stream k starts at k x ramp / streams), so
+    those requests meet a lighter load than the level's."""
+    if not recs:
+        return []
+    origin = min(r.sent_at for r in recs)  # stream 0 starts at once
+    return [r for r in recs if r.sent_at >= origin + ramp_s]
+
+
+def steady_tokens(recs: list[RequestRecord], ramp_s: float,
+                  slice_s: float) -> tuple[float, float]:
+    """Tokens delivered between the ramp's end and the slice's deadline, and that window's
+    length (0, 0 where the slice is no longer than its ramp)."""
+    if not recs or slice_s <= ramp_s:
+        return 0.0, 0.0
+    origin = min(r.sent_at for r in recs)
+    return tokens_between(recs, origin + ramp_s, origin + slice_s), slice_s - ramp_s
+
+
+def round_figures(recs: list[RequestRecord], ramp_s: float,
+                  slice_s: float) -> dict[str, float | None]:
+    """One path's figures in one round: TTFT p50 and p99 past the ramp, steady tokens/s, and
+    the requests sent, completed and failed (all of them, the ramp's included)."""
+    late = [r.ttft for r in after_ramp(recs, ramp_s) if r.ok and r.ttft is not None]
+    tokens, window = steady_tokens(recs, ramp_s, slice_s)
+    completed = sum(1 for r in recs if r.ok)
+    return {"ttft_p50": percentile(late, 50), "ttft_p99": percentile(late, 99),
+            "steady_tok_s": tokens / window if window else None,
+            "sent": float(len(recs)), "completed": float(completed),
+            "failed": float(len(recs) - completed)}
+
+
+def round_ratios(ours: list[dict[str, float | None]], reference: list[dict[str, float | None]],
+                 key: str) -> list[float]:
+    """``key``'s ratio in each round where both figures exist."""
+    out = []
+    for a, b in zip(ours, reference, strict=True):
+        x, y = a.get(key), b.get(key)
+        if x is not None and y is not None and x == x and y == y and y > 0:
+            out.append(x / y)
+    return out
+
+
+def level_summary(records: list[RequestRecord], latency_recs: list[RequestRecord],
+                  span: float) -> dict[str, float]:
+    """Counts and throughput over every request; latency percentiles over ``latency_recs``
+    (those sent past their slice's ramp), with how many completed requests that is."""
+    summary = summarize(records, duration_s=span)
+    late = summarize(latency_recs, duration_s=span)
+    summary.update({k: late[k] for k in LATENCY_KEYS})
+    summary["latency_requests"] = late["completed"]
+    return summary
+
+
 def level_plan(slice_s: float, ramp_s: float, wave_s: float | None,
                waves: float) -> tuple[float, float]:
     """A level's ramp and slice, where one request takes ``wave_s`` (None: not measured): the
@@ -308,7 +368,10 @@ async def measure_level(session: aiohttp.ClientSession, paths: Paths,
     records: dict[str, list[RequestRecord]] = {n: [] for n in names}
     spans = dict.fromkeys(names, 0.0)
     cpu = dict.fromkeys(names, 0.0)
-    round_p50: dict[str, list[float]] = {n: [] for n in names}
+    # Each round's figures per path: the judged ratios' spread over rounds (bench.targets).
+    per_round: dict[str, list[dict[str, float | None]]] = {n: [] for n in names}
+    # Requests sent at or after their slice's ramp: the latency percentiles' population.
+    latency_recs: dict[str, list[RequestRecord]] = {n: [] for n in names}
     watches = {n: proxywatch.Watch() for n in names if n.startswith("kvproxy/")}
     lag: dict[str, dict[float, float]] = {}
     gcs = {n: gcwatch.Tally() for n in watches}
@@ -325,19 +388,19 @@ async def measure_level(session: aiohttp.ClientSession, paths: Paths,
                                             ramp_s, watches.get(name), lag, gcs.get(name),
                                             overflows, busy[name])
             records[name] += recs
+            latency_recs[name] += after_ramp(recs, ramp_s)
             spans[name] += span
             cpu[name] += used
-            if recs and slice_s > ramp_s:
-                origin = min(r.sent_at for r in recs)  # stream 0 starts at once
-                steady[name] += tokens_between(recs, origin + ramp_s, origin + slice_s)
-                steady_s[name] += slice_s - ramp_s
-            round_p50[name].append(percentile([r.ttft for r in recs if r.ok and r.ttft], 50))
+            tokens, window = steady_tokens(recs, ramp_s, slice_s)
+            steady[name] += tokens
+            steady_s[name] += window
+            per_round[name].append(round_figures(recs, ramp_s, slice_s))
     level: dict[str, object] = {}
     for name in names:
         ok = sum(1 for r in records[name] if r.ok)
         per_engine = engine_counts(records[name])
         entry: dict[str, object] = {
-            "summary": summarize(records[name], duration_s=spans[name]),
+            "summary": level_summary(records[name], latency_recs[name], spans[name]),
             # A closed loop's span ends with its slowest request, so the balance over engines
             # and the longest request say what a throughput below direct's is made of.
             "e2e_max_s": max((r.e2e for r in records[name] if r.e2e is not None), default=None),
@@ -354,8 +417,8 @@ async def measure_level(session: aiohttp.ClientSession, paths: Paths,
             # core's, and the ratios to direct say more about it than about the router.
             "cores_busy": {core: sum(v) / len(v) for core, v in sorted(busy[name].items())},
             "cpu_ms_per_request": cpu[name] * 1000.0 / ok if name != "direct" and ok else None,
-            "round_ttft_p50_ratios": [a / b for a, b in zip(round_p50[name], round_p50["direct"],
-                                                            strict=True) if b == b and b > 0]
+            "rounds": per_round[name],
+            "round_ttft_p50_ratios": round_ratios(per_round[name], per_round["direct"], "ttft_p50")
             if name != "direct" else None,
         }
         if name in watches:

@@ -171,10 +171,21 @@ def overhead_settings(data: Mapping[str, object]) -> str:
         f"- pinning: engines core(s) {s['engine_cores'] or 'any'}, routers core(s) "
         f"{s['router_cores'] or 'any'}, load generator {s['loadgen_cores']}; streams ramp up "
         f"over {s.get('ramp_s', 1.0)} s",
+        _latency_line(s),
         *_plan_lines(data),
         f"- load average (1, 5, 15 min) before / after: {_load(data.get('load_before'))} / "
         f"{_load(data.get('load_after'))}",
     ])
+
+
+def _latency_line(settings: Mapping[str, object]) -> str:
+    """Which requests the latency percentiles are taken over (older results took every one)."""
+    if settings.get("latency_after_ramp"):
+        return ("- latency (TTFT, ITL, e2e percentiles and the per-round ratios): only requests "
+                "sent at or after their slice's ramp ended, the cut the steady tok/s makes; "
+                "request counts and out tok/s: every request")
+    return ("- latency percentiles: every request, those sent during the ramp included (results "
+            "from before the ramp was cut)")
 
 
 def _plan_lines(data: Mapping[str, object]) -> list[str]:

@@ -3,6 +3,8 @@
 import asyncio
 from types import SimpleNamespace
 
+import pytest
+
 from bench import fit, overhead
 from bench.stats import RequestRecord
 
@@ -40,3 +42,59 @@ def test_idle_cpu_is_the_whole_process_tree_s(monkeypatch):
     monkeypatch.setattr(fit, "IDLE_S", 0.01)
     rates = asyncio.run(fit.idle_rates(_started("kvproxy/x+w2", TreeProc())))
     assert rates["kvproxy/x+w2"] > 0
+
+
+def _rec(sent_at, ttft, ok=True, tokens=4):
+    return RequestRecord(index=0, sent_at=sent_at, status=200 if ok else 503,
+                         ttft=ttft if ok else None, itl=[0.01] * 3 if ok else [],
+                         e2e=ttft + 0.03 if ok else None, output_tokens=tokens if ok else 0)
+
+
+def test_latency_counts_only_requests_sent_past_the_ramp_like_the_steady_rate(monkeypatch):
+    # Sent during the ramp (at 10.0-10.9, ramp 1 s from 10.0): fast, the load still light.
+    # Sent from 11.0 on: the level's own load, slow.
+    rounds = iter([
+        [_rec(10.0, 0.01), _rec(10.5, 0.01), _rec(11.0, 0.5), _rec(11.5, 0.7)],  # direct
+        [_rec(20.0, 0.01), _rec(20.9, 0.01), _rec(21.0, 0.6), _rec(21.2, 0.8)],  # kvproxy
+        [_rec(30.0, 0.01), _rec(31.0, 0.4), _rec(31.5, 0.6), _rec(31.6, 0.1, ok=False)],
+        [_rec(40.0, 0.01), _rec(41.0, 1.0), _rec(41.5, 1.2), _rec(41.9, 1.4)],
+    ])
+
+    async def one_slice(*args, **kwargs):
+        return next(rounds), 2.0, 0.0
+
+    monkeypatch.setattr(overhead, "_slice", one_slice)
+    started = [(SimpleNamespace(name="kvproxy/round_robin"), None, None)]
+    level = asyncio.run(overhead.measure_level(None, None, started, 4, 2, 2.0, 1.0))
+    direct, ours = level["direct"], level["kvproxy/round_robin"]
+    # 0.5, 0.7, 0.4, 0.6: the ramp's 0.01 s left out (with them the median would be 0.45)
+    assert direct["summary"]["ttft_p50"] == pytest.approx(0.55)
+    assert ours["summary"]["ttft_p50"] == 1.0  # 0.6, 0.8, 1.0, 1.2, 1.4
+    assert ours["summary"]["latency_requests"] == 5
+    # Counts keep every request, the ramp's and the failed one's.
+    assert direct["summary"]["requests"] == 8 and direct["summary"]["completed"] == 7
+    assert [r["ttft_p50"] for r in direct["rounds"]] == pytest.approx([0.6, 0.5])
+    assert [r["failed"] for r in direct["rounds"]] == [0, 1]
+    assert ours["round_ttft_p50_ratios"] == pytest.approx([0.7 / 0.6, 1.2 / 0.5])
+
+
+def test_a_round_s_figures_keep_p99_and_the_steady_rate():
+    recs = [_rec(0.0, 0.01), _rec(1.0, 0.2), _rec(1.5, 0.4)]
+    figures = overhead.round_figures(recs, 1.0, 3.0)
+    assert figures["ttft_p50"] == pytest.approx(0.3)  # 0.2 and 0.4: the ramp's 0.01 left out
+    assert figures["ttft_p99"] == pytest.approx(0.398)
+    assert figures["steady_tok_s"] == 8 / 2.0  # every event of the two late requests, in [1, 3)
+    assert figures["sent"] == 3 and figures["completed"] == 3 and figures["failed"] == 0
+
+
+def test_the_report_says_which_requests_the_latency_is_taken_over():
+    from bench.report_overhead import overhead_settings  # noqa: PLC0415
+
+    settings = {"fleet": {"engines": 8, "profile": "p", "time_scale": 1.0}, "rounds": 2,
+                "slice_s": 2.0, "prompt_tokens": 256, "output_tokens": 64, "engine_cores": "1",
+                "router_cores": "0", "loadgen_cores": "1", "ramp_s": 4.0,
+                "latency_after_ramp": True}
+    assert "only requests sent at or after their slice's ramp ended" in overhead_settings(
+        {"settings": settings})
+    del settings["latency_after_ramp"]
+    assert "those sent during the ramp included" in overhead_settings({"settings": settings})
