@@ -56,6 +56,7 @@ from bench.stats import (
     summarize,
     tokens_between,
 )
+from bench.targets import DEFAULT_KVPROXY
 
 RELAY_ROUTER = "kvproxy/round_robin"  # the one the relay target is judged on
 # By default the relay test also runs the peer the CPU goals compare with, where it is installed:
@@ -63,7 +64,8 @@ RELAY_ROUTER = "kvproxy/round_robin"  # the one the relay target is judged on
 RELAY_ROUTERS = f"{RELAY_ROUTER},vllm-router/round_robin"
 RAMP_S = 4.0  # streams start spread over this, not in one burst (a steady state, not waves)
 STEADY_WAVES = 2.0  # a level's slice runs this many requests' lengths past its ramp
-DEFAULT_ROUTERS = ("kvproxy/prefix_affinity,kvproxy/round_robin,vllm-router/round_robin,"
+# kvproxy's default policy first: the targets judge it (and round-robin, the proxy's own cost).
+DEFAULT_ROUTERS = (f"{DEFAULT_KVPROXY},kvproxy/round_robin,vllm-router/round_robin,"
                    "sglang-router/round_robin,litellm/least-busy")
 
 

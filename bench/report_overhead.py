@@ -234,7 +234,7 @@ def overhead_markdown(data: Mapping[str, object], png: str | None) -> str:
         "`kvproxy_engine_snapshot_age_seconds` (every engine's) and `kvproxy_engine_health`.", "",
         "## Router CPU per request: a + b x tokens", "", fit_text(data), "",
         "## kvproxy relay rate", "", relay_text(data), "",
-        "## Targets", "", overhead_targets(overhead_ratios(data)),
+        "## Targets", "", overhead_targets(data["levels"]),  # type: ignore[arg-type]
         high_concurrency_targets(data["levels"],  # type: ignore[arg-type]
                                  engine_cores=_engine_cores(data)),
         cpu_targets(data.get("fit"), data.get("relay"), data.get("relay_by_router")), "",

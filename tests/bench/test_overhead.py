@@ -98,3 +98,11 @@ def test_the_report_says_which_requests_the_latency_is_taken_over():
         {"settings": settings})
     del settings["latency_after_ramp"]
     assert "those sent during the ramp included" in overhead_settings({"settings": settings})
+
+
+def test_a_default_run_measures_the_policy_the_targets_judge():
+    from bench.targets import OVERHEAD_ROUTERS  # noqa: PLC0415
+
+    routers = overhead.build_parser().parse_args([]).routers.split(",")
+    assert set(OVERHEAD_ROUTERS) <= set(routers)
+    assert "kvproxy/expected_ttft" in OVERHEAD_ROUTERS  # the proxy's default (RoutingConfig)

@@ -141,12 +141,22 @@ def test_fmt_renders_missing_values_as_a_dash():
     assert report.fmt(1.23456) == "1.235"
 
 
-def test_overhead_target_is_checked_for_both_kvproxy_policies():
-    text = overhead_targets({"kvproxy/prefix_affinity": {64: {"ttft_p50": 1.02}}})
-    assert "`kvproxy/prefix_affinity`, TTFT p50 ≤ 1.05 x direct at 64 streams: 1.020x — **met**" \
-        in text
-    assert "`kvproxy/round_robin`, TTFT p50 ≤ 1.05 x direct at 64 streams: nanx — not measured" \
-        in text
+def _rounds(*p50s):
+    return [{"ttft_p50": v} for v in p50s]
+
+
+def test_overhead_target_is_checked_for_the_default_policy_and_round_robin():
+    clean = {"completed": 100.0, "shed": 0.0, "failed": 0.0}
+    level = {"direct": {"summary": _summary(0.02, ttft_p50=1.0), "rounds": _rounds(1.0, 1.0)},
+             "kvproxy/expected_ttft": {"summary": _summary(0.02, ttft_p50=1.02, **clean),
+                                       "rounds": _rounds(1.01, 1.03)},
+             "kvproxy/prefix_affinity": {"summary": _summary(0.02, ttft_p50=1.0, **clean)}}
+    text = overhead_targets({"64": level})
+    assert ("`kvproxy/expected_ttft`, TTFT p50 ≤ 1.05 x direct at 64 streams: 1.020 (rounds "
+            "1.010-1.030) — **met**" in text)
+    assert "prefix_affinity" not in text
+    assert ("`kvproxy/round_robin`, TTFT p50 ≤ 1.05 x direct at 64 streams: nan (rounds: not "
+            "recorded) — not measured" in text)
 
 
 def test_repeated_runs_are_judged_round_by_round(tmp_path):
@@ -177,15 +187,23 @@ def test_without_repeated_runs_the_report_says_how_to_make_them(tmp_path):
 
 
 def _level(ours_p50, ours_p99, steady, lag_s, stale, peer_p50=1.0, peer_p99=2.0):
+    """Two rounds, each with the pooled figures, and no request lost."""
+    clean = {"completed": 100.0, "shed": 0.0, "failed": 0.0}
+
+    def rounds(p50, p99, tok_s):
+        return [{"ttft_p50": p50, "ttft_p99": p99, "steady_tok_s": tok_s}] * 2
+
     return {
-        "direct": {"summary": _summary(2.0), "steady_tok_s": 1000.0},
+        "direct": {"summary": _summary(2.0), "steady_tok_s": 1000.0,
+                   "rounds": rounds(2.0, 4.0, 1000.0)},
         "kvproxy/expected_ttft": {
-            "summary": _summary(2.0, ttft_p50=ours_p50, ttft_p99=ours_p99),
-            "steady_tok_s": steady,
+            "summary": _summary(2.0, ttft_p50=ours_p50, ttft_p99=ours_p99, **clean),
+            "steady_tok_s": steady, "rounds": rounds(ours_p50, ours_p99, steady),
             "proxy": {"loop_lag_p99_s": lag_s, "stale_samples": stale, "samples": 40}},
         "vllm-router/round_robin": {"summary": _summary(2.0, ttft_p50=peer_p50,
                                                         ttft_p99=peer_p99),
-                                    "steady_tok_s": 990.0},
+                                    "steady_tok_s": 990.0,
+                                    "rounds": rounds(peer_p50, peer_p99, 990.0)},
     }
 
 
@@ -196,17 +214,43 @@ def test_high_concurrency_goals_are_judged_per_level_against_the_peer_and_direct
         "2048": _level(1.2, 2.6, 970.0, 0.025, 1),
     })
     assert "at 64 streams" not in text
-    assert ("`kvproxy/expected_ttft` at 1024 streams: TTFT p50 1.090 x "
-            "`vllm-router/round_robin`'s ≤ 1.1 — **met**; TTFT p99 1.200 x ≤ 1.25 — **met**"
-            in text)
-    assert ("`kvproxy/expected_ttft` at 1024 streams: steady tokens/s 0.985 x direct's ≥ 0.98 "
-            "— **met**; event-loop lag p99 19.0 ms ≤ 20 ms — **met**; samples with a stale "
-            "engine 0 of 40 — **met**" in text)
-    assert "2048 streams: TTFT p50 1.200 x `vllm-router/round_robin`'s ≤ 1.1 — **not met**" \
-        in text
-    assert "TTFT p99 1.300 x ≤ 1.25 — **not met**" in text
-    assert ("steady tokens/s 0.970 x direct's ≥ 0.98 — **not met**; event-loop lag p99 25.0 ms "
-            "≤ 20 ms — **not met**; samples with a stale engine 1 of 40 — **not met**" in text)
+    assert ("`kvproxy/expected_ttft` at 1024 streams: TTFT p50 x `vllm-router/round_robin`'s "
+            "≤ 1.1: 1.090 (rounds 1.090-1.090) — **met**; TTFT p99 x ≤ 1.25: 1.200 (rounds "
+            "1.200-1.200) — **met**" in text)
+    assert ("`kvproxy/expected_ttft` at 1024 streams: steady tokens/s x direct's ≥ 0.98: 0.985 "
+            "(rounds 0.985-0.985) — **met**; event-loop lag p99 19.0 ms ≤ 20 ms — **met**; "
+            "samples with a stale engine 0 of 40 — **met**" in text)
+    assert ("2048 streams: TTFT p50 x `vllm-router/round_robin`'s ≤ 1.1: 1.200 (rounds "
+            "1.200-1.200) — **not met**" in text)
+    assert "TTFT p99 x ≤ 1.25: 1.300 (rounds 1.300-1.300) — **not met**" in text
+    assert ("steady tokens/s x direct's ≥ 0.98: 0.970 (rounds 0.970-0.970) — **not met**; "
+            "event-loop lag p99 25.0 ms ≤ 20 ms — **not met**; samples with a stale engine 1 of "
+            "40 — **not met**" in text)
+
+
+def test_a_goal_met_pooled_but_missed_in_a_round_is_not_met():
+    level = _level(1.05, 2.2, 990.0, 0.01, 0)
+    level["kvproxy/expected_ttft"]["rounds"] = [
+        {"ttft_p50": 0.9, "ttft_p99": 2.0, "steady_tok_s": 1010.0},
+        {"ttft_p50": 1.2, "ttft_p99": 2.6, "steady_tok_s": 970.0}]
+    text = high_concurrency_targets({"1024": level})
+    assert "TTFT p50 x `vllm-router/round_robin`'s ≤ 1.1: 1.050 (rounds 0.900-1.200) — " \
+        "**not met in round(s) 2**" in text
+    assert "TTFT p99 x ≤ 1.25: 1.100 (rounds 1.000-1.300) — **not met in round(s) 2**" in text
+    assert "0.990 (rounds 0.970-1.010) — **not met in round(s) 2**" in text
+    assert "**met**" in text  # the lag and the staleness, which have no rounds
+
+
+def test_a_path_that_lost_requests_meets_no_goal():
+    level = _level(1.0, 2.0, 1000.0, 0.01, 0)
+    level["kvproxy/expected_ttft"]["summary"].update(requests=200.0, completed=197.0)
+    text = high_concurrency_targets({"1024": level})
+    assert "**met**" not in text
+    assert text.count("**not met (3 of 200 requests failed)**") == 5
+    direct = {"summary": _summary(0.02, ttft_p50=1.0)}
+    shed = {"summary": _summary(0.02, ttft_p50=1.0, requests=50.0, completed=49.0)}
+    assert "1.000 (rounds: not recorded) — **not met (1 of 50 requests failed)**" in \
+        overhead_targets({"64": {"direct": direct, "kvproxy/round_robin": shed}})
 
 
 def test_high_concurrency_goals_without_the_peer_or_the_watch_are_not_measured():
@@ -230,8 +274,8 @@ def test_a_saturated_engine_core_is_named_beside_the_throughput_verdict():
     level = _level(1.0, 2.0, 970.0, 0.01, 0)
     level["direct"]["cores_busy"] = {"cpu0": 0.2, "cpu1": 0.95}
     text = high_concurrency_targets({"2048": level}, engine_cores=["cpu1"])
-    assert ("steady tokens/s 0.970 x direct's ≥ 0.98 — **not met** (the engines' and load "
-            "generator's core was 0.95 busy in direct's slices" in text)
+    assert ("steady tokens/s x direct's ≥ 0.98: 0.970 (rounds 0.970-0.970) — **not met** (the "
+            "engines' and load generator's core was 0.95 busy in direct's slices" in text)
     level["direct"]["cores_busy"] = {"cpu0": 0.2, "cpu1": 0.6}
     assert "busy in direct's" not in high_concurrency_targets({"2048": level},
                                                                engine_cores=["cpu1"])
