@@ -15,7 +15,8 @@ from bench.targets import cpu_targets, high_concurrency_targets, overhead_target
 
 OVERHEAD_HEADER = ("streams", "path", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "out tok/s",
                    "TTFT p50 x", "TTFT p99 x", "ITL p50 x", "tok/s x", "steady tok/s x",
-                   "TTFT p50 x per round", "router CPU ms/req", "requests", "cores busy")
+                   "TTFT p50 x per round", "router CPU ms/req",
+                   "requests sent / completed / failed", "cores busy")
 
 
 def overhead_ratios(data: Mapping[str, object]) -> dict[str, dict[int, dict[str, float]]]:
@@ -55,10 +56,17 @@ def overhead_rows(data: Mapping[str, object]) -> list[list[object]]:
                 r.get("ttft_p50", math.nan), r.get("ttft_p99", math.nan),
                 r.get("itl_p50", math.nan), r.get("throughput_tok_s", math.nan),
                 r.get("steady_tok_s", math.nan), spread_text,
-                fmt(num(entry.get("cpu_ms_per_request")), 2), f"{num(s.get('completed')):.0f}",
+                fmt(num(entry.get("cpu_ms_per_request")), 2), _requests_text(s),
                 _busy_text(entry.get("cores_busy")),
             ])
     return rows
+
+
+def _requests_text(summary: Mapping[str, object]) -> str:
+    """Sent, completed and not completed (failed, shed or rate-limited): the percentiles are over
+    completed requests only, so what they leave out is shown beside them."""
+    sent, done = num(summary.get("requests")), num(summary.get("completed"))
+    return f"{sent:.0f} / {done:.0f} / {sent - done:.0f}"
 
 
 def _busy_text(busy: object) -> str:

@@ -106,3 +106,12 @@ def test_a_default_run_measures_the_policy_the_targets_judge():
     routers = overhead.build_parser().parse_args([]).routers.split(",")
     assert set(OVERHEAD_ROUTERS) <= set(routers)
     assert "kvproxy/expected_ttft" in OVERHEAD_ROUTERS  # the proxy's default (RoutingConfig)
+
+
+def test_the_results_table_shows_requests_sent_completed_and_failed():
+    from bench.report_overhead import OVERHEAD_HEADER, overhead_rows  # noqa: PLC0415
+
+    summary = {"requests": 120.0, "completed": 117.0, "ttft_p50": 0.1}
+    rows = overhead_rows({"levels": {"64": {"direct": {"summary": summary}}}})
+    column = OVERHEAD_HEADER.index("requests sent / completed / failed")
+    assert rows[0][column] == "120 / 117 / 3"
