@@ -19,7 +19,10 @@ Rules:
   of the parent and of its live workers, for ``+wN`` routers) read as each of its slices starts
   and ends, summed over its slices and divided by the requests they completed. CPU between its
   slices is not counted; its background work during a slice (kvproxy's scraping) is, since a
-  slice cannot tell it apart from serving.
+  slice cannot tell it apart from serving. At every level kvproxy's slices also run the sampler
+  (``bench.proxywatch``: ``/metrics`` every 0.25 s, for the lag and scrape-age goals), whose
+  renders fall in its CPU window: ``cpu_metrics_renders_per_request`` says how many per request,
+  and the report says so. The CPU fit (``bench.fit``) runs no sampler, so its a and b are clean.
 - The relay test puts kvproxy (and any other router named in ``--relay-routers``, one after
   another) alone on one core in front of a source that streams as fast as it
   can (``bench.firehose``), with the source and the client on the other core: "paced" (events
@@ -424,6 +427,10 @@ async def measure_level(session: aiohttp.ClientSession, paths: Paths,
             if name != "direct" else None,
         }
         if name in watches:
+            # The sampler's /metrics renders fall inside this path's CPU windows (the fit runs
+            # none): its CPU per request above carries this many renders per request.
+            renders = watches[name].samples + watches[name].missed
+            entry["cpu_metrics_renders_per_request"] = renders / ok if ok else None
             entry["proxy"] = {
                 **watches[name].summary(),
                 "loop_lag_p99_s": proxywatch.histogram_quantile(0.99, {}, lag.get(name, {})),

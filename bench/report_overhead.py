@@ -62,6 +62,24 @@ def overhead_rows(data: Mapping[str, object]) -> list[list[object]]:
     return rows
 
 
+def renders_text(data: Mapping[str, object]) -> str:
+    """What kvproxy's CPU per request in the results table carries besides serving: the
+    sampler's ``/metrics`` renders, which run inside its CPU window (the fit runs no sampler)."""
+    levels = data["levels"]
+    assert isinstance(levels, dict)
+    parts = []
+    for conc_text in sorted(levels, key=int):
+        for name, entry in levels[conc_text].items():
+            per = num(entry.get("cpu_metrics_renders_per_request"))
+            if not math.isnan(per):
+                parts.append(f"`{name}` at {conc_text} streams {per:.3f}")
+    if not parts:
+        return ""
+    return ("kvproxy's `router CPU ms/req` above includes the `/metrics` renders of the sampler "
+            "that polls it during its slices (the next section), per request: "
+            + "; ".join(parts) + ". The CPU fit below runs no sampler: its a and b are clean.")
+
+
 def _requests_text(summary: Mapping[str, object]) -> str:
     """Sent, completed and not completed (failed, shed or rate-limited): the percentiles are over
     completed requests only, so what they leave out is shown beside them."""
@@ -235,6 +253,7 @@ def overhead_markdown(data: Mapping[str, object], png: str | None) -> str:
         "`x` columns are ratios to `direct` at the same concurrency over all rounds; "
         "`TTFT p50 x per round` is the range of that ratio over the rounds (its noise); "
         "`cores busy`: each core's busy fraction over that path's slices (`/proc/stat`).", "",
+        renders_text(data), "",
         "## kvproxy under load: event-loop lag and telemetry age", "",
         table(PROXY_HEADER, proxy_rows(data)) if proxy_rows(data) else "Not measured.", "",
         "Sampled from kvproxy's own `/metrics` every 0.25 s during its slices: "

@@ -115,3 +115,38 @@ def test_the_results_table_shows_requests_sent_completed_and_failed():
     rows = overhead_rows({"levels": {"64": {"direct": {"summary": summary}}}})
     column = OVERHEAD_HEADER.index("requests sent / completed / failed")
     assert rows[0][column] == "120 / 117 / 3"
+
+
+def test_the_report_says_kvproxy_s_cpu_carries_the_sampler_s_renders():
+    from bench.report_overhead import renders_text  # noqa: PLC0415
+
+    level = {"direct": {}, "kvproxy/round_robin": {"cpu_metrics_renders_per_request": 0.0125}}
+    text = renders_text({"levels": {"1024": level}})
+    assert "`kvproxy/round_robin` at 1024 streams 0.013" in text
+    assert "includes the `/metrics` renders" in text
+    assert renders_text({"levels": {"64": {"direct": {}}}}) == ""
+
+
+def test_a_slice_counts_the_sampler_s_renders_and_the_fit_runs_no_sampler(monkeypatch):
+    seen = []
+
+    async def one_slice(session, paths, started, name, conc, slice_s, start, ramp_s,
+                        watch=None, *rest):
+        seen.append(watch)
+        if watch is not None:
+            watch.samples += 3
+            watch.missed += 1
+        return [_rec(0.0, 0.1), _rec(2.0, 0.1)], 2.0, 0.5
+
+    monkeypatch.setattr(overhead, "_slice", one_slice)
+    started = [(SimpleNamespace(name="kvproxy/round_robin"), None, None)]
+    level = asyncio.run(overhead.measure_level(None, None, started, 2, 1, 3.0, 1.0))
+    assert level["kvproxy/round_robin"]["cpu_metrics_renders_per_request"] == 2.0  # 4 of 2
+    assert "cpu_metrics_renders_per_request" not in level["direct"]
+    seen.clear()
+    monkeypatch.setattr(fit, "IDLE_S", 0.01)
+    proc = TreeProc()
+    paths = overhead.Paths(["http://e"], "m", 8, 8)
+    asyncio.run(fit.measure_fit(paths, [(SimpleNamespace(name="kvproxy/round_robin"), proc,
+                                         None)], [16, 256], 2, 1, 3.0, 1.0))
+    assert seen == [None, None]
