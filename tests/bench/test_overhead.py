@@ -150,3 +150,16 @@ def test_a_slice_counts_the_sampler_s_renders_and_the_fit_runs_no_sampler(monkey
     asyncio.run(fit.measure_fit(paths, [(SimpleNamespace(name="kvproxy/round_robin"), proc,
                                          None)], [16, 256], 2, 1, 3.0, 1.0))
     assert seen == [None, None]
+
+
+def test_without_per_round_figures_a_pooled_ratio_is_not_called_met():
+    from bench.targets import judged, overhead_targets  # noqa: PLC0415
+
+    assert judged(1.0, [], 1.05, below=True) == \
+        "1.000 (rounds: not recorded) — met pooled, not judged per round"
+    # Older results kept the 64-stream TTFT ratios per round: they are judged from those.
+    clean = {"requests": 10.0, "completed": 10.0, "ttft_p50": 1.0}
+    level = {"direct": {"summary": clean},
+             "kvproxy/round_robin": {"summary": clean, "round_ttft_p50_ratios": [0.98, 1.07]}}
+    assert "1.000 (rounds 0.980-1.070) — **not met in round(s) 2**" in overhead_targets(
+        {"64": level})
