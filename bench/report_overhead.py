@@ -71,6 +71,12 @@ def renders_text(data: Mapping[str, object]) -> str:
     for conc_text in sorted(levels, key=int):
         for name, entry in levels[conc_text].items():
             per = num(entry.get("cpu_metrics_renders_per_request"))
+            watch, summary = entry.get("proxy"), entry.get("summary")
+            if math.isnan(per) and isinstance(watch, dict) and isinstance(summary, dict):
+                # Older results: the same count from the sampler's tally and the completions.
+                done = num(summary.get("completed"))
+                renders = num(watch.get("samples")) + num(watch.get("missed_samples"))
+                per = renders / done if done > 0 else math.nan
             if not math.isnan(per):
                 parts.append(f"`{name}` at {conc_text} streams {per:.3f}")
     if not parts:
@@ -253,7 +259,7 @@ def overhead_markdown(data: Mapping[str, object], png: str | None) -> str:
         "`x` columns are ratios to `direct` at the same concurrency over all rounds; "
         "`TTFT p50 x per round` is the range of that ratio over the rounds (its noise); "
         "`cores busy`: each core's busy fraction over that path's slices (`/proc/stat`).", "",
-        renders_text(data), "",
+        *([renders_text(data), ""] if renders_text(data) else []),
         "## kvproxy under load: event-loop lag and telemetry age", "",
         table(PROXY_HEADER, proxy_rows(data)) if proxy_rows(data) else "Not measured.", "",
         "Sampled from kvproxy's own `/metrics` every 0.25 s during its slices: "

@@ -163,3 +163,11 @@ def test_without_per_round_figures_a_pooled_ratio_is_not_called_met():
              "kvproxy/round_robin": {"summary": clean, "round_ttft_p50_ratios": [0.98, 1.07]}}
     assert "1.000 (rounds 0.980-1.070) — **not met in round(s) 2**" in overhead_targets(
         {"64": level})
+
+
+def test_older_results_get_the_renders_per_request_from_the_sampler_s_tally():
+    from bench.report_overhead import renders_text  # noqa: PLC0415
+
+    entry = {"summary": {"completed": 400.0}, "proxy": {"samples": 98.0, "missed_samples": 2.0}}
+    assert "`kvproxy/expected_ttft` at 64 streams 0.250" in renders_text(
+        {"levels": {"64": {"kvproxy/expected_ttft": entry}}})
