@@ -135,6 +135,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     slice_s = args.slice_s or (3.0 if args.quick else 6.0)
     rounds = args.rounds or (2 if args.quick else 3)
+    if args.steady_waves <= 0 and slice_s <= args.ramp_s and not args.relay_only:
+        # Latency and the steady rate are taken past the ramp: such slices would have neither.
+        parser.error(f"with --steady-waves 0, --slice-s ({slice_s}) must exceed --ramp-s "
+                     f"({args.ramp_s}): latency is measured on requests sent after the ramp")
     levels = [int(c) for c in args.concurrency.split(",")]
     fit_tokens = [int(t) for t in args.fit_tokens.split(",")] if args.fit_tokens else []
     # Room for the longest answer asked for, the fit's included (else the engines refuse those).

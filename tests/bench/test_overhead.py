@@ -171,3 +171,10 @@ def test_older_results_get_the_renders_per_request_from_the_sampler_s_tally():
     entry = {"summary": {"completed": 400.0}, "proxy": {"samples": 98.0, "missed_samples": 2.0}}
     assert "`kvproxy/expected_ttft` at 64 streams 0.250" in renders_text(
         {"levels": {"64": {"kvproxy/expected_ttft": entry}}})
+
+
+def test_fixed_slices_no_longer_than_the_ramp_are_refused_before_anything_starts(capsys):
+    # --quick's 3 s slices with the 4 s default ramp would leave no request past the ramp.
+    with pytest.raises(SystemExit):
+        overhead.main(["--quick", "--steady-waves", "0"])
+    assert "must exceed --ramp-s" in capsys.readouterr().err
