@@ -102,8 +102,11 @@ def judged(pooled: float, rounds: Sequence[float] | None, limit: float, *, below
            failed: tuple[int, int] = (0, 0)) -> str:
     """A ratio's pooled value, its range over rounds, and the verdict: met only where the pooled
     value and every round meet the goal and no request of the judged path failed."""
+    known = [v for v in rounds or () if not math.isnan(v)]
     spread = ("rounds: not recorded" if not rounds else
-              f"rounds {min(rounds):.3f}-{max(rounds):.3f}")
+              f"rounds {min(known):.3f}-{max(known):.3f}" if known else "rounds: n/a")
+    if rounds and len(known) < len(rounds):  # such a round counts as missed below
+        spread += f", {len(rounds) - len(known)} without a figure"
     text = f"{pooled:.3f} ({spread})"
     if failed[0] > 0:
         return f"{text} — **not met ({failed[0]} of {failed[1]} requests failed)**"

@@ -178,3 +178,10 @@ def test_fixed_slices_no_longer_than_the_ramp_are_refused_before_anything_starts
     with pytest.raises(SystemExit):
         overhead.main(["--quick", "--steady-waves", "0"])
     assert "must exceed --ramp-s" in capsys.readouterr().err
+
+
+def test_a_round_without_a_figure_is_named_in_the_range_and_not_met():
+    from bench.targets import judged  # noqa: PLC0415
+
+    assert judged(1.0, [0.9, float("nan"), 1.02], 1.05, below=True) == \
+        "1.000 (rounds 0.900-1.020, 1 without a figure) — **not met in round(s) 2**"
