@@ -159,6 +159,7 @@ def overhead_targets(levels: Mapping[str, Mapping[str, Mapping[str, object]]]) -
         lines.append(f"- through `{router}`, TTFT p50 ≤ 1.05 x direct at {OVERHEAD_STREAMS} "
                      f"streams: " + judged(value, rounds, 1.05, below=True,
                                            failed=failures(ours)))
+    lines += _reference_losses(str(OVERHEAD_STREAMS), {"direct": direct})
     lines.append("  (`kvproxy/round_robin` places requests as the direct path does, so its ratio "
                  "is the proxy's own cost; the default policy's ratio also reflects where it "
                  "places requests.)")
@@ -224,7 +225,20 @@ def high_concurrency_targets(levels: Mapping[str, Mapping[str, Mapping[str, obje
             f"{LAG_P99_TARGET_S * 1000:.0f} ms — {lag_verdict}; samples with a stale "
             f"engine {stale:.0f} of {samples:.0f} — {fresh_verdict}",
         ]
+        lines += _reference_losses(conc_text, {peer: theirs, "direct": direct})
     return "\n".join(lines)
+
+
+def _reference_losses(conc_text: str, references: Mapping[str, Mapping[str, object]]) -> list[str]:
+    """A note under a level's verdicts for each path the ratios compare with that lost requests:
+    its percentiles are over the completed ones, so the ratio to it is read with that in mind."""
+    out = []
+    for name, entry in references.items():
+        lost, sent = failures(entry)
+        if lost:
+            out.append(f"  (`{name}` at {conc_text} streams: {lost} of {sent} requests failed; "
+                       f"its figures are over the completed ones)")
+    return out
 
 
 def _ratio(a: object, b: object) -> float:

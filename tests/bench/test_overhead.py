@@ -185,3 +185,18 @@ def test_a_round_without_a_figure_is_named_in_the_range_and_not_met():
 
     assert judged(1.0, [0.9, float("nan"), 1.02], 1.05, below=True) == \
         "1.000 (rounds 0.900-1.020, 1 without a figure) — **not met in round(s) 2**"
+
+
+def test_a_reference_path_that_lost_requests_is_named_under_the_verdicts():
+    from bench.targets import high_concurrency_targets  # noqa: PLC0415
+
+    def path(sent, done):
+        return {"summary": {"requests": sent, "completed": done, "ttft_p50": 1.0,
+                            "ttft_p99": 2.0}}
+
+    level = {"direct": path(100.0, 100.0), "kvproxy/expected_ttft": path(100.0, 100.0),
+             "vllm-router/round_robin": path(100.0, 96.0)}
+    text = high_concurrency_targets({"1024": level})
+    assert ("(`vllm-router/round_robin` at 1024 streams: 4 of 100 requests failed; its figures "
+            "are over the completed ones)" in text)
+    assert "`direct` at 1024" not in text
