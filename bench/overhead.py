@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import random
 import sys
@@ -59,7 +60,7 @@ from bench.stats import (
     summarize,
     tokens_between,
 )
-from bench.targets import DEFAULT_KVPROXY
+from bench.targets import DEFAULT_KVPROXY, round_ratios
 
 RELAY_ROUTER = "kvproxy/round_robin"  # the one the relay target is judged on
 # By default the relay test also runs the peer the CPU goals compare with, where it is installed:
@@ -293,17 +294,6 @@ def round_figures(recs: list[RequestRecord], ramp_s: float,
             "failed": float(len(recs) - completed)}
 
 
-def round_ratios(ours: list[dict[str, float | None]], reference: list[dict[str, float | None]],
-                 key: str) -> list[float]:
-    """``key``'s ratio in each round where both figures exist."""
-    out = []
-    for a, b in zip(ours, reference, strict=True):
-        x, y = a.get(key), b.get(key)
-        if x is not None and y is not None and x == x and y == y and y > 0:
-            out.append(x / y)
-    return out
-
-
 def level_summary(records: list[RequestRecord], latency_recs: list[RequestRecord],
                   span: float) -> dict[str, float]:
     """Counts and throughput over every request; latency percentiles over ``latency_recs``
@@ -427,8 +417,11 @@ async def measure_level(session: aiohttp.ClientSession, paths: Paths,
             "cores_busy": {core: sum(v) / len(v) for core, v in sorted(busy[name].items())},
             "cpu_ms_per_request": cpu[name] * 1000.0 / ok if name != "direct" and ok else None,
             "rounds": per_round[name],
-            "round_ttft_p50_ratios": round_ratios(per_round[name], per_round["direct"], "ttft_p50")
-            if name != "direct" else None,
+            # The rounds where both figures exist (``rounds`` keeps them all).
+            "round_ttft_p50_ratios": [
+                v for v in round_ratios({"rounds": per_round[name]},
+                                        {"rounds": per_round["direct"]}, "ttft_p50")
+                if not math.isnan(v)] if name != "direct" else None,
         }
         if name in watches:
             # The sampler's /metrics renders fall inside this path's CPU windows (the fit runs

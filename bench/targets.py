@@ -109,7 +109,7 @@ def judged(pooled: float, rounds: Sequence[float] | None, limit: float, *, below
         spread += f", {len(rounds) - len(known)} without a figure"
     text = f"{pooled:.3f} ({spread})"
     if failed[0] > 0:
-        return f"{text} — **not met ({failed[0]} of {failed[1]} requests failed)**"
+        return f"{text} — {_lost(failed)}"
     ok = _check(pooled, limit, below=below)
     if ok and not rounds:  # results from before rounds were kept: the rounds are unknown
         return f"{text} — met pooled, not judged per round"
@@ -119,6 +119,11 @@ def judged(pooled: float, rounds: Sequence[float] | None, limit: float, *, below
     if missed:
         return f"{text} — **not met in round(s) {', '.join(missed)}**"
     return f"{text} — **met**"
+
+
+def _lost(failed: tuple[int, int]) -> str:
+    """The verdict of every goal of a path that lost requests (``failures``)."""
+    return f"**not met ({failed[0]} of {failed[1]} requests failed)**"
 
 
 def _round_values(entry: Mapping[str, object], key: str) -> list[float]:
@@ -209,9 +214,9 @@ def high_concurrency_targets(levels: Mapping[str, Mapping[str, Mapping[str, obje
                   f" (the engines' and load generator's core was {saturated:.2f} busy in "
                   f"direct's slices: every path's throughput was that core's)")
         failed = failures(ours)
-        lost = f"**not met ({failed[0]} of {failed[1]} requests failed)**"
-        lag_verdict = lost if failed[0] else _verdict(_check(lag, LAG_P99_TARGET_S, below=True))
-        fresh_verdict = lost if failed[0] else _verdict(fresh)
+        lag_verdict = (_lost(failed) if failed[0] else
+                       _verdict(_check(lag, LAG_P99_TARGET_S, below=True)))
+        fresh_verdict = _lost(failed) if failed[0] else _verdict(fresh)
         lines += [
             f"{head}: TTFT p50 x `{peer}`'s ≤ 1.1: "
             + judged(p50, round_ratios(ours, theirs, "ttft_p50"), 1.1, below=True, failed=failed)
