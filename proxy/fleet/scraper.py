@@ -18,6 +18,14 @@ Rules:
   failures, without a traceback; what it means for the engine's health is the telemetry state
   machine's decision, not ours. Every change of an engine's health is logged once, with its reason.
 - After each round every engine is ticked, so staleness is noticed even when scrapes hang.
+- A scrape still unanswered at its round's timeout is counted as that round's failure, as above,
+  but not abandoned: it stays open (one per engine; no new one is started for that engine while
+  it is) until it is ``stale_after_s`` old, and its answer, when it comes, is applied as any other
+  (stamped with its own start, and relayed to sibling workers). An engine busy enough to answer
+  ``/metrics`` in 300 ms, past the timeout, so keeps a snapshot younger than ``stale_after_s``
+  instead of going STALE at the busiest moment, and is not asked to render a text that would be
+  thrown away and asked again; one that answers nothing within ``stale_after_s`` gets a fresh
+  request (a new connection) on the next round, as before.
 - ``first_round`` is set once the first round has ended, however it went: until then no engine's
   health is known and the proxy does not listen (``proxy.server.lifecycle``).
 - One of several workers (``kvproxy serve --workers N``) skips the engines a sibling scrapes for it
@@ -54,6 +62,7 @@ import zlib
 from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
+from typing import NamedTuple
 
 import aiohttp
 from prometheus_client import Histogram
@@ -113,6 +122,8 @@ class Scraper:
         self._parsed: dict[str, tuple[bytes, EngineSnapshot]] = {}
         self.parses = 0  # texts actually parsed (the rest were repeats)
         self._durations: dict[str, Histogram] = {}
+        # Per engine, its scrape still open (past a round's timeout, or in the round running).
+        self._open: dict[str, _Open] = {}
 
     async def run(self) -> None:
         """Scrape forever; cancel the task to stop."""
@@ -132,7 +143,11 @@ class Scraper:
             self.close()
 
     def close(self) -> None:
-        """Close the kept connections (``run`` does it when cancelled)."""
+        """Close the kept connections and the scrapes left open (``run`` does it when
+        cancelled)."""
+        for kept in self._open.values():
+            kept.fetch.cancel()
+        self._open.clear()
         self._client.close()
 
     async def _until_next_round(self, started: float) -> None:
@@ -158,6 +173,10 @@ class Scraper:
             names = {e.name for e in self._fleet}
             self._parsed = {k: v for k, v in self._parsed.items() if k in names}
             self._durations = {k: v for k, v in self._durations.items() if k in names}
+        if self._open:
+            present = {e.name for e in self._fleet}
+            for name in [n for n in self._open if n not in present]:
+                self._open.pop(name).fetch.cancel()  # a removed engine's scrape
         if self._client.idle_connections > len(self._fleet):
             self._client.forget({e.metrics_url for e in self._fleet})
         self._log_transitions()
@@ -172,21 +191,43 @@ class Scraper:
         started = self._clock()
         loop = asyncio.get_running_loop()
         begun = loop.time()
-        outcomes: list[Outcome | None] = [None] * len(engines)
+        tally = _Tally([None] * len(engines))
         fetches: list[asyncio.Future[bytes]] = []
         for i, engine in enumerate(engines):
+            kept = self._open.get(engine.name)
+            if kept is not None and kept.engine is engine and not kept.fetch.done():
+                fetches.append(kept.fetch)  # still open from an earlier round: its answer counts
+                continue
             url = engine.metrics_url
             fetch = (self._client.start(url) if supports(url)
                      else asyncio.ensure_future(self._fetch(url)))
-            fetch.add_done_callback(partial(self._arrived, engine, started, outcomes, i))
+            fetch.add_done_callback(partial(self._arrived, engine, started, tally, i))
             fetches.append(fetch)
+            self._open[engine.name] = _Open(fetch, begun, engine, started)
         try:
             late, busy = await self._wait_in_time(fetches, begun)
             for i in late:
-                outcomes[i] = self._unanswered(engines[i], started, busy)
-        finally:
+                tally.outcomes[i] = self._unanswered(engines[i], started, busy)
+        except BaseException:
             await _cancel(fetches)
-        return outcomes
+            raise
+        finally:
+            tally.closed = True
+        await self._give_up_on_old(loop.time())
+        return tally.outcomes
+
+    async def _give_up_on_old(self, now: float) -> None:
+        """Cancel the scrapes open for ``stale_after_s`` or more (their duration observed: a
+        cancelled fetch observes none); forget the finished ones."""
+        old = []
+        for name, kept in list(self._open.items()):
+            if kept.fetch.done():
+                del self._open[name]
+            elif now - kept.begun >= self._cfg.stale_after_s:
+                del self._open[name]
+                old.append(kept.fetch)
+                self._observe_duration(kept.engine, kept.started)
+        await _cancel(old)
 
     async def _wait_in_time(self, fetches: list[asyncio.Future[bytes]],
                             begun: float) -> tuple[list[int], bool]:
@@ -205,21 +246,26 @@ class Scraper:
         return [i for i, f in enumerate(fetches) if f in pending], False
 
     def _unanswered(self, engine: Engine, started: float, busy: bool) -> Outcome | None:
-        self._observe_duration(engine, started)
+        # No duration yet: the scrape stays open (``_arrived`` or ``_give_up_on_old`` observes).
         if busy:
             self._metrics.scrape_failures.labels(engine.name, "proxy_busy").inc()
             return None
         return self._failed(engine, started, "timeout", "scrape timed out", unanswered=True)
 
-    def _arrived(self, engine: Engine, started: float, outcomes: list[Outcome | None], i: int,
+    def _arrived(self, engine: Engine, started: float, tally: _Tally, i: int,
                  fetch: asyncio.Future[bytes]) -> None:
-        """A fetch finished: apply what it brought (a cancelled one was the round's to judge)."""
+        """A fetch finished: apply what it brought (a cancelled one was the round's to judge).
+        One that outlived its round is relayed to sibling workers here, not by the round."""
         if fetch.cancelled():
             return
         try:
-            outcomes[i] = self._attempt(engine, started, fetch)
+            outcome = self._attempt(engine, started, fetch)
         finally:
             self._observe_duration(engine, started)
+        if not tally.closed:
+            tally.outcomes[i] = outcome
+        elif outcome is not None and self._share is not None:
+            self._share.publish([outcome])
 
     def _own_want(self, engine: Engine) -> None:
         """This process could not open the connection (no descriptor left): counted, and, as
@@ -338,6 +384,25 @@ class Scraper:
             log.log(level, "engine %s is %s%s", engine.name, health.value,
                     f": {reason}" if reason else "")
         self._health = now
+
+
+class _Open(NamedTuple):
+    """A scrape not answered yet: its fetch, its start (loop time, and the clock's)."""
+
+    fetch: asyncio.Future[bytes]
+    begun: float
+    engine: Engine
+    started: float
+
+
+class _Tally:
+    """One round's outcomes, by engine; ``closed`` once the round has ended."""
+
+    __slots__ = ("closed", "outcomes")
+
+    def __init__(self, outcomes: list[Outcome | None]) -> None:
+        self.outcomes = outcomes
+        self.closed = False
 
 
 async def _cancel(fetches: list[asyncio.Future[bytes]]) -> None:

@@ -40,6 +40,9 @@ class Behaviour:
     # When set: ``/metrics`` answers only once ``RogueEngine.release`` is set (a slow engine whose
     # answer the test lets out when it wants).
     metrics_hold: bool = False
+    # When > 0: ``/metrics`` answers this long after it is asked (a busy but live engine);
+    # ``RogueEngine.metrics_open_max`` records how many such answers were ever due at once.
+    metrics_delay_s: float = 0.0
     # Completions: "ok" answers normally, "hang" never answers, "hold" answers normally once
     # ``RogueEngine.release`` is set, "status" answers ``completion_status`` with
     # ``completion_headers`` and an empty body, "garbage" writes a head that is not HTTP.
@@ -88,6 +91,7 @@ class RogueEngine:
         self.streams_cut = 0
         self.release = asyncio.Event()
         self.metrics_bytes_sent: list[int] = []
+        self.metrics_open = self.metrics_open_max = 0
         # Per streamed answer: body bytes whose write had completed (the proxy took them).
         self.stream_bytes_sent: list[int] = []
         self.raw_peers: list[object] = []  # the connection of each ``raw_chunked`` answer
@@ -133,6 +137,13 @@ class RogueEngine:
             time.sleep(b.metrics_block_s)  # noqa: ASYNC251 - blocking is the point
         if b.metrics_hold:
             await self.release.wait()
+        if b.metrics_delay_s > 0:
+            self.metrics_open += 1
+            self.metrics_open_max = max(self.metrics_open_max, self.metrics_open)
+            try:
+                await asyncio.sleep(b.metrics_delay_s)
+            finally:
+                self.metrics_open -= 1
         if b.metrics_stream_bytes > 0:
             return await self._metrics_stream(request)
         body = b.metrics_body

@@ -10,6 +10,7 @@ import pytest
 from integration.stack import proxy_config
 
 from proxy.core.config import TelemetryConfig
+from proxy.core.engine_state import Health
 from proxy.fleet.metrics_client import PROXY_SHORT, FetchError, MetricsClient
 from proxy.fleet.scraper import Scraper
 from proxy.server.app import build_app
@@ -86,3 +87,52 @@ async def test_a_scrape_the_proxy_could_not_open_is_no_failure_of_the_engine(
     finally:
         await server.stop()
         await engine.stop()
+
+
+async def _watch_health(delay_s: float, seconds: float) -> tuple[list[Health], float, int, int]:
+    """An engine answering ``/metrics`` ``delay_s`` after each ask, scraped by the proxy's own
+    task (every 0.1 s, timeout 0.09 s, stale after 0.6 s) for ``seconds``: the health seen
+    every 20 ms, the oldest snapshot age seen once it had one, the most answers ever due at once,
+    and the scrapes it got."""
+    engine = RogueEngine()
+    await engine.start()
+    telemetry = TelemetryConfig(interval_s=0.1, timeout_s=0.09, stale_after_s=0.6)
+    cfg = proxy_config([engine.url], ["e0"], ["target"], telemetry=telemetry)
+    server = ProxyServer(cfg, app=build_app(cfg))
+    try:
+        await server.start()
+        ctx = server.app[SHELL]
+        state = ctx.fleet.get("e0").state
+        engine.behaviour.metrics_delay_s = delay_s
+        await asyncio.sleep(1.0)  # past the answers the engine gave without the delay
+        seen, oldest = [], 0.0
+        loop = asyncio.get_running_loop()
+        end = loop.time() + seconds
+        asked = len(engine.requests_to("/metrics"))
+        while loop.time() < end:
+            seen.append(state.health)
+            if state.snapshot is not None:
+                oldest = max(oldest, ctx.clock() - state.snapshot.taken_at)
+            await asyncio.sleep(0.02)
+        return seen, oldest, engine.metrics_open_max, len(engine.requests_to("/metrics")) - asked
+    finally:
+        await server.stop()
+        await engine.stop()
+
+
+async def test_an_engine_answering_past_the_timeout_keeps_a_fresh_snapshot() -> None:
+    # 0.25 s per answer: every round's timeout (0.09 s) passes first, yet each answer lands
+    # 0.25 s after its ask, well inside stale_after_s (0.6 s).
+    seen, oldest, most_open, asked = await _watch_health(0.25, 3.0)
+    assert Health.STALE not in seen and Health.UNHEALTHY not in seen
+    assert set(seen) == {Health.HEALTHY}
+    assert oldest < 0.6
+    assert most_open == 1  # one scrape open per engine, never one per round
+    assert asked <= 3.0 / 0.25 + 2  # about one ask per answer, not one per 0.1 s round
+
+
+async def test_an_engine_answering_later_than_stale_after_still_goes_stale() -> None:
+    # 0.9 s per answer: each scrape is given up at 0.6 s, so no answer ever lands.
+    seen, _, most_open, _ = await _watch_health(0.9, 2.5)
+    assert Health.STALE in seen
+    assert most_open <= 2  # a given-up scrape's connection closes; the engine may still sleep
