@@ -8,7 +8,9 @@ Rules (pure, no I/O):
   no streamed chunk carries (``streamable``: vLLM's ``prompt_token_ids``, a choice's
   ``token_ids``, a ``service_tier``) is replayed as JSON only; a stream asking for it misses.
 - Complete means at least one choice and every choice finished with a ``finish_reason`` other than
-  ``abort`` (``is_finished``); an entry that does not hold such an answer does not decode.
+  ``abort``, ``error`` (vLLM's request-level failure) or ``repetition`` (vLLM cut a degenerate,
+  repeating answer: not one to hand every later asker) (``is_finished``); an entry that does not
+  hold such an answer does not decode.
 - An entry names the tenant and model it belongs to; decoding checks both, so even a key collision
   or a corrupted store could not hand an answer across tenants. Garbage decodes to ``EntryError``,
   and so does an answer of the wrong shape (``well_formed``: the fields a replay reads, and the
@@ -25,7 +27,8 @@ from typing import Any
 import orjson
 
 ENTRY_VERSION = 1
-_UNFINISHED = frozenset({None, "abort"})
+# vLLM 0.32's finish reasons are stop, length, abort, error and repetition (``FinishReason``).
+_UNFINISHED = frozenset({None, "abort", "error", "repetition"})
 # The answer's own fields, the same in every streamed chunk and in the stored answer.
 HEAD_FIELDS: tuple[str, ...] = ("id", "created", "model", "system_fingerprint")
 # An answer's fields that both shapes carry (a streamed chunk's, and the stored answer's).

@@ -333,6 +333,11 @@ class Recording:
         self.bytes_seen += size
         self._skipped = True
 
+    @property
+    def overflowed(self) -> bool:
+        """Whether bytes were relayed past ``max_bytes`` (``skipped``): too long to store."""
+        return self._skipped
+
     def response(self) -> dict[str, Any] | None:
         """The complete answer in the non-streamed shape, or None."""
         if self.status != 200 or self.streamed is None or self._skipped:

@@ -114,7 +114,7 @@ async def _serve(
     visit = await door.enter(
         tenant,
         endpoint=endpoint.value,
-        model=inbound.model,
+        model=_cached_model(ctx, inbound.model, plan.pool),
         body=inbound.body,
         cache_control=request.headers.get("Cache-Control"),
         prompt_chars=len(inbound.prompt_text),
@@ -124,6 +124,7 @@ async def _serve(
     completed = False
     try:
         if visit.late:  # its deadline ran out waiting for an identical request's answer
+            job.extra_headers["X-Cache"] = visit.x_cache  # looked up: not a BYPASS
             raise deadline_error(job)
         response = await _without_engine(request, ctx, job, visit, inbound=inbound,
                                          priority=priority)
@@ -142,6 +143,13 @@ async def _serve(
     finally:
         await door.leave(visit, completed=completed)
     return response
+
+
+def _cached_model(ctx: ShellContext, asked: str, pool: str) -> str:
+    """The model a cache entry is kept under: the name asked for and what it resolves to (the
+    pool and the name its engines get), so that an alias pointed elsewhere (a changed config,
+    replicas mid-rollout sharing Redis) never answers with the other model's entries."""
+    return f"{asked}\x00{pool}\x00{upstream_model(ctx.cfg, pool, asked)}"
 
 
 def _classify(

@@ -334,15 +334,18 @@ class Fill:
         self._finished = True
         entry = self.result() if completed and not self._discarded else None
         value = None if entry is None else entry.encode()
-        too_large = value is not None and len(value) > self._cache.cfg.max_entry_bytes
+        # Too large: the entry, or the bytes relayed for it (a stream is kept as relayed, up to
+        # max_entry_bytes of its SSE events, and assembled only at its end).
+        too_large = (value is not None and len(value) > self._cache.cfg.max_entry_bytes) or (
+            completed and not self._discarded and self.recording.overflowed)
         # An answer too large to store is not handed to the waiters either, whatever size the
         # relayed bytes were: they go to the engines themselves, the same for every such answer.
         self._cache._wake(self._flight, None if too_large else entry)
         try:
-            if value is None:
-                self._cache.metrics.stores_by("incomplete").inc()
-            elif too_large:
+            if too_large:
                 self._cache.metrics.stores_by("too_large").inc()
+            elif value is None:
+                self._cache.metrics.stores_by("incomplete").inc()
             else:
                 await self._cache._store(self._key, value)
         finally:

@@ -122,6 +122,22 @@ async def test_incomplete_answers_are_not_stored(cache: ResponseCache) -> None:
     assert (await cache.lookup(request())).status == "MISS"
 
 
+@pytest.mark.parametrize("reason", ["abort", "error", "repetition"])
+async def test_answers_vllm_ended_without_finishing_are_not_stored(
+    cache: ResponseCache, reason: str
+) -> None:
+    # vLLM's finish reasons besides stop and length: aborted, failed, or cut as a degenerate
+    # repetition. None of them is an answer to replay to the next asker.
+    lookup = await cache.lookup(request(content=reason))
+    assert lookup.fill is not None
+    async with lookup.fill as fill:
+        fill.start(200, streamed=False)
+        fill.feed(answer("half an answer").replace(b'"stop"', f'"{reason}"'.encode()))
+    assert (await cache.lookup(request(content=reason))).status == "MISS"
+    await fill_json(cache, request(content="stop"), "a whole answer")  # the control: stored
+    assert (await cache.lookup(request(content="stop"))).status == "HIT"
+
+
 async def test_errors_and_exceptions_are_not_stored(cache: ResponseCache) -> None:
     lookup = await cache.lookup(request())
     assert lookup.fill is not None

@@ -6,14 +6,19 @@ Run against both backends; the clients are the official openai SDK and plain aio
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any
 
 import openai
 import orjson
 import pytest
 from conftest import StackFactory
-from proxystack import MODEL, chat, door_config
+from proxystack import KEYS, MODEL, OTHER_MODEL, chat, door_config
 from redisproc import RedisServer
+
+from proxy.core.fleet_config import AliasConfig
+from proxy.server.app import build_app
+from proxy.server.lifecycle import ProxyServer
 
 
 def content(text: bytes) -> tuple[str, str | None]:
@@ -203,3 +208,33 @@ async def test_completions_endpoint_replays_too(make_stack: StackFactory) -> Non
     ]
     assert "".join(streamed) == "".join(replayed) != ""
     assert orjson.loads(texts[2][1])["choices"][0]["text"] == "".join(streamed)
+
+
+async def test_an_alias_pointed_elsewhere_never_answers_from_the_other_models_entries(
+    make_stack: StackFactory, redis_server: RedisServer
+) -> None:
+    # Two replicas sharing Redis mid-rollout: "chat" means the target pool on one and the draft
+    # pool on the other. The same body must not be answered across them.
+    door = door_config(backend="redis", redis_url=redis_server.url)
+    first = await make_stack(door, engines=1, drafts=1)
+    servers = []
+    try:
+        for pool in ("target", "draft"):
+            cfg = dataclasses.replace(first.server.cfg, aliases=(AliasConfig("chat", pool),))
+            server = ProxyServer(cfg, build_app(cfg, door=door))
+            await server.start()
+            servers.append(server)
+        body = {**chat("Which model are you?"), "model": "chat"}
+        key = {"Authorization": f"Bearer {KEYS['acme']}"}
+        seen = []
+        for server in (*servers, servers[1], servers[0]):
+            async with first.http.post(server.url + "/v1/chat/completions", json=body,
+                                       headers=key) as r:
+                answer = orjson.loads(await r.read())
+                seen.append((r.status, r.headers["X-Cache"], r.headers["X-Served-By"],
+                             answer["model"]))
+        assert seen == [(200, "MISS", "target", MODEL), (200, "MISS", "draft", OTHER_MODEL),
+                        (200, "HIT", "draft", OTHER_MODEL), (200, "HIT", "target", MODEL)]
+    finally:
+        for server in servers:
+            await server.stop()

@@ -129,6 +129,22 @@ async def test_a_waiter_keeps_its_own_deadline(make_stack: StackFactory) -> None
     assert resp.status == 504 and orjson.loads(raw)["error"]["type"] == "timeout"
     assert 0.9 <= waited < DELAY_S * 3 - 0.3, waited
     assert await stack.metric("kvproxy_cache_coalesced_waits_total", outcome="deadline") == 1
+    assert resp.headers["X-Cache"] == "MISS"  # looked up and waited: not a BYPASS
     first, _ = await leader
     assert (first.status, first.headers["X-Cache"]) == (200, "MISS")
     assert await stack.engine_requests() == 1  # the late waiter never reached an engine
+
+
+async def test_a_stream_relayed_past_max_entry_bytes_counts_as_too_large(
+    make_stack: StackFactory,
+) -> None:
+    # The stream's events pass the limit (one event per token, ~200 bytes each) long before the
+    # answer they make would: kept as relayed, it is not stored, and counted as too large.
+    stack = await make_stack(door_config(cache={"max_entry_bytes": 2048}), engines=1)
+    body = chat("A long streamed answer.", stream=True, max_tokens=40, ignore_eos=True)
+    first, raw = await stack.post(body)
+    assert first.status == 200 and raw.rstrip().endswith(b"data: [DONE]") and len(raw) > 2048
+    assert await stack.metric("kvproxy_cache_stores_total", outcome="too_large") == 1
+    assert await stack.metric("kvproxy_cache_stores_total", outcome="incomplete") == 0
+    again, _ = await stack.post(body)
+    assert again.headers["X-Cache"] == "MISS"
