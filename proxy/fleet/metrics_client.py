@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from typing import cast
 from urllib.parse import urlsplit
 
+import aiohttp
+
 from proxy.core.http_reply import BadReply, ReplyReader, ReplyTooLarge
 from proxy.fleet.upstream import proxy_short
 
@@ -271,3 +273,40 @@ class MetricsClient:
         self._idle.clear()
         for task in self._resending:
             task.cancel()
+
+
+# --- through an aiohttp session: what ``MetricsClient`` does not speak (https) ---------------
+
+_CHUNK_BYTES = 64 * 1024
+
+
+async def fetch_with(session: aiohttp.ClientSession, url: str, limit: int) -> bytes:
+    """``GET url`` through ``session``, by the same rules: no redirect followed, any status but
+    200 a failure, the body read in bounded chunks and refused past ``limit`` bytes."""
+    async with session.get(url, allow_redirects=False) as resp:
+        if resp.status != 200:
+            raise status_error(resp.status)
+        return await _read_capped(resp, limit)
+
+
+async def _read_capped(resp: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The whole body, read in bounded chunks; ``FetchError`` as soon as it exceeds ``limit``."""
+    too_large = FetchError("too_large", f"metrics larger than {limit} bytes")
+    if resp.content_length is not None and resp.content_length > limit:
+        resp.close()
+        raise too_large
+    body = bytearray()
+    async for chunk in resp.content.iter_chunked(_CHUNK_BYTES):
+        body += chunk
+        if len(body) > limit:
+            # Closing rather than draining: the rest is never read, whatever its size.
+            resp.close()
+            raise too_large
+    return bytes(body)
+
+
+def transport_failure(exc: aiohttp.ClientError) -> tuple[str, str]:
+    """(reason label, description without addresses) of a transport failure."""
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return "connect", "cannot connect to the metrics endpoint"
+    return "transport", "metrics connection failed"

@@ -76,8 +76,9 @@ from proxy.fleet.metrics_client import (
     PROXY_SHORT,
     FetchError,
     MetricsClient,
-    status_error,
+    fetch_with,
     supports,
+    transport_failure,
 )
 from proxy.fleet.periodic import stop_if_cancelled
 from proxy.fleet.scrape_share import FROZEN, ScrapeShare, failed_outcome, ok_outcome
@@ -88,8 +89,6 @@ from proxy.observe.metrics import ProxyMetrics
 log = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
-
-_CHUNK_BYTES = 64 * 1024
 
 
 class Scraper:
@@ -200,7 +199,8 @@ class Scraper:
                 continue
             url = engine.metrics_url
             fetch = (self._client.start(url) if supports(url)
-                     else asyncio.ensure_future(self._fetch(url)))
+                     else asyncio.ensure_future(
+                         fetch_with(self._session, url, self._cfg.max_metrics_bytes)))
             fetch.add_done_callback(partial(self._arrived, engine, started, tally, i))
             fetches.append(fetch)
             self._open[engine.name] = _Open(fetch, begun, engine, started)
@@ -294,7 +294,7 @@ class Scraper:
             if proxy_short(exc):
                 self._own_want(engine)
                 return None
-            reason, detail = _transport(exc)
+            reason, detail = transport_failure(exc)
             return self._failed(engine, started, reason, detail, str(exc) or type(exc).__name__)
         except MetricsError as exc:
             return self._failed(engine, started, exc.reason, str(exc))
@@ -344,13 +344,6 @@ class Scraper:
         overdue = now - (since + timeout)  # how late the timeout itself fired
         lag = 0.0 if self._lag is None else self._lag.worst_since(since, now)
         return max(overdue, lag) >= timeout / 4
-
-    async def _fetch(self, url: str) -> bytes:
-        """Through the aiohttp session: for what ``MetricsClient`` does not speak."""
-        async with self._session.get(url, allow_redirects=False) as resp:
-            if resp.status != 200:
-                raise status_error(resp.status)
-            return await _read_capped(resp, self._cfg.max_metrics_bytes)
 
     def _failed(self, engine: Engine, started: float, reason: str, detail: str,
                 logged: str = "", *, unanswered: bool = False) -> Outcome | None:
@@ -414,26 +407,3 @@ async def _cancel(fetches: list[asyncio.Future[bytes]]) -> None:
     for fetch in left:
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await fetch
-
-
-async def _read_capped(resp: aiohttp.ClientResponse, limit: int) -> bytes:
-    """The whole body, read in bounded chunks; ``FetchError`` as soon as it exceeds ``limit``."""
-    too_large = FetchError("too_large", f"metrics larger than {limit} bytes")
-    if resp.content_length is not None and resp.content_length > limit:
-        resp.close()
-        raise too_large
-    body = bytearray()
-    async for chunk in resp.content.iter_chunked(_CHUNK_BYTES):
-        body += chunk
-        if len(body) > limit:
-            # Closing rather than draining: the rest is never read, whatever its size.
-            resp.close()
-            raise too_large
-    return bytes(body)
-
-
-def _transport(exc: aiohttp.ClientError) -> tuple[str, str]:
-    """(reason label, description without addresses) of a transport failure."""
-    if isinstance(exc, aiohttp.ClientConnectorError):
-        return "connect", "cannot connect to the metrics endpoint"
-    return "transport", "metrics connection failed"
