@@ -142,6 +142,10 @@ _RESULTS: dict[Outcome, Result] = {
 }
 
 
+# Engines that left the fleet, kept for ``Fleet.get`` beyond those with requests still open.
+_KEEP_REMOVED = 64
+
+
 class Fleet:
     def __init__(self, cfg: Config, engines: Sequence[Engine] | None = None,
                  on_remove: Callable[[str, str], None] | None = None) -> None:
@@ -194,11 +198,13 @@ class Fleet:
         if engine is not None:
             self._pools[engine.pool].remove(engine)
             engine.outliers.remove(name)
-            # Earlier leavers with nothing in flight are gone for good (a ranking lives for
-            # milliseconds, registry rounds seconds apart).
-            self._removed = {n: e for n, e in self._removed.items() if e.state.open_requests}
-            # A request ranked just before may still look it up for its retry.
+            # Kept for ``get`` (bookkeeping of requests sent before it left), bounded: the
+            # latest leavers, and any with requests still open. Routing asks ``live``.
             self._removed[name] = engine
+            if len(self._removed) > _KEEP_REMOVED:
+                latest = list(self._removed)[-_KEEP_REMOVED:]
+                self._removed = {n: e for n, e in self._removed.items()
+                                 if n in latest or e.state.open_requests}
             if self._on_remove is not None:
                 self._on_remove(engine.pool, name)
 
@@ -206,8 +212,14 @@ class Fleet:
         return len(self._engines)
 
     def get(self, name: str) -> Engine:
+        """The engine by that name, also one that left the fleet lately (``KeyError`` else)."""
         engine = self._engines.get(name)
         return engine if engine is not None else self._removed[name]
+
+    def live(self, name: str) -> Engine | None:
+        """The engine by that name while it is in the fleet; None once it has left (a ranking
+        made before an ``await`` may name one that has left since: it gets no new request)."""
+        return self._engines.get(name)
 
     def pool(self, name: str) -> Sequence[Engine]:
         return self._pools.get(name, ())

@@ -107,9 +107,8 @@ class ScrapeShare:
 
     def _apply(self, sender: int, o: Outcome, now: float) -> str:
         """Apply one outcome; the result it is counted as."""
-        try:
-            engine = self._fleet.get(o.engine)
-        except KeyError:
+        engine = self._fleet.live(o.engine)
+        if engine is None:
             return "ignored"
         if o.url != url_print(engine) or o.started > now + _FUTURE_S:
             return "ignored"

@@ -168,8 +168,8 @@ class Scraper:
             share.publish([o for o in outcomes if o is not None])
             share.forget_removed()
         self._fleet.tick(self._clock(), self._cfg.stale_after_s)
-        if max(len(self._parsed), len(self._durations)) > len(self._fleet):
-            names = {e.name for e in self._fleet}
+        names = {e.name for e in self._fleet}
+        if not names.issuperset(self._parsed) or not names.issuperset(self._durations):
             self._parsed = {k: v for k, v in self._parsed.items() if k in names}
             self._durations = {k: v for k, v in self._durations.items() if k in names}
         if self._open:
@@ -226,7 +226,8 @@ class Scraper:
             elif now - kept.begun >= self._cfg.stale_after_s:
                 del self._open[name]
                 old.append(kept.fetch)
-                self._observe_duration(kept.engine, kept.started)
+                if self._fleet.live(name) is kept.engine:
+                    self._observe_duration(kept.engine, kept.started)
         await _cancel(old)
 
     async def _wait_in_time(self, fetches: list[asyncio.Future[bytes]],
@@ -247,6 +248,8 @@ class Scraper:
 
     def _unanswered(self, engine: Engine, started: float, busy: bool) -> Outcome | None:
         # No duration yet: the scrape stays open (``_arrived`` or ``_give_up_on_old`` observes).
+        if self._fleet.live(engine.name) is not engine:
+            return None  # it left the fleet during the round: nothing to judge
         if busy:
             self._metrics.scrape_failures.labels(engine.name, "proxy_busy").inc()
             return None
@@ -256,8 +259,8 @@ class Scraper:
                  fetch: asyncio.Future[bytes]) -> None:
         """A fetch finished: apply what it brought (a cancelled one was the round's to judge).
         One that outlived its round is relayed to sibling workers here, not by the round."""
-        if fetch.cancelled():
-            return
+        if fetch.cancelled() or self._fleet.live(engine.name) is not engine:
+            return  # cancelled (the round judged it), or the engine has left the fleet
         try:
             outcome = self._attempt(engine, started, fetch)
         finally:

@@ -11,6 +11,7 @@ looked up once: prometheus-client's ``labels`` validates and locks on every call
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -255,6 +256,7 @@ class ProxyMetrics:
 
     def _engine_gauges(self, r: CollectorRegistry) -> None:
         labels = ["engine", "pool"]
+        self._engine_keys: set[tuple[str, str]] = set()  # (engine, pool) as last refreshed
         self.kv_usage = Gauge(
             "kvproxy_engine_kv_usage", "Last scraped KV-cache usage (0-1)", labels, registry=r
         )
@@ -296,10 +298,16 @@ class ProxyMetrics:
         )  # fmt: skip
 
     def refresh_engines(self, rows: Iterable[EngineGaugeRow], health_states: Iterable[str]) -> None:
+        """Set every engine's gauges; an engine no longer among ``rows`` (it left the fleet)
+        loses its gauges and its scrape series, so that none of them goes on reporting the
+        last figures of an engine that is gone, and engines coming and going by the hundred
+        leave nothing behind. Its request counters stay: they are history, not state."""
         states = tuple(health_states)
         out: dict[str, int] = {}
+        keys = set()
         for row in rows:
             key = (row.engine, row.pool)
+            keys.add(key)
             _set_optional(self.kv_usage, key, row.kv_usage)
             _set_optional(self.running, key, row.running)
             _set_optional(self.waiting, key, row.waiting)
@@ -313,6 +321,23 @@ class ProxyMetrics:
                 self.health.labels(*key, state).set(1.0 if state == row.health else 0.0)
         for pool, count in out.items():
             self.outliers_ejected.labels(pool).set(count)
+        gone, self._engine_keys = self._engine_keys - keys, keys
+        if gone:
+            self._forget_engines(gone, states, {engine for engine, _ in keys})
+
+    def _forget_engines(self, gone: set[tuple[str, str]], states: tuple[str, ...],
+                        present: set[str]) -> None:
+        for key in gone:
+            for gauge in (self.kv_usage, self.running, self.waiting, self.snapshot_age,
+                          self.engine_inflight, self.breaker, self.outlier, self.pressure):
+                with contextlib.suppress(KeyError):
+                    gauge.remove(*key)
+            for state in states:
+                with contextlib.suppress(KeyError):
+                    self.health.remove(*key, state)
+            if key[0] not in present:  # the name in no pool any more
+                self.scrape_duration.remove_by_labels({"engine": key[0]})
+                self.scrape_failures.remove_by_labels({"engine": key[0]})
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -111,7 +111,11 @@ def with_room(ctx: ShellContext, pool: str, views: list[EngineView]) -> list[Eng
     is shed at once: waiting in the proxy's connection pool would only end in a timeout, and the
     engines' own waiting queues are where work should queue."""
     limit = ctx.cfg.upstream.max_connections_per_engine
-    room = [v for v in views if not ctx.fleet.get(v.name).full(limit)]
+    room = []
+    for view in views:
+        engine = ctx.fleet.live(view.name)  # None: it left the fleet since the views were taken
+        if engine is not None and not engine.full(limit):
+            room.append(view)
     if any(v.routable for v in views) and not any(v.routable for v in room):
         raise NoCapacity(
             f"every engine of the {pool} pool has {limit} requests open from this proxy",

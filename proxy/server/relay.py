@@ -143,18 +143,26 @@ class Relay:
         self._deadline_binds = False
 
     async def run(self, ranked: Sequence[str]) -> web.StreamResponse:
-        """Try ranked engines in order (at most ``1 + retries``), first good one answers."""
-        attempts = ranked[: 1 + self._up.retries]
+        """Try ranked engines in order (at most ``1 + retries``), first good one answers. An
+        engine that has left the fleet since the ranking (discovery) is passed over: it gets
+        no new request, and costs no attempt."""
         error: KvproxyError | None = None  # built only when needed: most requests never fail
+        fleet, tries, reason = self._ctx.fleet, 0, ""
         # By index: an enumerate and its tuple iterator would live as long as the stream.
-        for i in range(len(attempts)):
-            self._job.engine, self._job.retries = attempts[i], i
+        for i in range(len(ranked)):
+            engine = fleet.live(ranked[i])
+            if engine is None:
+                continue
+            if tries > self._up.retries:
+                break
+            if tries:
+                self._ctx.metrics.retries.labels(self._job.pool, reason).inc()
+            self._job.engine, self._job.retries = ranked[i], tries
+            tries += 1
             try:
-                return await self._exchange(self._ctx.fleet.get(attempts[i]))
+                return await self._exchange(engine)
             except _Retry as retry:
-                error = retry.error
-                if i + 1 < len(attempts):
-                    self._ctx.metrics.retries.labels(self._job.pool, retry.reason).inc()
+                error, reason = retry.error, retry.reason
         if error is None:
             error = NoCapacity("no engine could take the request", reason=REASON_NO_ENGINE)
         raise error

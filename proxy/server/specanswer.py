@@ -184,7 +184,10 @@ class SpecAnswer:
         model = cfg.model if cfg is not None else ""
         headers = request_headers(self.request.headers, self.job.request_id)
         timeout = self.alias.leg_timeout_s
-        return [Leg(ctx, ctx.fleet.get(name), model, headers, timeout) for name in ranked[:2]]
+        live = [e for e in map(ctx.fleet.live, ranked) if e is not None][:2]
+        if not live:  # every ranked engine left the fleet since the views were taken
+            raise NoEngine(pool, reason="no_engine", retry_after_s=ctx.cfg.admission.retry_after_s)
+        return [Leg(ctx, engine, model, headers, timeout) for engine in live]
 
     def _rank(self, pool: str, views: list[EngineView]) -> tuple[str, ...]:
         """The pool's own routing policy on the prompt's prefix chain: a conversation's next

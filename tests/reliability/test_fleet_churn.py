@@ -1,0 +1,86 @@
+"""Engines leaving the fleet (discovery) while requests are on their way: a retry ranked before
+the departure never reaches a departed engine and never fails inside the proxy, and a departed
+engine's figures leave ``/metrics``."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+from integration.stack import TARGET_MODEL, chat_body, proxy_config
+
+from proxy.core.config import RoutingConfig
+from proxy.server.app import build_app
+from proxy.server.keys import SHELL
+from proxy.server.lifecycle import ProxyServer
+
+from .rogue import RogueEngine
+from .test_telemetry_trust import until
+
+COMPLETIONS = "/v1/chat/completions"
+
+
+async def test_a_retry_never_goes_to_engines_that_left_the_fleet() -> None:
+    a, b, c = RogueEngine(TARGET_MODEL), RogueEngine(TARGET_MODEL), RogueEngine(TARGET_MODEL)
+    for engine in (a, b, c):
+        await engine.start()
+    cfg = proxy_config([a.url, b.url, c.url], ["a", "b", "c"], ["target"] * 3,
+                       routing=RoutingConfig(policy="round_robin"))
+    server = ProxyServer(cfg, app=build_app(cfg))
+    try:
+        await server.start()
+        a.behaviour.completions = "hold"  # requests sent to a wait, then fail with a 500
+        async with aiohttp.ClientSession() as http:
+
+            async def ask(i: int) -> tuple[int, bytes]:
+                async with http.post(server.url + COMPLETIONS,
+                                     json=chat_body(f"question {i}")) as r:
+                    return r.status, await r.read()
+
+            tasks = [asyncio.create_task(ask(i)) for i in range(9)]
+            await until(lambda: len(a.requests_to(COMPLETIONS)) >= 3)
+            held = len(a.requests_to(COMPLETIONS))
+            seen = len(b.requests_to(COMPLETIONS)), len(c.requests_to(COMPLETIONS))
+            fleet = server.app[SHELL].fleet
+            fleet.remove("b")  # two engines leave in one registry round
+            fleet.remove("c")
+            a.behaviour.completions, a.behaviour.completion_status = "status", 500
+            a.release.set()
+            results = await asyncio.gather(*tasks)
+        statuses = sorted(status for status, _ in results)
+        assert statuses.count(200) == 9 - held
+        assert all(s in (200, 502, 503) for s in statuses), results  # never the proxy's 500
+        assert (len(b.requests_to(COMPLETIONS)), len(c.requests_to(COMPLETIONS))) == seen
+    finally:
+        await server.stop()
+        for engine in (a, b, c):
+            await engine.stop()
+
+
+async def test_a_departed_engines_figures_leave_metrics() -> None:
+    a, b = RogueEngine(TARGET_MODEL), RogueEngine(TARGET_MODEL)
+    for engine in (a, b):
+        await engine.start()
+    cfg = proxy_config([a.url, b.url], ["a", "b"], ["target"] * 2)
+    server = ProxyServer(cfg, app=build_app(cfg))
+    try:
+        await server.start()
+        async with aiohttp.ClientSession() as http:
+
+            async def metrics() -> str:
+                async with http.get(server.url + "/metrics") as r:
+                    return await r.text()
+
+            before = await metrics()
+            assert 'kvproxy_engine_kv_usage{engine="b",pool="target"}' in before
+            assert 'kvproxy_scrape_duration_seconds_count{engine="b"}' in before
+            server.app[SHELL].fleet.remove("b")
+            await asyncio.sleep(0.3)  # a scrape round or two without b
+            after = await metrics()
+        lines = [line for line in after.splitlines() if 'engine="b"' in line]
+        assert lines == [], lines
+        assert 'kvproxy_engine_kv_usage{engine="a",pool="target"}' in after
+    finally:
+        await server.stop()
+        for engine in (a, b):
+            await engine.stop()
