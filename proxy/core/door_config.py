@@ -98,10 +98,14 @@ class RedisConfig:
     retry_after_failure_s: float = 1.0
     # Also route to engines that sidecars register in Redis (next to the configured ones).
     discover_engines: bool = False
+    # A registry read that finds no engine at all, where engines were registered, on a Redis
+    # server other than theirs (restarted empty, failed over), is believed only after this long.
+    registry_empty_grace_s: float = 10.0
 
     def __post_init__(self) -> None:
         check_redis_url(self.url)
         positive(self, "op_timeout_s", "connect_timeout_s")
+        at_least_zero(self, "registry_empty_grace_s")
         if self.max_connections < 1:
             raise ConfigError("max_connections", "must be >= 1")
         at_least_zero(self, "retry_after_failure_s")

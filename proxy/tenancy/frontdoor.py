@@ -119,7 +119,9 @@ class FrontDoor:
             self.pressure = SharedPressure(self.link, pressure, hold_s=pressure_hold_s, clock=clock)
             self._spawn(self.pressure.run(), "kvproxy-shared-pressure")
         if on_registry is not None and self.cfg.redis.discover_engines:
-            self._spawn(RegistryWatcher(self.link, on_registry).run(), "kvproxy-engine-registry")
+            watcher = RegistryWatcher(self.link, on_registry,
+                                      empty_grace_s=self.cfg.redis.registry_empty_grace_s)
+            self._spawn(watcher.run(), "kvproxy-engine-registry")
 
     def _spawn(self, work: Coroutine[Any, Any, None], name: str) -> None:
         self._tasks.append(asyncio.create_task(work, name=name))

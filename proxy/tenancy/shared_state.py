@@ -21,12 +21,14 @@ import asyncio
 import contextlib
 import logging
 import re
+import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
 import orjson
+from redis.exceptions import RedisError
 
 from proxy.core.breaker import Breaker, BreakerState, Outcome
 from proxy.core.errors import ConfigError
@@ -221,16 +223,27 @@ async def heartbeat_engine(
 
 async def list_engines(link: RedisLink) -> list[EngineRecord]:
     """The engines registered now (expired heartbeats are simply gone), sorted by name."""
+    return (await read_registry(link))[0]
+
+
+async def read_registry(link: RedisLink) -> tuple[list[EngineRecord], str | None]:
+    """``list_engines``, and the Redis server's ``run_id`` (new at each start: a restarted or
+    failed-over server says so; None where the server does not tell)."""
     pattern = link.key("engine", "*")
 
-    async def scan(r: RedisClient) -> list[bytes]:
+    async def scan(r: RedisClient) -> tuple[list[bytes], str | None]:
         keys = [k async for k in r.scan_iter(match=pattern, count=200)]
         values = await r.mget(keys) if keys else []
-        return [v for v in values if isinstance(v, bytes)]
+        try:
+            run_id = (await r.info("server")).get("run_id")
+        except RedisError:  # a proxy or managed service that refuses INFO
+            run_id = None
+        return [v for v in values if isinstance(v, bytes)], run_id if isinstance(run_id, str) \
+            else None
 
-    values = await link.run("registry_read", scan)
+    values, run_id = await link.run("registry_read", scan)
     records = (EngineRecord.decode(v) for v in values)
-    return sorted((r for r in records if r is not None), key=lambda r: r.name)
+    return sorted((r for r in records if r is not None), key=lambda r: r.name), run_id
 
 
 class FleetLike(Protocol):
@@ -301,20 +314,49 @@ class RegistryWatcher:
         on_change: Callable[[list[EngineRecord]], None],
         *,
         poll_s: float = 1.0,
+        empty_grace_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._link = link
         self._on_change = on_change
         self.poll_s = poll_s
         self.current: list[EngineRecord] | None = None
+        # A read with no record at all, where there were some, from a Redis server that is not
+        # the one those were read from (restarted empty, or failed over), is believed only after
+        # this long: until the sidecars renew their keys it reads like every sidecar gone, and
+        # taking every discovered engine out would pile all traffic on the configured ones. The
+        # same server reading empty is believed at once (the sidecars left).
+        self._empty_grace_s = empty_grace_s
+        self._empty_since: float | None = None
+        self._run_id: str | None = None  # of the server the current records were read from
+        self._clock = clock
 
     async def poll(self) -> None:
         try:
-            records = await list_engines(self._link)
+            records, run_id = await read_registry(self._link)
         except RedisUnavailable:
             return  # keep the engines we know; a Redis outage is not an engine outage
+        if self._held(records, run_id):
+            return
+        self._empty_since = None
+        if records:
+            self._run_id = run_id
         if records != self.current:
             self.current = records
             self._on_change(records)
+
+    def _held(self, records: list[EngineRecord], run_id: str | None) -> bool:
+        """Whether this read is an empty registry on a new server, within its grace."""
+        restarted = None not in (run_id, self._run_id) and run_id != self._run_id
+        if records or not self.current or not restarted:
+            return False
+        now = self._clock()
+        if self._empty_since is None:
+            self._empty_since = now
+            log.warning("the engine registry reads empty on a restarted Redis; keeping its %d "
+                        "engines for up to %.0fs while the sidecars renew their keys",
+                        len(self.current), self._empty_grace_s)
+        return now - self._empty_since < self._empty_grace_s
 
     async def run(self) -> None:
         await every(self.poll_s, self.poll, "engine registry sync")

@@ -6,20 +6,22 @@ import asyncio
 from dataclasses import dataclass
 
 import orjson
-from redisproc import SLOW_OK, RedisServer
+from redisproc import SLOW_OK, RedisFactory, RedisServer
 
 from proxy.core.breaker import Breaker, BreakerState, Outcome
 from proxy.core.config import BreakerConfig
 from proxy.core.door_config import RedisConfig
 from proxy.core.fleet_config import EngineConfig
-from proxy.tenancy.redis_link import RedisLink
+from proxy.tenancy.redis_link import RedisLink, RedisUnavailable
 from proxy.tenancy.shared_state import (
     EngineRecord,
     RegistrySync,
     RegistryWatcher,
     SharedBreakers,
+    deregister_engine,
     heartbeat_engine,
     list_engines,
+    read_registry,
     register_engine,
     trip,
 )
@@ -105,7 +107,8 @@ async def test_breaker_polling_loop_within_a_second(redis_server: RedisServer) -
 async def test_registry_heartbeat_and_expiry(redis_server: RedisServer) -> None:
     link = RedisLink(RedisConfig(url=redis_server.url, **SLOW_OK))
     seen: list[list[str]] = []
-    watcher = RegistryWatcher(link, lambda records: seen.append([r.name for r in records]))
+    watcher = RegistryWatcher(link, lambda records: seen.append([r.name for r in records]),
+                              empty_grace_s=0.0)
     record = EngineRecord("t0", "target", "llama", "http://127.0.0.1:9000")
     stop = asyncio.Event()
     try:
@@ -126,6 +129,59 @@ async def test_registry_heartbeat_and_expiry(redis_server: RedisServer) -> None:
         assert await list_engines(link) == []
     finally:
         await link.close()
+
+
+async def test_an_empty_registry_on_a_restarted_redis_is_believed_only_after_its_grace(
+    redis_factory: RedisFactory,
+) -> None:
+    # A Redis restarted empty reads like every sidecar gone, until the sidecars renew; the same
+    # server reading empty means they did go.
+    server = redis_factory.start()
+    link = RedisLink(RedisConfig(url=server.url, **SLOW_OK))
+    now, seen = [0.0], []
+    watcher = RegistryWatcher(link, lambda records: seen.append([r.name for r in records]),
+                              empty_grace_s=10.0, clock=lambda: now[0])
+    record = EngineRecord("g0", "target", "llama", "http://127.0.0.1:9100")
+    try:
+        await register_engine(link, record, ttl_s=30)
+        await watcher.poll()
+        server.stop()
+        server.start()  # restarted, empty
+        for t in (0.5, 9.0):
+            now[0] = t
+            await _poll_through_reconnect(watcher, link)
+        assert seen == [["g0"]]  # held
+        await register_engine(link, record, ttl_s=30)  # the sidecar renews its key
+        now[0] = 12.0
+        await watcher.poll()
+        assert seen == [["g0"]]  # never dropped
+        await deregister_engine(link, record)  # the sidecar leaves: the same server, believed
+        now[0] = 12.5
+        await watcher.poll()
+        assert seen == [["g0"], []]
+        await register_engine(link, record, ttl_s=30)
+        now[0] = 13.0
+        await watcher.poll()
+        server.stop()
+        server.start()
+        now[0] = 14.0
+        await _poll_through_reconnect(watcher, link)
+        now[0] = 24.5  # nobody renewed within the grace: believed
+        await watcher.poll()
+        assert seen == [["g0"], [], ["g0"], []]
+    finally:
+        await link.close()
+
+
+async def _poll_through_reconnect(watcher: RegistryWatcher, link: RedisLink) -> None:
+    """Poll once the link reads again (it may be in its back-off after the restart)."""
+    for _ in range(100):
+        try:
+            await read_registry(link)
+            break
+        except RedisUnavailable:
+            await asyncio.sleep(0.05)
+    await watcher.poll()
 
 
 async def test_registry_reads_the_vllm_sidecar_heartbeat(redis_server: RedisServer) -> None:

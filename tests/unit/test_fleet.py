@@ -2,7 +2,7 @@ import pytest
 
 from proxy.core.config import Config
 from proxy.core.fleet_config import EngineConfig, PoolConfig
-from proxy.fleet.engines import Fleet
+from proxy.fleet.engines import _KEEP_REMOVED, Fleet
 
 
 def test_removed_engines_are_forgotten_once_idle() -> None:
@@ -16,10 +16,14 @@ def test_removed_engines_are_forgotten_once_idle() -> None:
     for i in range(3):
         fleet.remove(f"found-{i}")
     assert left == [("target", "found-0"), ("target", "found-1"), ("target", "found-2")]
-    # A leaver stays reachable for a retry while it has requests open, and the newest one for the
-    # retries of rankings made just before it left; older idle leavers are dropped.
+    # Routing sees none of them; bookkeeping still finds every recent leaver.
+    assert [fleet.live(f"found-{i}") for i in range(3)] == [None, None, None]
+    assert fleet.get("found-0") is busy and fleet.get("found-1").name == "found-1"
+    # Past the bound on kept leavers, old idle ones are dropped; one with requests open stays.
+    for i in range(3, 3 + _KEEP_REMOVED):
+        fleet.add("target", EngineConfig(f"found-{i}", f"http://127.0.0.1:{10 + i}"))
+        fleet.remove(f"found-{i}")
     assert fleet.get("found-0") is busy
-    assert fleet.get("found-2").name == "found-2"
     with pytest.raises(KeyError):
         fleet.get("found-1")
     assert [e.name for e in fleet.pool("target")] == ["static"]
