@@ -263,7 +263,14 @@ def routable_records(
     of a configured pool (``pools``: pool name -> model). Keyed by engine name."""
     out: dict[str, tuple[str, EngineConfig]] = {}
     for record in records:
-        if not record.ready or record.draining or pools.get(record.pool) != record.model:
+        if not record.ready or record.draining:
+            continue
+        served = pools.get(record.pool)
+        if served != record.model:
+            # Called only when the registry's records change: a line per change, not per poll.
+            why = (f"no pool {record.pool!r} is configured" if served is None else
+                   f"it serves {record.model!r}, the {record.pool} pool {served!r}")
+            log.warning("ignoring registered engine %r: %s", record.name, why)
             continue
         try:
             out[record.name] = (

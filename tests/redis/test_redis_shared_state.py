@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass
 
 import orjson
+import pytest
 from redisproc import SLOW_OK, RedisFactory, RedisServer
 
 from proxy.core.breaker import Breaker, BreakerState, Outcome
@@ -254,3 +256,16 @@ def test_a_tenant_name_with_a_newline_after_it_is_not_a_name() -> None:
     from proxy.core.door_config import TENANT_NAME  # noqa: PLC0415
 
     assert TENANT_NAME.match("acme") and not TENANT_NAME.match("acme\n")
+
+
+def test_a_record_no_pool_can_take_is_named_in_the_log(caplog: pytest.LogCaptureFixture) -> None:
+    # A sidecar set up with the wrong model or pool name is not silently left out.
+    sync = RegistrySync(FakeFleet([]), {"target": "llama"})
+    with caplog.at_level(logging.WARNING, logger="kvproxy.shared"):
+        sync([EngineRecord("x1", "target", "Llama", "http://h:3"),
+              EngineRecord("x2", "targets", "llama", "http://h:4")])
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages == [
+        "ignoring registered engine 'x1': it serves 'Llama', the target pool 'llama'",
+        "ignoring registered engine 'x2': no pool 'targets' is configured",
+    ]
