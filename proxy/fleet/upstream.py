@@ -16,8 +16,9 @@ Rules:
   (``Forwarded``, ``X-Forwarded-*``, ``X-Real-IP``, ``Via`` and the CDN variants of them).
 - To clients, an allow-list: of an engine's response headers only ``Content-Type``,
   ``Cache-Control``, ``Retry-After``/``Retry-After-Ms`` and the ``openai-*`` and ``x-ratelimit-*``
-  families pass (what the OpenAI SDKs read); engine cookies, server banners and internal headers
-  stay inside.
+  families pass (what the OpenAI SDKs read), each value of a repeated one; engine cookies, server
+  banners, internal headers, those the engine names in ``Connection`` and values with a control
+  character stay inside.
 - Bodies travel as the engine sent them: no automatic decompression, and we never ask for
   compression, so SSE bytes can be passed through without re-encoding.
 - Library exceptions are translated here, once, into ``UpstreamError`` / ``UpstreamTimeout``. The
@@ -29,10 +30,12 @@ from __future__ import annotations
 
 import errno
 import logging
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import aiohttp
+from multidict import CIMultiDict
 
 from proxy.core.config import UpstreamConfig
 from proxy.core.errors import UpstreamError, UpstreamTimeout
@@ -67,6 +70,8 @@ _REQUEST_DROP_PREFIXES = ("x-forwarded-",)
 # The only engine response headers a client sees (besides the proxy's own).
 _RESPONSE_ALLOW = frozenset({"content-type", "cache-control", "retry-after", "retry-after-ms"})
 _RESPONSE_ALLOW_PREFIXES = ("openai-", "x-ratelimit-")
+# A header value aiohttp's writer refuses (any C0 control but tab, and DEL).
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 # Every data-path request: an engine's 3xx is answered as a failure, never followed.
 DATA_POST: dict[str, Any] = {"allow_redirects": False}
 
@@ -115,13 +120,25 @@ def request_headers(client: Mapping[str, str], request_id: str) -> dict[str, str
     return out
 
 
-def response_headers(upstream: Mapping[str, str]) -> dict[str, str]:
-    """Headers for the client: those of the engine's that are on the allow-list."""
-    return {
-        name: value
-        for name, value in upstream.items()
-        if name.lower() in _RESPONSE_ALLOW or name.lower().startswith(_RESPONSE_ALLOW_PREFIXES)
-    }
+def response_headers(upstream: Mapping[str, str]) -> CIMultiDict[str]:
+    """Headers for the client: those of the engine's that are on the allow-list, every value of
+    a repeated one kept (``Cache-Control: no-store`` beside another must still reach the
+    client), none the engine named in its ``Connection`` header (hop-by-hop for its hop only),
+    and none with a control character in its value (the client's writer would refuse it: the
+    answer would break half-written; such a header is dropped, logged at debug level)."""
+    out: CIMultiDict[str] = CIMultiDict()
+    tokens = _connection_tokens(upstream)
+    for name, value in upstream.items():
+        low = name.lower()
+        if not (low in _RESPONSE_ALLOW or low.startswith(_RESPONSE_ALLOW_PREFIXES)):
+            continue
+        if low in tokens:
+            continue
+        if _CONTROL.search(value) is not None:
+            log.debug("engine header %r dropped: a control character in its value", name)
+            continue
+        out.add(name, value)
+    return out
 
 
 def _filtered(
@@ -137,9 +154,12 @@ def _filtered(
 
 
 def _connection_tokens(headers: Mapping[str, str]) -> frozenset[str]:
-    # Headers named in Connection are hop-by-hop for this hop only (RFC 9110 §7.6.1).
-    value = headers.get("Connection") or headers.get("connection") or ""
-    return frozenset(t.strip().lower() for t in value.split(",") if t.strip())
+    # Headers named in Connection are hop-by-hop for this hop only (RFC 9110 §7.6.1); every
+    # Connection header counts where there are several.
+    getall = getattr(headers, "getall", None)
+    values = getall("Connection", []) if getall is not None else [
+        headers.get("Connection") or headers.get("connection") or ""]
+    return frozenset(t.strip().lower() for v in values for t in v.split(",") if t.strip())
 
 
 class AnswerTooLarge(aiohttp.ClientPayloadError):
@@ -161,7 +181,13 @@ def unusable(status: int, headers: Mapping[str, str]) -> bool:
     if status < 200 or status >= 600:
         return True
     encoding = headers.get("Content-Encoding")
-    return encoding is not None and encoding.strip().lower() not in ("", "identity")
+    if encoding is not None and encoding.strip().lower() not in ("", "identity"):
+        return True
+    # A transfer coding besides chunked (``gzip, chunked``): the proxy sends no ``TE``, so an
+    # engine may not use one, and the body would reach the client still compressed.
+    transfer = headers.get("Transfer-Encoding")
+    return transfer is not None and any(
+        t.strip().lower() not in ("", "chunked", "identity") for t in transfer.split(","))
 
 
 def translate(exc: BaseException, engine: str, phase: str) -> UpstreamError:

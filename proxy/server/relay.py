@@ -404,7 +404,8 @@ class Relay:
         if self._job.recorder is not None:
             self._job.recorder.start(resp.status, streamed=False)
             self._job.recorder.feed(body)
-        headers = response_headers(resp.headers) | self._job.client_headers()
+        headers = response_headers(resp.headers)
+        headers.update(self._job.client_headers())
         return web.Response(status=resp.status, body=body, headers=headers)
 
     async def _stream(self, engine: Engine, resp: aiohttp.ClientResponse) -> web.StreamResponse:
@@ -418,9 +419,9 @@ class Relay:
         finally:
             if watch is not None:
                 watch.release()
-        out = web.StreamResponse(
-            status=resp.status, headers=response_headers(resp.headers) | self._job.client_headers()
-        )
+        headers = response_headers(resp.headers)
+        headers.update(self._job.client_headers())
+        out = web.StreamResponse(status=resp.status, headers=headers)
         await out.prepare(self._request)
         self._job.status = resp.status
         self._answered(engine)
