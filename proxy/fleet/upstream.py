@@ -80,11 +80,33 @@ log = logging.getLogger(__name__)
 SCRAPE_CONNECTIONS_PER_ENGINE = 2
 
 
+class _CleanPoolConnector(aiohttp.TCPConnector):
+    """A connector that never hands out a pooled connection holding bytes nobody asked for.
+
+    An engine's bytes past the end of its answer (a whole extra response in the read that ended
+    the answer, or one sent to a connection idle in the pool) are parsed by aiohttp into a
+    response that waits in the connection's queue, after the connection went back to the pool:
+    the next request sent on it would be answered with them, a 200 that is not its answer.
+    Such a connection is closed when it is next taken from the pool (``should_close`` sees the
+    queued response), and a clean one, or a new one, is used."""
+
+    async def _get(self, key: Any, traces: list[Any]) -> Any:
+        pooled = self._conns.get(key)
+        if pooled:
+            for entry in [e for e in pooled if e[0].should_close]:
+                pooled.remove(entry)
+                log.warning("closed a pooled engine connection holding bytes after its answer")
+                entry[0].close()
+            if not pooled:
+                del self._conns[key]
+        return await super()._get(key, traces)
+
+
 def make_data_session(cfg: UpstreamConfig) -> aiohttp.ClientSession:
     """The keep-alive session every proxied request goes through (``cfg``'s per-engine limit is
     routing's to enforce, not the connector's)."""
     # No limit here (0): routing keeps each engine under cfg.max_connections_per_engine.
-    connector = aiohttp.TCPConnector(
+    connector = _CleanPoolConnector(
         limit=0,
         limit_per_host=0,
         keepalive_timeout=30.0,

@@ -1,0 +1,142 @@
+"""Bytes an engine sends past the end of its answer never answer another request: a pooled
+connection holding a response nobody asked for is closed when it is next taken from the pool.
+
+The engine is a raw keep-alive server, so every byte is the test's."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+from integration.stack import TARGET_MODEL, chat_body, proxy_config
+
+from proxy.server.app import build_app
+from proxy.server.lifecycle import ProxyServer
+
+from .rogue import HEALTHY_METRICS
+
+STRAY = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 23\r\n\r\n"
+         b'{"smuggled":"INJECTED"}')
+
+
+def _answer(text: str) -> bytes:
+    return (b'{"id":"x","object":"chat.completion","model":"m","choices":[{"index":0,'
+            b'"finish_reason":"stop","message":{"role":"assistant","content":"%s"}}]}'
+            % text.encode())
+
+
+def _sse(text: str) -> bytes:
+    event = (b'data: {"id":"x","object":"chat.completion.chunk","model":"m","choices":[{"index":0,'
+             b'"delta":{"content":"%s"},"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n'
+             % text.encode())
+    return b"%x\r\n%s\r\n0\r\n\r\n" % (len(event), event)
+
+
+class KeepAliveEngine:
+    """Answers each request on a kept-alive connection; a prompt holding ``stray`` gets its
+    answer with a whole extra response in the same write (``late``: written 0.3 s later, to
+    the connection idle in the pool)."""
+
+    def __init__(self) -> None:
+        self.port = 0
+        self.asked: list[str] = []
+        self._server: asyncio.Server | None = None
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        assert self._server is not None
+        self._server.close()
+        await self._server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length, rid = 0, ""
+                for line in head.split(b"\r\n"):
+                    name, _, value = line.partition(b":")
+                    if name.lower() == b"content-length":
+                        length = int(value)
+                    if name.lower() == b"x-request-id":
+                        rid = value.strip().decode()
+                body = await reader.readexactly(length)
+                if head.startswith(b"GET /metrics"):
+                    text = HEALTHY_METRICS.encode()
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s"
+                                 % (len(text), text))
+                    continue
+                if not head.startswith(b"POST"):
+                    writer.write(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
+                    continue
+                self.asked.append(rid)
+                stream = b'"stream": true' in body or b'"stream":true' in body
+                if stream:
+                    out = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                           b"Transfer-Encoding: chunked\r\n\r\n" + _sse(f"answer-for-{rid}"))
+                else:  # chunked too: its last chunk can share a read with what follows
+                    answer = _answer(f"answer-for-{rid}")
+                    out = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                           b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n"
+                           % (len(answer), answer))
+                if b"stray-late" in body:
+                    writer.write(out)
+                    await writer.drain()
+                    await asyncio.sleep(0.3)
+                    writer.write(STRAY)
+                elif b"stray" in body:
+                    # The answer up to its last chunk, then that chunk and a whole extra
+                    # response in one write (one read at the proxy).
+                    writer.write(out[:-5])
+                    await writer.drain()
+                    await asyncio.sleep(0.05)
+                    writer.write(out[-5:] + STRAY)
+                else:
+                    writer.write(out)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+@pytest.fixture
+async def proxied() -> AsyncIterator[tuple[KeepAliveEngine, str]]:
+    engine = KeepAliveEngine()
+    await engine.start()
+    cfg = proxy_config([f"http://127.0.0.1:{engine.port}"], ["e0"], ["target"])
+    server = ProxyServer(cfg, app=build_app(cfg))
+    await server.start()
+    try:
+        yield engine, server.url
+    finally:
+        await server.stop()
+        await engine.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("stray", ["stray", "stray-late"])
+async def test_an_engines_stray_response_never_answers_the_next_request(
+    proxied: tuple[KeepAliveEngine, str], stream: bool, stray: str
+) -> None:
+    engine, url = proxied
+    async with aiohttp.ClientSession() as http:
+
+        async def ask(prompt: str, rid: str, *, streamed: bool) -> tuple[int, bytes]:
+            body = chat_body(prompt, model=TARGET_MODEL, stream=streamed)
+            async with http.post(url + "/v1/chat/completions", json=body,
+                                 headers={"X-Request-Id": rid}) as r:
+                return r.status, await r.read()
+
+        status, first = await ask(stray, "first", streamed=stream)
+        assert status == 200 and b"answer-for-first" in first
+        await asyncio.sleep(0.6)  # a late stray response lands while the connection is pooled
+        for rid in ("client-a", "client-b"):
+            status, body = await ask("hello", rid, streamed=False)
+            assert (status, b"INJECTED" in body) == (200, False), body
+            assert f"answer-for-{rid}".encode() in body
+    assert engine.asked == ["first", "client-a", "client-b"]
