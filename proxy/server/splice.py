@@ -359,7 +359,8 @@ class Splice:
         # the client as they came (the client's framing is the engine's), checked, not rebuilt.
         strip = self._strip
         stripping = strip is not None and not strip.passthrough
-        if stripping and (strip.carry or data.find(strip.MARK) >= 0):  # type: ignore[union-attr]
+        if stripping and (strip.carry or strip.inside  # type: ignore[union-attr]
+                          or data.find(strip.MARK) >= 0):  # type: ignore[union-attr]
             self._deframe(data)
             return
         pos, n = 0, len(data)

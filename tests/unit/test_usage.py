@@ -42,6 +42,21 @@ def test_strip_removes_only_the_usage_event_wherever_reads_are_cut() -> None:
         assert out == CHUNK * 2 + DONE, cut
 
 
+def test_strip_removes_the_usage_event_after_an_event_longer_than_it_holds_back() -> None:
+    # A first event past 64 KiB (an echoed prompt, prompt logprobs) goes out as it comes; the
+    # usage event after it is still removed, however the reads are cut.
+    big = b'data: {"choices":[{"text":"' + b"x" * 200_000 + b'"}]}\n\n'
+    whole = big + CHUNK + USAGE + DONE
+    for cuts in ([70_000], [70_000, len(big) - 1], [70_000, len(big)], [100, 150_000],
+                 [len(big) - 1, len(big) + 5], [80_000, len(big) + len(CHUNK) + 3]):
+        strip, out, at = UsageStrip(), b"", 0
+        for cut in [*cuts, len(whole)]:
+            out += strip(whole[at:cut])
+            at = cut
+        assert out + strip.flush() == big + CHUNK + DONE, cuts
+        assert not strip.passthrough
+
+
 def test_strip_leaves_crlf_streams_alone() -> None:
     strip = UsageStrip()
     data = b'data: {"choices":[]}\r\n\r\ndata: {"a'
