@@ -266,6 +266,10 @@ class UpstreamConfig:
     # engine: such an answer is held whole before it is passed on. Streams are relayed as they
     # come and are bounded by the client's reading instead.
     max_response_bytes: int = 64 * 1024 * 1024
+    # How long an idle engine connection stays in the pool: shorter than the engines' own
+    # keep-alive (vLLM's and SGLang's HTTP servers close an idle connection after 5 s), or a
+    # request sent just as the engine closes it fails before its answer began.
+    keepalive_s: float = 4.0
 
     def __post_init__(self) -> None:
         _positive(
@@ -276,6 +280,7 @@ class UpstreamConfig:
             "idle_timeout_s",
             "max_connections_per_engine",
             "max_response_bytes",
+            "keepalive_s",
         )
         _require(0 <= self.retries <= 3, "retries", "must be in 0..3")
 

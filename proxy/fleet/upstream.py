@@ -109,7 +109,7 @@ def make_data_session(cfg: UpstreamConfig) -> aiohttp.ClientSession:
     connector = _CleanPoolConnector(
         limit=0,
         limit_per_host=0,
-        keepalive_timeout=30.0,
+        keepalive_timeout=cfg.keepalive_s,
         enable_cleanup_closed=False,
     )
     return _session(connector)

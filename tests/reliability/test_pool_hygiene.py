@@ -6,6 +6,7 @@ The engine is a raw keep-alive server, so every byte is the test's."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -39,9 +40,11 @@ class KeepAliveEngine:
     answer with a whole extra response in the same write (``late``: written 0.3 s later, to
     the connection idle in the pool)."""
 
-    def __init__(self) -> None:
+    def __init__(self, idle_close_s: float | None = None) -> None:
         self.port = 0
         self.asked: list[str] = []
+        self.data_connections = 0  # connections that carried a completion request
+        self.idle_close_s = idle_close_s  # close a connection idle this long, as vLLM does (5 s)
         self._server: asyncio.Server | None = None
 
     async def start(self) -> None:
@@ -54,9 +57,11 @@ class KeepAliveEngine:
         await self._server.wait_closed()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        posted = False
         try:
             while True:
-                head = await reader.readuntil(b"\r\n\r\n")
+                async with asyncio.timeout(self.idle_close_s):
+                    head = await reader.readuntil(b"\r\n\r\n")
                 length, rid = 0, ""
                 for line in head.split(b"\r\n"):
                     name, _, value = line.partition(b":")
@@ -74,6 +79,9 @@ class KeepAliveEngine:
                     writer.write(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
                     continue
                 self.asked.append(rid)
+                if not posted:
+                    posted = True
+                    self.data_connections += 1
                 stream = b'"stream": true' in body or b'"stream":true' in body
                 if stream:
                     out = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
@@ -98,7 +106,7 @@ class KeepAliveEngine:
                 else:
                     writer.write(out)
                 await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
+        except (asyncio.IncompleteReadError, ConnectionError, TimeoutError):
             pass
         finally:
             writer.close()
@@ -140,3 +148,26 @@ async def test_an_engines_stray_response_never_answers_the_next_request(
             assert (status, b"INJECTED" in body) == (200, False), body
             assert f"answer-for-{rid}".encode() in body
     assert engine.asked == ["first", "client-a", "client-b"]
+
+
+async def test_no_connection_is_reused_past_the_pools_keep_alive() -> None:
+    # The engine closes a connection idle 0.5 s; the proxy keeps idle ones 0.3 s. Requests 0.4 s
+    # apart each get a new connection, so none is sent on one the engine is just closing.
+    engine = KeepAliveEngine(idle_close_s=0.5)
+    await engine.start()
+    cfg = proxy_config([f"http://127.0.0.1:{engine.port}"], ["e0"], ["target"])
+    cfg = dataclasses.replace(cfg, upstream=dataclasses.replace(cfg.upstream, keepalive_s=0.3))
+    server = ProxyServer(cfg, app=build_app(cfg))
+    await server.start()
+    try:
+        async with aiohttp.ClientSession() as http:
+            for i in range(5):
+                body = chat_body("hello", model=TARGET_MODEL)
+                async with http.post(server.url + "/v1/chat/completions", json=body,
+                                     headers={"X-Request-Id": f"r{i}"}) as r:
+                    assert r.status == 200, await r.read()
+                await asyncio.sleep(0.4)
+        assert engine.data_connections == 5 and engine.asked == [f"r{i}" for i in range(5)]
+    finally:
+        await server.stop()
+        await engine.stop()
