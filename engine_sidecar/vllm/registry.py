@@ -3,6 +3,8 @@
 Rules:
 - The key lives only while the heartbeat refreshes it, so a dead sidecar disappears by itself;
   a draining one deletes it at once.
+- Each write also enters the key in the registry's index, and the deletion takes it out
+  (``proxy.tenancy.registry_index``: proxies find the records without walking Redis' keyspace).
 - Redis being down is logged and retried, never fatal: routing works from static config too.
 """
 
@@ -17,8 +19,11 @@ from collections.abc import Callable
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from proxy.tenancy.registry_index import DEREGISTER, INDEX, REGISTER
+
 log = logging.getLogger(__name__)
 KEY_PREFIX = "kvproxy:engine:"
+INDEX_KEY = "kvproxy:" + INDEX
 
 
 def registry_key(role: str, engine_url: str) -> str:
@@ -32,11 +37,12 @@ async def heartbeat(redis_url: str, key: str, describe: Callable[[], dict[str, o
     try:
         while True:
             try:
-                await client.set(key, json.dumps(describe()), px=int(ttl_s * 1000))
+                await client.eval(REGISTER, 2, key, INDEX_KEY, json.dumps(describe()),
+                                  max(1, int(ttl_s * 1000)))
             except (RedisError, OSError) as exc:
                 log.warning("registry heartbeat failed: %s", exc)
             await asyncio.sleep(ttl_s / 3)
     finally:
         with contextlib.suppress(RedisError, OSError):
-            await asyncio.shield(client.delete(key))
+            await asyncio.shield(client.eval(DEREGISTER, 2, key, INDEX_KEY))
         await client.aclose()

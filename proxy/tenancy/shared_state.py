@@ -36,6 +36,7 @@ from proxy.core.fleet_config import POOL_NAME, EngineConfig
 from proxy.core.jsondoc import json_object
 from proxy.fleet.periodic import every
 from proxy.tenancy.redis_link import RedisClient, RedisLink, RedisUnavailable
+from proxy.tenancy.registry_index import DEREGISTER, INDEX, REGISTER, IndexedReader
 
 log = logging.getLogger("kvproxy.shared")
 
@@ -193,13 +194,15 @@ def record_key(link: RedisLink, pool: str, url: str) -> str:
 
 
 async def register_engine(link: RedisLink, record: EngineRecord, ttl_s: float) -> None:
+    """Write ``record`` with its TTL, and its key in the registry's index (``registry_index``)."""
     key, raw, px = record_key(link, record.pool, record.url), record.encode(), int(ttl_s * 1000)
-    await link.run("registry_write", lambda r: r.set(key, raw, px=max(1, px)))
+    index = link.key(INDEX)
+    await link.run("registry_write", lambda r: r.eval(REGISTER, 2, key, index, raw, max(1, px)))
 
 
 async def deregister_engine(link: RedisLink, record: EngineRecord) -> None:
-    key = record_key(link, record.pool, record.url)
-    await link.run("registry_delete", lambda r: r.delete(key))
+    key, index = record_key(link, record.pool, record.url), link.key(INDEX)
+    await link.run("registry_delete", lambda r: r.eval(DEREGISTER, 2, key, index))
 
 
 async def heartbeat_engine(
@@ -226,13 +229,16 @@ async def list_engines(link: RedisLink) -> list[EngineRecord]:
     return (await read_registry(link))[0]
 
 
-async def read_registry(link: RedisLink) -> tuple[list[EngineRecord], str | None]:
-    """``list_engines``, and the Redis server's ``run_id`` (new at each start: a restarted or
-    failed-over server says so; None where the server does not tell)."""
-    pattern = link.key("engine", "*")
+async def read_registry(
+    link: RedisLink, reader: IndexedReader | None = None
+) -> tuple[list[EngineRecord], str | None]:
+    """``list_engines`` (through ``reader``'s index and walks; a new one walks the keyspace), and
+    the Redis server's ``run_id`` (new at each start: a restarted or failed-over server says so;
+    None where the server does not tell)."""
+    reader = IndexedReader() if reader is None else reader
+    keys = await reader.live_keys(link.run, link.key(INDEX), link.key("engine", "*"))
 
     async def scan(r: RedisClient) -> tuple[list[bytes], str | None]:
-        keys = [k async for k in r.scan_iter(match=pattern, count=200)]
         values = await r.mget(keys) if keys else []
         try:
             run_id = (await r.info("server")).get("run_id")
@@ -336,11 +342,12 @@ class RegistryWatcher:
         self._empty_grace_s = empty_grace_s
         self._empty_since: float | None = None
         self._run_id: str | None = None  # of the server the current records were read from
+        self._reader = IndexedReader()
         self._clock = clock
 
     async def poll(self) -> None:
         try:
-            records, run_id = await read_registry(self._link)
+            records, run_id = await read_registry(self._link, self._reader)
         except RedisUnavailable:
             return  # keep the engines we know; a Redis outage is not an engine outage
         if self._held(records, run_id):

@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import orjson
 import pytest
 from redisproc import SLOW_OK, RedisFactory, RedisServer
 
+from engine_sidecar.vllm import registry as sidecar_registry
 from proxy.core.breaker import Breaker, BreakerState, Outcome
 from proxy.core.config import BreakerConfig
 from proxy.core.door_config import RedisConfig
 from proxy.core.fleet_config import EngineConfig
 from proxy.tenancy.redis_link import RedisLink, RedisUnavailable
+from proxy.tenancy.registry_index import INDEX, IndexedReader
 from proxy.tenancy.shared_state import (
     EngineRecord,
     RegistrySync,
@@ -24,6 +28,7 @@ from proxy.tenancy.shared_state import (
     heartbeat_engine,
     list_engines,
     read_registry,
+    record_key,
     register_engine,
     trip,
 )
@@ -269,3 +274,90 @@ def test_a_record_no_pool_can_take_is_named_in_the_log(caplog: pytest.LogCapture
         "ignoring registered engine 'x1': it serves 'Llama', the target pool 'llama'",
         "ignoring registered engine 'x2': no pool 'targets' is configured",
     ]
+
+
+def _counting(link: RedisLink, ops: list[str]) -> Any:
+    async def run(op: str, call: Any) -> Any:
+        ops.append(op)
+        return await link.run(op, call)
+
+    return run
+
+
+async def test_the_registry_is_read_through_its_index_not_by_walking_the_keyspace(
+    redis_factory: RedisFactory,
+) -> None:
+    # The response cache's keys share the database: a walk of it per read would not scale.
+    server = redis_factory.start()
+    link = RedisLink(RedisConfig(url=server.url, **SLOW_OK))
+    try:
+        async with link.client.pipeline(transaction=False) as pipe:
+            for i in range(20_000):
+                pipe.set(f"kvproxy:cache:k{i}", b"x")
+            await pipe.execute()
+        first = EngineRecord("i0", "target", "llama", "http://127.0.0.1:9200")
+        await register_engine(link, first, ttl_s=30)
+        reader, ops = IndexedReader(scan_every=1000), []
+        index, pattern = link.key(INDEX), link.key("engine", "*")
+        assert await reader.live_keys(_counting(link, ops), index, pattern) == [
+            b"kvproxy:engine:target:http://127.0.0.1:9200"]
+        assert "registry_scan" in ops  # the first read walks once (writers without the index)
+        ops.clear()
+        second = EngineRecord("i1", "target", "llama", "http://127.0.0.1:9201")
+        await register_engine(link, second, ttl_s=30)
+        assert len(await reader.live_keys(_counting(link, ops), index, pattern)) == 2
+        await deregister_engine(link, first)  # its key stays in the walk's set, valueless
+        assert await link.client.zscore(index, record_key(link, "target", first.url)) is None
+        records, _ = await read_registry(link, reader)
+        assert [r.name for r in records] == ["i1"]
+        assert "registry_scan" not in ops  # not one walk after the first
+    finally:
+        await link.close()
+
+
+async def test_records_written_without_the_index_are_found_by_the_walks(
+    redis_server: RedisServer,
+) -> None:
+    link = RedisLink(RedisConfig(url=redis_server.url, **SLOW_OK))
+    old = EngineRecord("o0", "target", "llama", "http://127.0.0.1:9300")
+    new = EngineRecord("n0", "target", "llama", "http://127.0.0.1:9301")
+    old_key = link.key("engine", "target", old.url)
+    try:
+        await register_engine(link, new, ttl_s=30)
+        await link.client.set(old_key, old.encode(), px=30_000)  # an older sidecar: no index
+        reader = IndexedReader(scan_every=3)
+        for _ in range(3):  # the walk of the first read is kept until the next walk
+            names = [r.name for r in (await read_registry(link, reader))[0]]
+            assert sorted(n for n in names if n in ("o0", "n0")) == ["n0", "o0"]
+        await link.client.delete(old_key)  # it deregisters: gone at once, walk or not
+        names = [r.name for r in (await read_registry(link, reader))[0]]
+        assert "o0" not in names and "n0" in names
+    finally:
+        await deregister_engine(link, new)
+        await link.client.delete(old_key)
+        await link.close()
+
+
+async def test_the_vllm_sidecars_heartbeat_enters_and_leaves_the_index(
+    redis_server: RedisServer,
+) -> None:
+    link = RedisLink(RedisConfig(url=redis_server.url, **SLOW_OK))
+    key = sidecar_registry.registry_key("target", "http://10.0.0.9:8000")
+    doc = {"role": "target", "model": "llama", "engine_url": "http://10.0.0.9:8000",
+           "ready": True, "draining": False}
+    beat = asyncio.create_task(sidecar_registry.heartbeat(redis_server.url, key, lambda: doc, 30))
+    try:
+        for _ in range(100):
+            if await link.client.zscore(sidecar_registry.INDEX_KEY, key) is not None:
+                break
+            await asyncio.sleep(0.02)
+        records, _ = await read_registry(link, IndexedReader(scan_every=1000))
+        assert "target@10.0.0.9:8000" in [r.name for r in records]
+        beat.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await beat
+        assert await link.client.zscore(sidecar_registry.INDEX_KEY, key) is None
+        assert await link.client.exists(key) == 0
+    finally:
+        beat.cancel()
+        await link.close()
