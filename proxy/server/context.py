@@ -29,6 +29,10 @@ from proxy.fleet.precise import PreciseRouting
 from proxy.observe.metrics import ProxyMetrics
 from proxy.tenancy.shared_decision import SharedDecider
 
+# The message of the cancellation the drain's cut gives a request whose answer has not begun:
+# its handler answers 503 ``draining`` instead of closing the connection unanswered.
+DRAIN_CUT = "kvproxy: drain timeout"
+
 
 class Drain:
     """Open-request accounting and the draining flag (set once, on SIGTERM)."""

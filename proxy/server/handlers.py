@@ -49,7 +49,7 @@ from proxy.server import specanswer
 from proxy.server.admit import HOLDING, need_tokens
 from proxy.server.body import read_body
 from proxy.server.connections import past_cap
-from proxy.server.context import ShellContext
+from proxy.server.context import DRAIN_CUT, ShellContext
 from proxy.server.job import Job, deadline_error
 from proxy.server.keys import MODELS, REQUEST_ID, SHELL, WORKER
 from proxy.server.pick import rank
@@ -83,13 +83,26 @@ async def _proxy(request: web.Request, endpoint: Endpoint) -> web.StreamResponse
         if isinstance(exc, NoCapacity):
             job.shed_reason = exc.reason
         raise
-    except asyncio.CancelledError:
+    except asyncio.CancelledError as cancelled:
+        if cancelled.args[:1] == (DRAIN_CUT,) and _uncancel():
+            # The drain timeout came before the engine's answer began: a 503 the client may
+            # retry elsewhere, not a connection closed unanswered.
+            job.status, job.shed_reason = 503, "draining"
+            raise NoCapacity("the proxy is shutting down; the request was not answered in time",
+                             reason="draining",
+                             retry_after_s=ctx.cfg.admission.retry_after_s) from None
         if not job.delivered:  # a client closing right after the last byte did get its answer
             job.status = CLIENT_CLOSED
         raise
     finally:
         _observe(ctx, job)
     return response
+
+
+def _uncancel() -> bool:
+    """Take back the one cancellation this task had (True), if it had no other."""
+    task = asyncio.current_task()
+    return task is not None and task.uncancel() == 0
 
 
 # Partials rather than coroutines that await ``_proxy``: one coroutine fewer held per open stream.

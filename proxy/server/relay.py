@@ -83,7 +83,7 @@ from proxy.fleet.upstream import (
     unusable,
 )
 from proxy.observe.throttle import Throttle
-from proxy.server.context import ShellContext
+from proxy.server.context import DRAIN_CUT, ShellContext
 from proxy.server.ending import Ending, StreamEnd, cut_event, tell_recorder
 from proxy.server.job import Job, deadline_error
 from proxy.server.splice import BodyWatch, Capture, DeadlinePassed, Splice
@@ -131,6 +131,9 @@ async def _read_capped(resp: aiohttp.ClientResponse, limit: int) -> bytes:
 
 class Relay:
     def __init__(self, ctx: ShellContext, request: web.Request, job: Job) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._task = task
         self._ctx = ctx
         self._up = ctx.cfg.upstream
         self._request = request
@@ -148,21 +151,26 @@ class Relay:
         no new request, and costs no attempt."""
         error: KvproxyError | None = None  # built only when needed: most requests never fail
         fleet, tries, reason = self._ctx.fleet, 0, ""
-        # By index: an enumerate and its tuple iterator would live as long as the stream.
-        for i in range(len(ranked)):
-            engine = fleet.live(ranked[i])
-            if engine is None:
-                continue
-            if tries > self._up.retries:
-                break
-            if tries:
-                self._ctx.metrics.retries.labels(self._job.pool, reason).inc()
-            self._job.engine, self._job.retries = ranked[i], tries
-            tries += 1
-            try:
-                return await self._exchange(engine)
-            except _Retry as retry:
-                error, reason = retry.error, retry.reason
+        # Until its answer begins, the drain's cut ends the request as a 503 (``DRAIN_CUT``).
+        self._ctx.drain.add_cut(self._cut_before_answer)
+        try:
+            # By index: an enumerate and its tuple iterator would live as long as the stream.
+            for i in range(len(ranked)):
+                engine = fleet.live(ranked[i])
+                if engine is None:
+                    continue
+                if tries > self._up.retries:
+                    break
+                if tries:
+                    self._ctx.metrics.retries.labels(self._job.pool, reason).inc()
+                self._job.engine, self._job.retries = ranked[i], tries
+                tries += 1
+                try:
+                    return await self._exchange(engine)
+                except _Retry as retry:
+                    error, reason = retry.error, retry.reason
+        finally:
+            self._ctx.drain.discard_cut(self._cut_before_answer)
         if error is None:
             error = NoCapacity("no engine could take the request", reason=REASON_NO_ENGINE)
         raise error
@@ -182,6 +190,11 @@ class Relay:
                 resp.close()
         finally:
             self._settle(engine, ticket)
+
+    def _cut_before_answer(self) -> None:
+        """The drain's cut before the answer begins: the handler's task is cancelled with
+        ``DRAIN_CUT``, which the handler answers as a 503 (``handlers._proxy``)."""
+        self._task.cancel(DRAIN_CUT)
 
     def _gate(self, engine: Engine) -> float:
         """Check that ``engine`` may take the request now (taking a probe slot if it is on
@@ -305,7 +318,9 @@ class Relay:
     def _unusable(self, engine: Engine, resp: aiohttp.ClientResponse) -> _Retry:
         """A final status that is no answer (1xx, 101 included, or past 599), or a body in an
         encoding the proxy never asked for: relayed, the client could not read it; a failure."""
-        status, encoding = resp.status, resp.headers.get("Content-Encoding", "")
+        status = resp.status
+        headers = resp.headers
+        encoding = headers.get("Content-Encoding") or headers.get("Transfer-Encoding") or ""
         resp.close()
         self._outcome(engine, Outcome.FAILURE, f"http_{status}")
         # A status in 200..599 that is unusable is so for its encoding (``unusable``).
@@ -421,6 +436,8 @@ class Relay:
                 watch.release()
         headers = response_headers(resp.headers)
         headers.update(self._job.client_headers())
+        # The answer begins: from here on the splice's own cut ends it (with an error event).
+        self._ctx.drain.discard_cut(self._cut_before_answer)
         out = web.StreamResponse(status=resp.status, headers=headers)
         await out.prepare(self._request)
         self._job.status = resp.status

@@ -190,3 +190,28 @@ async def test_a_stream_open_past_the_drain_timeout_ends_with_an_error_event(
         # The engine's connection was closed, so it stops generating.
         while rogue.streams_cut == 0:  # noqa: ASYNC110 (the rogue engine counts, no event)
             await asyncio.sleep(0.02)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_request_unanswered_at_the_drain_timeout_gets_a_503(
+    rogue: RogueEngine, stream: bool
+) -> None:
+    # The engine has not begun the answer when the drain runs out: the client gets a 503 it may
+    # retry elsewhere, not a connection closed with nothing on it.
+    rogue.behaviour.completions = "hang"
+    async with (
+        proxy_for(rogue, server=server_config(drain_timeout_s=0.3)) as proxy,
+        aiohttp.ClientSession() as http,
+    ):
+        asking = asyncio.create_task(http.post(proxy.url + CHAT, json=chat(stream=stream)))
+        async with asyncio.timeout(5):
+            while not rogue.requests_to(CHAT):  # noqa: ASYNC110 (the rogue records, no event)
+                await asyncio.sleep(0.02)
+        finished = await proxy.drain_and_stop()
+        async with asyncio.timeout(5):
+            resp = await asking
+            body = await resp.read()
+    assert finished is False
+    assert resp.status == 503 and resp.headers["X-Kvproxy-Shed-Reason"] == "draining"
+    assert "Retry-After" in resp.headers
+    assert "shutting down" in orjson.loads(body)["error"]["message"]
