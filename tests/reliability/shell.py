@@ -10,15 +10,13 @@ import asyncio
 import dataclasses
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 from integration.stack import proxy_config
 
 from proxy.core.config import ServerConfig
 from proxy.server.lifecycle import ProxyServer
-
-from .rogue import RogueEngine
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -34,8 +32,38 @@ def server_config(**fields: Any) -> ServerConfig:
     return dataclasses.replace(base, **fields)
 
 
+class Engine(Protocol):
+    @property
+    def url(self) -> str: ...
+
+
+class RawServer:
+    """An engine written byte by byte: an asyncio server on 127.0.0.1 whose ``serve`` answers
+    each connection (for what a rogue aiohttp engine cannot send: any head at all)."""
+
+    def __init__(self) -> None:
+        self.port = 0
+        self._server: asyncio.Server | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self.serve, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        assert self._server is not None
+        self._server.close()
+        await self._server.wait_closed()
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        raise NotImplementedError
+
+
 @asynccontextmanager
-async def proxy_for(*engines: RogueEngine, **sections: Any) -> AsyncIterator[ProxyServer]:
+async def proxy_for(*engines: Engine, **sections: Any) -> AsyncIterator[ProxyServer]:
     """A started proxy whose target pool is ``engines`` (named rogue0, rogue1, ...), once ready."""
     names = [f"rogue{i}" for i in range(len(engines))]
     sections.setdefault("server", server_config())
@@ -47,6 +75,17 @@ async def proxy_for(*engines: RogueEngine, **sections: Any) -> AsyncIterator[Pro
         yield server
     finally:
         await server.stop()
+
+
+@asynccontextmanager
+async def before_proxy(engine: RawServer, **sections: Any) -> AsyncIterator[ProxyServer]:
+    """``engine`` started and a proxy before it (``proxy_for``); both stopped on the way out."""
+    await engine.start()
+    try:
+        async with proxy_for(engine, **sections) as server:
+            yield server
+    finally:
+        await engine.stop()
 
 
 async def _wait_ready(url: str) -> None:

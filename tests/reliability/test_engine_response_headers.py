@@ -11,36 +11,24 @@ from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
-from integration.stack import TARGET_MODEL, chat_body, proxy_config
-
-from proxy.server.app import build_app
-from proxy.server.lifecycle import ProxyServer
+from integration.stack import TARGET_MODEL, chat_body
 
 from .rogue import HEALTHY_METRICS
+from .shell import RawServer, before_proxy
 
 ANSWER = (b'{"id":"x","object":"chat.completion","model":"m","choices":[{"index":0,'
           b'"finish_reason":"stop","message":{"role":"assistant","content":"hi"}}]}')
 
 
-class RawEngine:
+class RawEngine(RawServer):
     """Answers every POST with ``head`` (status line and headers, CRLF-joined) and ``ANSWER``,
     chunked where ``head`` names a transfer coding, else with its length."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.head = b""
-        self.port = 0
-        self._server: asyncio.Server | None = None
 
-    async def start(self) -> None:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-
-    async def stop(self) -> None:
-        assert self._server is not None
-        self._server.close()
-        await self._server.wait_closed()
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             head = await reader.readuntil(b"\r\n\r\n")
             length = 0
@@ -69,15 +57,8 @@ class RawEngine:
 @pytest.fixture
 async def raw() -> AsyncIterator[tuple[RawEngine, str]]:
     engine = RawEngine()
-    await engine.start()
-    cfg = proxy_config([f"http://127.0.0.1:{engine.port}"], ["e0"], ["target"])
-    server = ProxyServer(cfg, app=build_app(cfg))
-    await server.start()
-    try:
+    async with before_proxy(engine) as server:
         yield engine, server.url
-    finally:
-        await server.stop()
-        await engine.stop()
 
 
 async def _ask(url: str) -> tuple[int, list[tuple[str, str]], bytes]:

@@ -6,17 +6,16 @@ The engine is a raw keep-alive server, so every byte is the test's."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
-from integration.stack import TARGET_MODEL, chat_body, proxy_config
+from integration.stack import TARGET_MODEL, chat_body
 
-from proxy.server.app import build_app
-from proxy.server.lifecycle import ProxyServer
+from proxy.core.config import UpstreamConfig
 
 from .rogue import HEALTHY_METRICS
+from .shell import RawServer, before_proxy
 
 STRAY = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 23\r\n\r\n"
          b'{"smuggled":"INJECTED"}')
@@ -35,28 +34,18 @@ def _sse(text: str) -> bytes:
     return b"%x\r\n%s\r\n0\r\n\r\n" % (len(event), event)
 
 
-class KeepAliveEngine:
+class KeepAliveEngine(RawServer):
     """Answers each request on a kept-alive connection; a prompt holding ``stray`` gets its
     answer with a whole extra response in the same write (``late``: written 0.3 s later, to
     the connection idle in the pool)."""
 
     def __init__(self, idle_close_s: float | None = None) -> None:
-        self.port = 0
+        super().__init__()
         self.asked: list[str] = []
         self.data_connections = 0  # connections that carried a completion request
         self.idle_close_s = idle_close_s  # close a connection idle this long, as vLLM does (5 s)
-        self._server: asyncio.Server | None = None
 
-    async def start(self) -> None:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-
-    async def stop(self) -> None:
-        assert self._server is not None
-        self._server.close()
-        await self._server.wait_closed()
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         posted = False
         try:
             while True:
@@ -115,15 +104,8 @@ class KeepAliveEngine:
 @pytest.fixture
 async def proxied() -> AsyncIterator[tuple[KeepAliveEngine, str]]:
     engine = KeepAliveEngine()
-    await engine.start()
-    cfg = proxy_config([f"http://127.0.0.1:{engine.port}"], ["e0"], ["target"])
-    server = ProxyServer(cfg, app=build_app(cfg))
-    await server.start()
-    try:
+    async with before_proxy(engine) as server:
         yield engine, server.url
-    finally:
-        await server.stop()
-        await engine.stop()
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -154,20 +136,12 @@ async def test_no_connection_is_reused_past_the_pools_keep_alive() -> None:
     # The engine closes a connection idle 0.5 s; the proxy keeps idle ones 0.3 s. Requests 0.4 s
     # apart each get a new connection, so none is sent on one the engine is just closing.
     engine = KeepAliveEngine(idle_close_s=0.5)
-    await engine.start()
-    cfg = proxy_config([f"http://127.0.0.1:{engine.port}"], ["e0"], ["target"])
-    cfg = dataclasses.replace(cfg, upstream=dataclasses.replace(cfg.upstream, keepalive_s=0.3))
-    server = ProxyServer(cfg, app=build_app(cfg))
-    await server.start()
-    try:
-        async with aiohttp.ClientSession() as http:
-            for i in range(5):
-                body = chat_body("hello", model=TARGET_MODEL)
-                async with http.post(server.url + "/v1/chat/completions", json=body,
-                                     headers={"X-Request-Id": f"r{i}"}) as r:
-                    assert r.status == 200, await r.read()
-                await asyncio.sleep(0.4)
-        assert engine.data_connections == 5 and engine.asked == [f"r{i}" for i in range(5)]
-    finally:
-        await server.stop()
-        await engine.stop()
+    upstream = UpstreamConfig(connect_timeout_s=1.0, first_byte_timeout_s=5.0, keepalive_s=0.3)
+    async with before_proxy(engine, upstream=upstream) as server, aiohttp.ClientSession() as http:
+        for i in range(5):
+            body = chat_body("hello", model=TARGET_MODEL)
+            async with http.post(server.url + "/v1/chat/completions", json=body,
+                                 headers={"X-Request-Id": f"r{i}"}) as r:
+                assert r.status == 200, await r.read()
+            await asyncio.sleep(0.4)
+    assert engine.data_connections == 5 and engine.asked == [f"r{i}" for i in range(5)]

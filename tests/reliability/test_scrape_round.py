@@ -19,6 +19,7 @@ from proxy.server.keys import SCRAPER_TASK, SHELL
 from proxy.server.lifecycle import ProxyServer
 
 from .rogue import RogueEngine
+from .shell import proxy_for
 from .test_telemetry_trust import until
 
 
@@ -97,27 +98,29 @@ async def _watch_health(delay_s: float, seconds: float) -> tuple[list[Health], f
     engine = RogueEngine()
     await engine.start()
     telemetry = TelemetryConfig(interval_s=0.1, timeout_s=0.09, stale_after_s=0.6)
-    cfg = proxy_config([engine.url], ["e0"], ["target"], telemetry=telemetry)
-    server = ProxyServer(cfg, app=build_app(cfg))
     try:
-        await server.start()
-        ctx = server.app[SHELL]
-        state = ctx.fleet.get("e0").state
-        engine.behaviour.metrics_delay_s = delay_s
-        await asyncio.sleep(1.0)  # past the answers the engine gave without the delay
-        seen, oldest = [], 0.0
-        loop = asyncio.get_running_loop()
-        end = loop.time() + seconds
-        asked = len(engine.requests_to("/metrics"))
-        while loop.time() < end:
-            seen.append(state.health)
-            if state.snapshot is not None:
-                oldest = max(oldest, ctx.clock() - state.snapshot.taken_at)
-            await asyncio.sleep(0.02)
-        return seen, oldest, engine.metrics_open_max, len(engine.requests_to("/metrics")) - asked
+        async with proxy_for(engine, telemetry=telemetry) as server:
+            return await _watched(engine, server, delay_s, seconds)
     finally:
-        await server.stop()
         await engine.stop()
+
+
+async def _watched(engine: RogueEngine, server: ProxyServer, delay_s: float,
+                   seconds: float) -> tuple[list[Health], float, int, int]:
+    ctx = server.app[SHELL]
+    state = ctx.fleet.get("rogue0").state
+    engine.behaviour.metrics_delay_s = delay_s
+    await asyncio.sleep(1.0)  # past the answers the engine gave without the delay
+    seen, oldest = [], 0.0
+    loop = asyncio.get_running_loop()
+    end = loop.time() + seconds
+    asked = len(engine.requests_to("/metrics"))
+    while loop.time() < end:
+        seen.append(state.health)
+        if state.snapshot is not None:
+            oldest = max(oldest, ctx.clock() - state.snapshot.taken_at)
+        await asyncio.sleep(0.02)
+    return seen, oldest, engine.metrics_open_max, len(engine.requests_to("/metrics")) - asked
 
 
 async def test_an_engine_answering_past_the_timeout_keeps_a_fresh_snapshot() -> None:
