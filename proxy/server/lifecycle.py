@@ -152,9 +152,11 @@ async def run_server(
     """Serve until SIGTERM or SIGINT, then drain and stop. ``worker``: serve as one of the
     workers of ``kvproxy serve --workers N`` (shared port; see ``proxy.server.workers``)."""
     server = ProxyServer(cfg, build_app(cfg, worker=worker), reuse_port=worker is not None)
+    # Before starting: a stop signal during start-up (the first scrape round may take seconds)
+    # is a stop after it, drained and exit 0, not the default handler's death.
+    stop = stop_event()
     await server.start()
     settle_heap(cfg.server.gc_young_threshold, cfg.server.gc_middle_threshold)
-    stop = stop_event()
     link = server.app.get(WORKER)
     try:
         if link is not None:

@@ -5,7 +5,10 @@ send), and an engine that never answers delays listening by one round's timeout,
 from __future__ import annotations
 
 import asyncio
+import signal
+import sys
 import time
+from pathlib import Path
 
 import aiohttp
 import openai
@@ -67,4 +70,34 @@ async def test_an_engine_that_never_answers_delays_listening_by_one_timeout() ->
     finally:
         engine.release.set()
         await server.stop()
+        await engine.stop()
+
+
+async def test_a_stop_signal_during_start_up_is_a_clean_stop(tmp_path: Path) -> None:
+    # The first scrape round waits on an engine that does not answer its metrics (up to four
+    # timeouts): a SIGTERM then must end in a drained stop and exit 0, not the default death.
+    engine = RogueEngine()
+    await engine.start()
+    engine.behaviour.metrics_hold = True
+    config = tmp_path / "kvproxy.toml"
+    config.write_text(
+        '[server]\nhost = "127.0.0.1"\nport = 0\n\n[telemetry]\ninterval_s = 1.5\n'
+        'timeout_s = 1.0\nstale_after_s = 2.0\n\n[[pools]]\nname = "target"\n'
+        f'model = "{TARGET_MODEL}"\n\n[[pools.engines]]\nname = "e0"\nurl = "{engine.url}"\n')
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "proxy", "serve", "--config", str(config),
+        stderr=asyncio.subprocess.PIPE)
+    try:
+        await until(lambda: bool(engine.requests_to("/metrics")), timeout_s=30.0)
+        proc.send_signal(signal.SIGTERM)  # inside start-up: its first round is not over
+        async with asyncio.timeout(20):
+            code = await proc.wait()
+        assert proc.stderr is not None
+        log = (await proc.stderr.read()).decode()
+        assert code == 0, log
+        assert "SIGTERM received" in log
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
         await engine.stop()
