@@ -38,8 +38,11 @@ async def test_a_retry_never_goes_to_engines_that_left_the_fleet() -> None:
                     return r.status, await r.read()
 
             tasks = [asyncio.create_task(ask(i)) for i in range(9)]
-            await until(lambda: len(a.requests_to(COMPLETIONS)) >= 3)
+            # Every request has reached its first engine (round robin: three each) before any
+            # engine leaves: those sent to b and c before it are theirs to answer.
+            await until(lambda: sum(len(e.requests_to(COMPLETIONS)) for e in (a, b, c)) == 9)
             held = len(a.requests_to(COMPLETIONS))
+            assert held == 3
             seen = len(b.requests_to(COMPLETIONS)), len(c.requests_to(COMPLETIONS))
             fleet = server.app[SHELL].fleet
             fleet.remove("b")  # two engines leave in one registry round
