@@ -31,6 +31,7 @@ from __future__ import annotations
 import errno
 import logging
 import re
+import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -87,16 +88,25 @@ class _CleanPoolConnector(aiohttp.TCPConnector):
     the answer, or one sent to a connection idle in the pool) are parsed by aiohttp into a
     response that waits in the connection's queue, after the connection went back to the pool:
     the next request sent on it would be answered with them, a 200 that is not its answer.
-    Such a connection is closed when it is next taken from the pool (``should_close`` sees the
-    queued response), and a clean one, or a new one, is used."""
+    Such a connection is closed when it would next be taken from the pool (``should_close``
+    sees the queued response), and a clean one, or a new one, is used.
+
+    aiohttp takes the oldest pooled connection that is connected and within the keep-alive,
+    closing the ones before it; so are they here, up to that one, which is then checked too:
+    per request only the connections aiohttp would look at anyway, not the whole pool."""
 
     async def _get(self, key: Any, traces: list[Any]) -> Any:
         pooled = self._conns.get(key)
         if pooled:
-            for entry in [e for e in pooled if e[0].should_close]:
-                pooled.remove(entry)
-                log.warning("closed a pooled engine connection holding bytes after its answer")
-                entry[0].close()
+            now, keepalive = time.monotonic(), self._keepalive_timeout
+            while pooled:
+                proto, idle_since = pooled[0]
+                if proto.should_close:
+                    log.warning("closed a pooled engine connection holding bytes after its answer")
+                elif proto.is_connected() and (keepalive is None or now - idle_since <= keepalive):
+                    break  # the one aiohttp hands out: clean
+                pooled.popleft()
+                proto.close()
             if not pooled:
                 del self._conns[key]
         return await super()._get(key, traces)

@@ -80,10 +80,8 @@ class IndexedReader:
         self._walked: set[bytes] = set()  # found by the last walk
 
     async def live_keys(self, run: Run, index: str, pattern: str) -> list[bytes]:
-        script = LIVE_KEYS
-
         async def indexed(r: Any) -> Any:
-            return await r.eval(script, 1, index)
+            return await r.eval(LIVE_KEYS, 1, index)
 
         keys = set(await run("registry_read", indexed))
         if not keys or self._reads % self._scan_every == 0:
