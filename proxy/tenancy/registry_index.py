@@ -15,6 +15,9 @@ Rules:
   keyspace itself when the index is empty, and otherwise every ``SCAN_EVERY`` reads, page by page
   (each page one round trip under the ordinary timeout, never one long call), and adds what the
   walk found to what the index gives. Records found only by a walk are kept until the next walk.
+- Redis' contents are not trusted: a read takes at most ``MAX_RECORDS`` keys from the index and
+  from a walk each (a fleet is hundreds of engines; a flooded index or keyspace costs a bounded
+  ``MGET``, and a walk stops there).
 - The script's text is shared by the proxy's writer (``shared_state.register_engine``) and the
   vLLM sidecar's heartbeat (``engine_sidecar.vllm.registry``), which uses its own client.
 """
@@ -28,6 +31,7 @@ INDEX = "engine-index"  # under the key prefix; not matched by the records' ``en
 _KEEP_EXPIRED_MS = 60_000
 SCAN_EVERY = 30  # reads (one a second): a walk every half minute, for writers without the index
 SCAN_COUNT = 1000  # keys per SCAN page
+MAX_RECORDS = 4096  # registry keys read from the index, and from a walk
 
 # KEYS[1] the record's key, KEYS[2] the index; ARGV[1] the record, ARGV[2] its TTL in ms.
 REGISTER = f"""
@@ -46,28 +50,30 @@ redis.call('ZREM', KEYS[2], KEYS[1])
 return 1
 """
 
-# KEYS[1] the index: the keys not expired by Redis' clock.
+# KEYS[1] the index; ARGV[1] the most keys to return: the keys not expired by Redis' clock.
 LIVE_KEYS = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-return redis.call('ZRANGEBYSCORE', KEYS[1], now, '+inf')
+return redis.call('ZRANGEBYSCORE', KEYS[1], now, '+inf', 'LIMIT', 0, tonumber(ARGV[1]))
 """
 
 Run = Callable[[str, Callable[[Any], Awaitable[Any]]], Awaitable[Any]]
 
 
 async def scan_keys(run: Run, pattern: str) -> list[bytes]:
-    """Every key matching ``pattern``, one ``run`` (one round trip, under its timeout) per page."""
+    """The keys matching ``pattern`` (``MAX_RECORDS`` at most), one ``run`` (one round trip,
+    under its timeout) per page."""
     keys: list[bytes] = []
     cursor: int = 0
-    while True:
+    while len(keys) < MAX_RECORDS:
         async def page(r: Any, at: int = cursor) -> Any:
             return await r.scan(cursor=at, match=pattern, count=SCAN_COUNT)
 
         cursor, found = await run("registry_scan", page)
         keys += found
         if not cursor:
-            return keys
+            break
+    return keys[:MAX_RECORDS]
 
 
 class IndexedReader:
@@ -81,7 +87,7 @@ class IndexedReader:
 
     async def live_keys(self, run: Run, index: str, pattern: str) -> list[bytes]:
         async def indexed(r: Any) -> Any:
-            return await r.eval(LIVE_KEYS, 1, index)
+            return await r.eval(LIVE_KEYS, 1, index, MAX_RECORDS)
 
         keys = set(await run("registry_read", indexed))
         if not keys or self._reads % self._scan_every == 0:

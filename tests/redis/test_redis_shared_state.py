@@ -18,7 +18,7 @@ from proxy.core.config import BreakerConfig
 from proxy.core.door_config import RedisConfig
 from proxy.core.fleet_config import EngineConfig
 from proxy.tenancy.redis_link import RedisLink, RedisUnavailable
-from proxy.tenancy.registry_index import INDEX, IndexedReader
+from proxy.tenancy.registry_index import INDEX, MAX_RECORDS, IndexedReader, scan_keys
 from proxy.tenancy.shared_state import (
     EngineRecord,
     RegistrySync,
@@ -360,4 +360,26 @@ async def test_the_vllm_sidecars_heartbeat_enters_and_leaves_the_index(
         assert await link.client.exists(key) == 0
     finally:
         beat.cancel()
+        await link.close()
+
+
+async def test_a_flooded_registry_costs_a_bounded_read(redis_factory: RedisFactory) -> None:
+    # Redis' contents are not trusted: an index and a keyspace flooded with registry keys give
+    # a read of MAX_RECORDS keys from each, not all of them.
+    server = redis_factory.start()
+    link = RedisLink(RedisConfig(url=server.url, **SLOW_OK))
+    index, pattern = link.key(INDEX), link.key("engine", "*")
+    try:
+        far = 2**50
+        async with link.client.pipeline(transaction=False) as pipe:
+            for i in range(3 * MAX_RECORDS):
+                pipe.zadd(index, {f"kvproxy:engine:flood:{i}": far})
+                pipe.set(f"kvproxy:engine:walk:{i}", b"{}")
+            await pipe.execute()
+        keys = await IndexedReader().live_keys(link.run, index, pattern)
+        assert MAX_RECORDS <= len(keys) <= 2 * MAX_RECORDS
+        assert len(await scan_keys(link.run, pattern)) == MAX_RECORDS
+        records, _ = await read_registry(link)
+        assert records == []  # none of them is a record
+    finally:
         await link.close()
