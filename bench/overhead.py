@@ -49,7 +49,7 @@ from bench import fit, gcwatch, machine, proxywatch, report
 from bench.fleet import Fleet, FleetSpec
 from bench.loadgen import Endpoint, closed_loop, make_session, request_body, run_async
 from bench.peers import Router, launch_ready, parse_router_list
-from bench.procs import Managed, free_port
+from bench.procs import Managed, free_port, pinned
 from bench.prompts import random_tokens
 from bench.report import RESULTS, report_args
 from bench.stats import (
@@ -244,18 +244,6 @@ def start_routers(routers: list[Router], fleet: Fleet, model: str, work: Path,
 
 def _loadgen_cores(args: argparse.Namespace) -> str | None:
     return args.loadgen_cores or args.engine_cores or None
-
-
-@contextmanager
-def pinned(cores: str | None) -> Iterator[None]:
-    """This process (the load generator) on ``cores`` while inside; None: left as it is."""
-    old = os.sched_getaffinity(0)
-    if cores:
-        os.sched_setaffinity(0, {int(c) for c in cores.split(",")})
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, old)
 
 
 LATENCY_KEYS = ("ttft_p50", "ttft_p90", "ttft_p99", "itl_p50", "itl_p99", "e2e_p50", "e2e_p99")

@@ -20,7 +20,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -197,3 +197,15 @@ def stop_all(procs: Sequence[Managed]) -> None:
             p.stop()
         except Exception as exc:
             print(f"warning: stopping {p.name}: {exc}")
+
+
+@contextlib.contextmanager
+def pinned(cores: str | None) -> Iterator[None]:
+    """This process (the load generator) on ``cores`` while inside; None: left as it is."""
+    old = os.sched_getaffinity(0)
+    if cores:
+        os.sched_setaffinity(0, {int(c) for c in cores.split(",")})
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, old)

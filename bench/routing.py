@@ -41,7 +41,7 @@ from bench.loadgen import (
     send_one,
 )
 from bench.peers import Router, all_routers, launch_ready, parse_router_list
-from bench.procs import Managed, free_port_range, tree_cpu_seconds
+from bench.procs import Managed, free_port_range, pinned, tree_cpu_seconds
 from bench.prompts import PromptMapper, workload
 from bench.report import RESULTS, report_args
 from bench.stats import RequestRecord, bootstrap_ci, engine_counts, share_max_over_mean, summarize
@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "cache_aware (default: every kvproxy policy and every installed peer policy)")
     p.add_argument("--engine-cores", default="1", help="taskset cores for the engines ('' = none)")
     p.add_argument("--router-cores", default="0", help="taskset cores for the router ('' = none)")
+    p.add_argument("--loadgen-cores", default=None,
+                   help="cores of the load generator (default: unpinned; pinned beside the "
+                        "engines it made every router's figures noisier, see the suite's notes)")
     p.add_argument("--request-timeout-s", type=float, default=180.0, help="wall-clock, per request")
     p.add_argument("--repeat", type=int, default=1,
                    help="run the router list this many times, one round after another (noise)")
@@ -151,7 +154,8 @@ def result_skeleton(plan: Plan) -> dict[str, object]:
             "caps": asdict(plan.caps), "fleet": plan.spec.settings(),
             "tokenizing_fleet": plan.tokenizing_fleet,
             "engine_cores": args.engine_cores, "router_cores": args.router_cores,
-            "loadgen_cores": "unpinned", "request_timeout_s": args.request_timeout_s,
+            "loadgen_cores": loadgen_cores(args) or "unpinned",
+            "request_timeout_s": args.request_timeout_s,
             "api": "chat", "session_header": "X-Session-ID = first two block ids",
             "quick": args.quick,
         },
@@ -201,6 +205,11 @@ def _cores(text: str) -> str | None:
     return text or None
 
 
+def loadgen_cores(args: argparse.Namespace) -> str | None:
+    """Where the replay runs: None leaves it to the kernel's scheduler."""
+    return getattr(args, "loadgen_cores", None) or None
+
+
 @dataclass
 class Measured:
     """What one run produced before it is summarised."""
@@ -246,9 +255,10 @@ def measure(router: Router, plan: Plan, mapper: PromptMapper) -> Measured:
         run_async(_warm_up(endpoint))
         before, cpu0, kv_config = fleet.scrape(), tree_cpu_seconds(proc.pid), fleet.kv_config()
         sampler = GaugeSampler(fleet.urls)
-        res = run_async(_sampled(sampler, replay(
-            endpoint, plan.reqs, mapper, compression=plan.compression,
-            timeout_s=plan.args.request_timeout_s)))
+        with pinned(loadgen_cores(plan.args)):
+            res = run_async(_sampled(sampler, replay(
+                endpoint, plan.reqs, mapper, compression=plan.compression,
+                timeout_s=plan.args.request_timeout_s)))
         cpu_used = tree_cpu_seconds(proc.pid) - cpu0
         after = fleet.scrape()
         if not proc.alive():

@@ -46,9 +46,9 @@ from bench import machine
 from bench.fleet import FleetSpec
 from bench.loadgen import Endpoint, make_session, request_body, run_async, send_one
 from bench.markdown import table
-from bench.overhead import Paths, pinned, running
+from bench.overhead import Paths, running
 from bench.peers import Router, parse_router_list
-from bench.procs import Managed, tree_cpu_seconds
+from bench.procs import Managed, pinned, tree_cpu_seconds
 from bench.report import RESULTS
 from bench.stats import RequestRecord, percentile
 from bench.workloads import poisson_arrivals

@@ -37,7 +37,7 @@ from bench.idle_floor import RULE as FLOOR_RULE
 from bench.idle_floor import floor_percentiles, idle_floors
 from bench.peers import Router, parse_router_list
 from bench.prompts import PromptMapper
-from bench.routing import Plan, print_run, run_one
+from bench.routing import Plan, loadgen_cores, print_run, run_one
 from bench.traces import Caps, TraceRequest, apply_caps, describe, hit_rate, oracle_hit_rate
 from bench.workloads import Workload, by_name
 
@@ -166,7 +166,8 @@ def skeleton(args: argparse.Namespace, routers: list[Router]) -> dict[str, objec
             "engines": args.engines, "profile": args.profile,
             "num_gpu_blocks": args.num_gpu_blocks, "max_output_tokens": args.max_output_tokens,
             "output_scale": args.output_scale, "engine_cores": args.engine_cores,
-            "router_cores": args.router_cores, "loadgen_cores": "unpinned",
+            "router_cores": args.router_cores,
+            "loadgen_cores": loadgen_cores(args) or "unpinned",
             "request_timeout_s": args.request_timeout_s, "api": "chat",
             "routers": [r.name for r in routers], "knee_factor": KNEE_FACTOR,
             "tokenizing_fleet": any(r.precise for r in routers),

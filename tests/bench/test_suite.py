@@ -6,7 +6,7 @@ import pytest
 from bench import report, suite
 from bench.machine import write_json
 from bench.report_suite import suite_markdown
-from bench.routing import build_parser
+from bench.routing import build_parser, loadgen_cores
 from bench.suite_runs import best_peer
 from bench.traces import Caps, apply_caps
 from bench.workloads import rag
@@ -35,6 +35,14 @@ def test_suite_options_parse_and_unknown_names_are_usage_errors():
     assert "kvproxy/prefix_affinity" in [r.name for r in routers]
     with pytest.raises(ValueError, match="unknown workload"):
         suite.resolve(build_parser().parse_args(["--suite", "--workloads", "nope"]))
+
+
+def test_the_load_generator_is_unpinned_unless_cores_are_named():
+    assert loadgen_cores(build_parser().parse_args(["--suite"])) is None
+    named = build_parser().parse_args(["--suite", "--loadgen-cores", "1"])
+    assert loadgen_cores(named) == "1"
+    settings = suite.skeleton(named, [])["settings"]
+    assert isinstance(settings, dict) and settings["loadgen_cores"] == "1"
 
 
 def _run(workload, router, p90, hit, rnd=0, status="ok"):
