@@ -114,6 +114,12 @@ class RedisConfig:
     def enabled(self) -> bool:
         return bool(self.url)
 
+    @property
+    def first_read_bound_s(self) -> float:
+        """How long start-up waits for the engine registry's first read: a connection and a
+        few operations (the index, the records, a walk of the keys)."""
+        return self.connect_timeout_s + 4 * self.op_timeout_s if self.discover_engines else 0.0
+
     @classmethod
     def from_mapping(cls, raw: Mapping[str, object], field_prefix: str) -> RedisConfig:
         from proxy.core.configload import build  # noqa: PLC0415

@@ -27,7 +27,10 @@ Rules:
   thrown away and asked again; one that answers nothing within ``stale_after_s`` gets a fresh
   request (a new connection) on the next round, as before.
 - ``first_round`` is set once the first round has ended, however it went: until then no engine's
-  health is known and the proxy does not listen (``proxy.server.lifecycle``).
+  health is known and the proxy does not listen (``proxy.server.lifecycle``). With engines
+  discovered in Redis, the first round waits (bounded) for the registry's first read
+  (``first_after``), so that it covers them and the proxy does not listen knowing only the
+  configured engines.
 - One of several workers (``kvproxy serve --workers N``) skips the engines a sibling scrapes for it
   and relays the outcomes of those it scrapes (``proxy.fleet.scrape_share``): each engine is
   scraped once per machine.
@@ -102,8 +105,10 @@ class Scraper:
         *,
         lag: LoopLag | None = None,
         share: ScrapeShare | None = None,
+        first_after: tuple[asyncio.Event, float] | None = None,
     ) -> None:
         self._lag = lag
+        self._first_after = first_after  # an event, and how long the first round waits for it
         # With sibling workers: engines they scrape are skipped, what this one scrapes relayed.
         self._share = share
         self._fleet = fleet
@@ -127,6 +132,7 @@ class Scraper:
     async def run(self) -> None:
         """Scrape forever; cancel the task to stop."""
         try:
+            await self._before_first_round()
             while True:
                 started = self._clock()
                 try:
@@ -140,6 +146,17 @@ class Scraper:
                 await self._until_next_round(started)
         finally:
             self.close()
+
+    async def _before_first_round(self) -> None:
+        if self._first_after is None:
+            return
+        event, bound_s = self._first_after
+        try:
+            async with asyncio.timeout(bound_s):
+                await event.wait()
+        except TimeoutError:
+            log.warning("the engine registry's first read took over %.2fs: the first scrape "
+                        "round covers the engines known so far", bound_s)
 
     def close(self) -> None:
         """Close the kept connections and the scrapes left open (``run`` does it when

@@ -181,8 +181,11 @@ async def _scraper(app: web.Application) -> AsyncIterator[None]:
     pauses = GcPauses(ctx.metrics.gc_pause)
     pauses.install()
     probe = asyncio.create_task(lag.run(), name="kvproxy-loop-lag")
+    door = app[DOOR]
+    first_after = None if door.registry_read is None else (
+        door.registry_read, door.cfg.redis.first_read_bound_s)
     scraper = Scraper(ctx.fleet, ctx.scrape_session, ctx.cfg.telemetry, ctx.metrics, ctx.clock,
-                      lag=lag, share=_scrape_share(app))
+                      lag=lag, share=_scrape_share(app), first_after=first_after)
     task = asyncio.create_task(scraper.run(), name="kvproxy-scraper")
     app[SCRAPER_TASK] = task
     app[FLEET_KNOWN] = scraper.first_round

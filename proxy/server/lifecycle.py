@@ -7,8 +7,9 @@ Rules:
   engine's health is known, so every request would be refused. This matters most for a worker
   restarted under ``--workers N``, which joins the shared port while clients are sending; its
   siblings take the connections until it knows the fleet. The round is bounded by its own timeouts
-  (twice ``telemetry.timeout_s`` at most); past ``_FIRST_ROUND_TIMEOUTS`` timeouts the proxy
-  listens anyway, with a warning, so that ``/ready`` and ``/health`` can say what is wrong.
+  (twice ``telemetry.timeout_s`` at most), and with engines discovered in Redis it starts after
+  the registry's first read (bounded: ``RedisConfig.first_read_bound_s``); past both bounds the
+  proxy listens anyway, with a warning, so that ``/ready`` and ``/health`` can say what is wrong.
 - Handlers are cancelled when their client disconnects (``handler_cancellation``), which is how an
   abandoned request reaches the relay's ``finally`` and closes its engine connection at once.
 - Client connections are ``connections.GuardedHandler``: request heads have a deadline
@@ -45,6 +46,7 @@ from proxy.server.connections import GuardedRunner
 from proxy.server.handlers import own_metrics
 from proxy.server.keys import FLEET_KNOWN, SHELL, WORKER
 from proxy.server.worker import WorkerSeat
+from proxy.tenancy.frontdoor import DOOR
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +98,8 @@ class ProxyServer:
         known = self.app.get(FLEET_KNOWN)
         if known is None:
             return
-        bound = _FIRST_ROUND_TIMEOUTS * self.cfg.telemetry.timeout_s
+        bound = (_FIRST_ROUND_TIMEOUTS * self.cfg.telemetry.timeout_s
+                 + self.app[DOOR].cfg.redis.first_read_bound_s)  # the round waits for it
         try:
             async with asyncio.timeout(bound):
                 await known.wait()

@@ -92,6 +92,10 @@ class FrontDoor:
         self.tenants = TenantDirectory(cfg.auth, self.link, registry=registry)
         self.gate = RequestGate(cfg.limits, self.link, registry=registry)
         self.cache: ResponseCache = make_cache(cfg.cache, self.link, registry=registry)
+        # With engines discovered in Redis: set once the registry's first read has ended, so that
+        # the proxy's first scrape round (and its listening) covers them (``Scraper.first_after``).
+        discovers = self.link is not None and cfg.redis.discover_engines
+        self.registry_read: asyncio.Event | None = asyncio.Event() if discovers else None
         self.shared: SharedBreakers | None = None
         self.pressure: SharedPressure | None = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -111,6 +115,8 @@ class FrontDoor:
         ``redis.discover_engines``); ``pressure``: the engines whose overcommit-guard levels are
         shared with the other replicas (None: the guard is off)."""
         self.gate.start()
+        if self.registry_read is not None and on_registry is None:
+            self.registry_read.set()  # nothing will read the registry: nothing to wait for
         if self.link is None:
             return
         self.shared = SharedBreakers(self.link, engines, open_s=open_s, clock=clock)
@@ -120,7 +126,8 @@ class FrontDoor:
             self._spawn(self.pressure.run(), "kvproxy-shared-pressure")
         if on_registry is not None and self.cfg.redis.discover_engines:
             watcher = RegistryWatcher(self.link, on_registry,
-                                      empty_grace_s=self.cfg.redis.registry_empty_grace_s)
+                                      empty_grace_s=self.cfg.redis.registry_empty_grace_s,
+                                      first_read=self.registry_read)
             self._spawn(watcher.run(), "kvproxy-engine-registry")
 
     def _spawn(self, work: Coroutine[Any, Any, None], name: str) -> None:

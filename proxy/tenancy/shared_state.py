@@ -329,10 +329,14 @@ class RegistryWatcher:
         poll_s: float = 1.0,
         empty_grace_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
+        first_read: asyncio.Event | None = None,
     ) -> None:
         self._link = link
         self._on_change = on_change
         self.poll_s = poll_s
+        # Set once the first read has ended, however it went (Redis down included): the proxy's
+        # first scrape round, and so its listening, waits for it (bounded).
+        self.first_read = first_read if first_read is not None else asyncio.Event()
         self.current: list[EngineRecord] | None = None
         # A read with no record at all, where there were some, from a Redis server that is not
         # the one those were read from (restarted empty, or failed over), is believed only after
@@ -346,6 +350,12 @@ class RegistryWatcher:
         self._clock = clock
 
     async def poll(self) -> None:
+        try:
+            await self._poll()
+        finally:
+            self.first_read.set()
+
+    async def _poll(self) -> None:
         try:
             records, run_id = await read_registry(self._link, self._reader)
         except RedisUnavailable:

@@ -18,7 +18,7 @@ from redisproc import SLOW_OK, RedisFactory, RedisServer
 from engine_sidecar.sim.cluster import SimCluster, start_cluster
 from proxy.core.door_config import RedisConfig
 from proxy.tenancy.redis_link import RedisLink
-from proxy.tenancy.shared_state import EngineRecord, heartbeat_engine
+from proxy.tenancy.shared_state import EngineRecord, heartbeat_engine, record_key
 
 HERE = Path(__file__).parent
 
@@ -255,6 +255,33 @@ async def test_engines_discovered_from_the_registry(
                 await asyncio.sleep(0.05)
         resp, _ = await stack.post(chat("after", temperature=0.5))
         assert resp.status == 200 and resp.headers["X-Engine"] == "t0"
+    finally:
+        stop.set()
+        await beat
+        await link.close()
+        await extra.close()
+
+
+async def test_a_registered_engine_is_known_when_the_proxy_starts_listening(
+    make_stack: StackFactory, redis_server: RedisServer
+) -> None:
+    """The first scrape round waits for the registry's first read: a proxy that listens knows
+    the engines registered before it started, not only the configured ones."""
+    extra = await start_cluster([sim("reg0", seed=5)], host="127.0.0.1", port=0)
+    link = RedisLink(RedisConfig(url=redis_server.url, **SLOW_OK))
+    stop = asyncio.Event()
+    record = EngineRecord("reg0", "target", MODEL, extra.urls[0])
+    beat = asyncio.create_task(heartbeat_engine(link, record, ttl_s=3, stop=stop))
+    try:
+        async with asyncio.timeout(5):
+            while not await link.run("exists", lambda r: r.exists(  # noqa: ASYNC110
+                    record_key(link, "target", extra.urls[0]))):
+                await asyncio.sleep(0.02)
+        door = door_config(redis_url=redis_server.url, redis={"discover_engines": True})
+        stack = await make_stack(door, engines=1)
+        async with stack.http.get(stack.url + "/admin/engines") as resp:
+            health = {r["name"]: r["health"] for r in (await resp.json())["engines"]}
+        assert health == {"t0": "healthy", "reg0": "healthy"}
     finally:
         stop.set()
         await beat
