@@ -444,12 +444,15 @@ class Splice:
             else:
                 line = buf.find(b"\r\n", pos, pos + _MAX_SIZE_LINE)
                 if line < 0:
-                    if n - pos >= _MAX_SIZE_LINE:
+                    # A line ended by a bare LF is refused now, as aiohttp's parser refuses it,
+                    # not waited on until the idle timeout (nothing would complete it).
+                    if n - pos >= _MAX_SIZE_LINE or buf.find(b"\n", pos, n) >= 0:
                         self._bad_framing()
                         return
                     break
                 head = buf[pos:line].split(b";", 1)[0].strip(b" \t")
-                if not head or head.strip(_HEX) or len(head) > 16:
+                # Leading zeros are allowed (the size's value, not its digits, is bounded).
+                if not head or head.strip(_HEX) or len(head.lstrip(b"0")) > 16:
                     self._bad_framing()
                     return
                 size = int(head, 16)

@@ -64,6 +64,8 @@ class Behaviour:
     # else the connection is closed after them), ``chunk_delay_s`` apart: what reaches the
     # proxy's reads is under the test's control.
     raw_chunked: list[bytes] = field(default_factory=list)
+    # How long the connection stays open after ``raw_chunked`` pieces with no last chunk.
+    raw_hold_s: float = 0.0
     # The same for a non-streamed answer (a JSON head, then these bytes as they are).
     raw_plain: list[bytes] = field(default_factory=list)
     # When > 0: only the first this many pieces wait ``chunk_delay_s`` before them; the rest
@@ -257,6 +259,8 @@ class RogueEngine:
                 await asyncio.sleep(b.chunk_delay_s)
             transport.write(piece)
         if not pieces[-1].endswith(b"0\r\n\r\n"):
+            if b.raw_hold_s:
+                await asyncio.sleep(b.raw_hold_s)  # an engine silent mid-answer, then gone
             transport.close()  # a body without its last chunk: the engine died mid-answer
         out._eof_sent = True  # type: ignore[attr-defined]  # the body's own last chunk was sent
 

@@ -131,6 +131,39 @@ async def test_a_chunk_line_that_never_ends_is_refused_not_buffered(
     assert status == 200 and b"broke off" in got and b"[DONE]" not in got
 
 
+@pytest.mark.parametrize("bad", [
+    pytest.param(b"%x\n" % len(EVENTS[3]) + EVENTS[3][:40], id="bare LF after the size"),
+    pytest.param(b"%x\r\n%b\n" % (len(EVENTS[3]), EVENTS[3]) + b"%x\n" % len(EVENTS[4]),
+                 id="bare LF after a chunk's data"),
+])
+async def test_a_chunk_line_ended_by_a_bare_lf_is_refused_at_once(
+    rogue: RogueEngine, raw_reads: list[bool], bad: bytes
+) -> None:
+    # The engine then stays silent (its connection open) for longer than the test waits: the
+    # framing error is seen in the read that carried it, not at the idle timeout.
+    rogue.behaviour.chunk_delay_s = 0.005
+    rogue.behaviour.raw_hold_s = 30.0
+    rogue.behaviour.raw_chunked = [frame(EVENTS[0]), frame(EVENTS[1]), frame(EVENTS[2]), bad]
+    async with proxy_for(rogue) as proxy, asyncio.timeout(5):
+        status, got = await _body(proxy.url)
+    assert status == 200 and got.startswith(EVENTS[0] + EVENTS[1] + EVENTS[2])
+    assert b"broke off" in got and b"[DONE]" not in got
+    assert any(raw_reads)
+
+
+async def test_a_chunk_size_with_leading_zeros_is_read_as_its_value(
+    rogue: RogueEngine, raw_reads: list[bool]
+) -> None:
+    # 20 digits for a small value, and an extension (so the slow path reads the line).
+    padded = b"%020x;x=1\r\n%b\r\n" % (len(EVENTS[3]), EVENTS[3])
+    rogue.behaviour.chunk_delay_s = 0.005
+    rogue.behaviour.raw_chunked = ([frame(e) for e in EVENTS[:3]] + [padded]
+                                   + [frame(e) for e in EVENTS[4:]] + [frame(DONE), b"0\r\n\r\n"])
+    async with proxy_for(rogue) as proxy:
+        assert await _body(proxy.url) == (200, CLEAN)
+    assert any(raw_reads)
+
+
 async def test_an_engine_that_dies_mid_body_ends_the_stream_with_an_error_event(
     rogue: RogueEngine, raw_reads: list[bool]
 ) -> None:
