@@ -86,7 +86,8 @@ from proxy.observe.throttle import Throttle
 from proxy.server.context import DRAIN_CUT, ShellContext
 from proxy.server.ending import Ending, StreamEnd, cut_event, tell_recorder
 from proxy.server.job import Job, deadline_error
-from proxy.server.splice import BodyWatch, Capture, DeadlinePassed, Splice
+from proxy.server.splice import Capture, DeadlinePassed, Splice
+from proxy.server.tap import BodyWatch
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ Rules:
   split across chunks, the last chunk) is taken apart here and each chunk's data goes through
   ``feed``, as the parser would have sent it. The last chunk, and any trailers, go back to
   aiohttp's protocol, which still stands between two chunks and so ends the message and pools the
-  connection. Framing that is not valid (a bad size, a chunk line past ``_MAX_SIZE_LINE``, data not
+  connection. Framing that is not valid (a bad size, a chunk line past ``MAX_SIZE_LINE``, data not
   followed by CRLF) fails the stream; an ended stream gives the connection back unfinished, so it
   is closed, never reused.
 - Per read, only: the time, the byte count (KV commitments), a reference kept in a short tail
@@ -53,12 +53,13 @@ from typing import Any, cast
 
 from aiohttp import ClientPayloadError, web
 from aiohttp.base_protocol import BaseProtocol
-from aiohttp.helpers import _EXC_SENTINEL as _NO_CAUSE
 from aiohttp.http_writer import StreamWriter
 from aiohttp.streams import StreamReader
 
+from proxy.core.chunked import HEX, MAX_SIZE_LINE, Dechunker, FramingError
 from proxy.core.commitment import Flight
 from proxy.core.usage import StreamTail, UsageStrip
+from proxy.server.tap import SPENT, TappedReader, tap_connection
 
 
 class DeadlinePassed(TimeoutError):
@@ -85,131 +86,6 @@ class Capture:
         self.chunks.append(data)
 
 
-class _TappedReader(StreamReader):
-    """A body reader whose parser callbacks hand the bytes to a ``Splice`` (its ``_protocol``)."""
-
-    __slots__ = ()
-
-    def feed_data(self, data: bytes, size: int = 0) -> bool:
-        self._protocol.feed(data)  # type: ignore[attr-defined]  # the Splice (no cast per event)
-        return False
-
-    # No reader keeps chunk offsets; the splice learns whether the parser stopped inside a chunk
-    # (its raw path may take over only between two chunks).
-    def begin_http_chunk_receiving(self) -> None:
-        self._protocol.chunk_open = True  # type: ignore[attr-defined]
-
-    def end_http_chunk_receiving(self) -> None:
-        self._protocol.chunk_open = False  # type: ignore[attr-defined]
-
-    def feed_eof(self) -> None:
-        super().feed_eof()  # runs the response's EOF callbacks: the connection goes to its pool
-        cast("Splice", self._protocol).end(None)
-
-    def set_exception(self, exc: BaseException, exc_cause: BaseException = _NO_CAUSE) -> None:
-        super().set_exception(exc, exc_cause)
-        cast("Splice", self._protocol).end(exc)
-
-
-class BodyWatch:
-    """Watches an engine connection while a plain (not spliced) answer is read whole: if the
-    connection is lost with the body unfinished and its reader not ended (aiohttp's C parser,
-    having refused the framing, drops the reader), the reader is failed so the read ends now,
-    not at its timeout. ``release`` hands the connection back to aiohttp's protocol."""
-
-    __slots__ = ("_original", "_reader", "_transport")
-
-    def __init__(self, reader: StreamReader) -> None:
-        self._reader: StreamReader | None = reader
-        proto = reader._protocol
-        self._original: Any = proto
-        self._transport = _tap_connection(proto, proto.data_received, self._lost)
-
-    def _lost(self) -> None:
-        reader = self._reader
-        if reader is not None and not reader.is_eof() and reader.exception() is None:
-            reader.set_exception(ClientPayloadError(
-                "the engine's connection closed before the answer ended"))
-
-    def release(self) -> None:
-        transport, self._transport = self._transport, None
-        if transport is not None and not transport.is_closing():
-            transport.set_protocol(self._original)
-        self._reader = self._original = None
-
-
-def _tap_connection(proto: object, received: Callable[[bytes], None],
-                    lost: Callable[[], None]) -> asyncio.Transport | None:
-    """Put an ``_UpstreamTap`` between aiohttp's protocol ``proto`` and its engine connection;
-    the connection, or None when there is none that can be tapped."""
-    transport = getattr(proto, "transport", None)
-    if transport is None or not hasattr(transport, "set_protocol"):
-        return None
-    transport.set_protocol(_UpstreamTap(received, cast(asyncio.Protocol, proto), lost))
-    return cast(asyncio.Transport, transport)
-
-
-class _Spent:
-    """What an engine connection's body reader reports to once its tap has ended: nothing. The
-    pooled connection keeps its last reader until it is reused; pointing that reader here lets
-    the ended stream's state (splice, client connection, captured bytes) go at once instead of
-    living on, and being scanned by the collector, for as long as the connection idles."""
-
-    __slots__ = ()
-
-    def feed(self, data: bytes) -> None:
-        pass
-
-    def end(self, failure: BaseException | None) -> None:
-        pass
-
-    def pause_reading(self) -> None:
-        pass
-
-    def resume_reading(self, resume_parser: bool = True) -> None:
-        pass
-
-    @property
-    def chunk_open(self) -> bool:
-        return True
-
-    @chunk_open.setter
-    def chunk_open(self, value: bool) -> None:
-        pass
-
-
-class _UpstreamTap(asyncio.Protocol):
-    """Stands in for aiohttp's protocol on the engine connection while a body is read: the reads
-    go to ``received`` (the splice's, or aiohttp's own), everything else to aiohttp's protocol,
-    and once that protocol has taken the connection's loss, ``lost`` is told. aiohttp's C parser
-    drops a body whose framing it refused without ending its reader (the connection closes, the
-    reader waits for ever); ``lost`` ends it."""
-
-    def __init__(self, received: Callable[[bytes], None], original: asyncio.Protocol,
-                 lost: Callable[[], None]) -> None:
-        self.data_received = received  # type: ignore[method-assign,assignment]  # no frame between
-        self._original = original
-        self._lost = lost
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._original.connection_lost(exc)
-        self._lost()
-
-    def eof_received(self) -> bool | None:
-        return self._original.eof_received()
-
-    def pause_writing(self) -> None:
-        self._original.pause_writing()
-
-    def resume_writing(self) -> None:
-        self._original.resume_writing()
-
-
-_SPENT = _Spent()
-# A chunk-size line, as the raw path reads it: hex digits (and, past them, only what the slow
-# path parses: an extension or spaces). Longer than any size a stream could reach: refused.
-_HEX = b"0123456789abcdefABCDEF"
-_MAX_SIZE_LINE = 1024
 _PENDING: Any = object()
 # The context the tap's own callbacks (its timers, the held write) run in. They read and set no
 # context variable, and a callback scheduled without one copies the current context: one more
@@ -271,9 +147,7 @@ class Splice:
         self._raw = False
         self.went_raw = False  # the raw path took over at some point of the stream
         self.chunk_open = True  # the parser's last chunk callback was a begin (or none yet)
-        self._rest = b""  # raw bytes of a chunk line or a chunk's CRLF not complete yet
-        self._need = 0  # bytes of the current chunk's data still to come
-        self._crlf = False  # the current chunk's data is in; its CRLF is next
+        self._chunks = Dechunker()  # the engine's framing, where a read did not end between chunks
 
     @property
     def at_event_boundary(self) -> bool:
@@ -321,7 +195,7 @@ class Splice:
             return
         self._reader = reader
         self._upstream = reader._protocol
-        reader.__class__ = _TappedReader
+        reader.__class__ = TappedReader
         reader._protocol = cast(BaseProtocol, self)
         self._tap()  # the raw path takes over only where ``_raw_ok``
         self._idle_timer = self._loop.call_at(self._time() + self._idle, self._check_idle,
@@ -334,7 +208,7 @@ class Splice:
         """Put the splice between the engine connection and aiohttp's protocol on it: each read
         still goes to the parser, until one ends between two chunks (``_received``)."""
         proto = self._upstream
-        self._tapped = _tap_connection(proto, self._received, self._lost)
+        self._tapped = tap_connection(proto, self._received, self._lost)
         if self._tapped is not None:
             self._original = proto
             self._parse = proto.data_received  # type: ignore[union-attr]
@@ -352,7 +226,7 @@ class Splice:
             return
         if self._result is not _PENDING:
             return
-        if self._rest or self._need or self._crlf:
+        if self._chunks.pending:
             self._deframe(data)
             return
         # Whole chunks, each with a non-empty payload, is what an engine writes: they go to
@@ -366,9 +240,9 @@ class Splice:
         pos, n = 0, len(data)
         more: list[bytes] | None = None  # the chunks before the last, when a read holds several
         while True:
-            line = data.find(b"\r\n", pos, pos + _MAX_SIZE_LINE)
+            line = data.find(b"\r\n", pos, pos + MAX_SIZE_LINE)
             head = data[pos:line]
-            if line < 0 or not head or head.strip(_HEX):
+            if line < 0 or not head or head.strip(HEX):
                 self._deframe(data)  # a partial or unusual chunk line: read the slow way
                 return
             end = line + 2 + int(head, 16)
@@ -421,47 +295,21 @@ class Splice:
             self._raw = self.went_raw = True
 
     def _deframe(self, data: bytes) -> None:
-        """Chunked framing read piece by piece: each chunk's data goes through ``feed``. The last
-        chunk (and any trailers) goes back to aiohttp's parser, which ends the message."""
-        buf = self._rest + data if self._rest else data
-        self._rest = b""
-        pos, n = 0, len(buf)
-        while pos < n and self._result is _PENDING:
-            if self._need:
-                take = min(self._need, n - pos)
-                self._need -= take
-                self._crlf = not self._need
-                self.feed(buf[pos:pos + take])
-                pos += take
-            elif self._crlf:
-                if n - pos < 2:
-                    break
-                if buf[pos:pos + 2] != b"\r\n":
-                    self._bad_framing()
-                    return
-                self._crlf = False
-                pos += 2
-            else:
-                line = buf.find(b"\r\n", pos, pos + _MAX_SIZE_LINE)
-                if line < 0:
-                    # A line ended by a bare LF is refused now, as aiohttp's parser refuses it,
-                    # not waited on until the idle timeout (nothing would complete it).
-                    if n - pos >= _MAX_SIZE_LINE or buf.find(b"\n", pos, n) >= 0:
-                        self._bad_framing()
-                        return
-                    break
-                head = buf[pos:line].split(b";", 1)[0].strip(b" \t")
-                # Leading zeros are allowed (the size's value, not its digits, is bounded).
-                if not head or head.strip(_HEX) or len(head.lstrip(b"0")) > 16:
-                    self._bad_framing()
-                    return
-                size = int(head, 16)
-                if size == 0:
-                    self._hand_back(buf[pos:])
-                    return
-                self._need = size
-                pos = line + 2
-        self._rest = buf[pos:]
+        """Chunked framing read piece by piece (``Dechunker``): each chunk's data goes through
+        ``feed``. The last chunk (and any trailers) goes back to aiohttp's parser, which ends the
+        message."""
+        pieces: list[bytes] = []
+        bad = False
+        try:
+            last = self._chunks.read(data, pieces)
+        except FramingError:
+            bad, last = True, None
+        for piece in pieces:  # what came before any bad framing is relayed first
+            self.feed(piece)
+        if bad:
+            self._bad_framing()
+        elif last is not None and self._result is _PENDING:
+            self._hand_back(last)
 
     def _hand_back(self, last: bytes) -> None:
         """The last chunk came: aiohttp's protocol takes the connection back, and its parser,
@@ -606,5 +454,5 @@ class Splice:
         self._idle_timer = self._deadline_timer = None
         self._upstream = None
         if self._reader is not None:
-            self._reader._protocol = cast(BaseProtocol, _SPENT)
+            self._reader._protocol = cast(BaseProtocol, SPENT)
             self._reader = None
