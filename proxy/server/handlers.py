@@ -154,7 +154,7 @@ async def _serve(
                 holding.ended(job.pool, _freed(job, expected))
         completed = True
     finally:
-        await door.leave(visit, completed=completed)
+        await door.leave(visit, completed=completed, engine_asked=job.engine != "none")
     return response
 
 

@@ -180,21 +180,22 @@ class FrontDoor:
             visit.recorder = Recording(chat=visit.chat, max_bytes=limit)
         return visit
 
-    async def leave(self, visit: Visit, *, completed: bool) -> None:
+    async def leave(self, visit: Visit, *, completed: bool, engine_asked: bool = True) -> None:
         """Settle a visit once: the cache fill finished (the answer stored only if the request
-        ``completed``), then the lease settled with the tokens used."""
+        ``completed``), then the lease settled with the tokens used: none when no engine was
+        asked (refused, shed or held out by the proxy itself)."""
         try:
             if isinstance(visit.recorder, Fill):
                 await visit.recorder.close(completed=completed)
         finally:
-            await self._settle(visit)
+            await self._settle(visit, engine_asked)
 
-    async def _settle(self, visit: Visit) -> None:
+    async def _settle(self, visit: Visit, engine_asked: bool) -> None:
         # Shielded, so a cancelled request still settles; a shield costs a task, and unlimited
         # traffic (limits off, the default) has no lease to settle.
         lease, visit.lease = visit.lease, None
         if lease is not None and lease.pending:
-            await asyncio.shield(lease.settle(visit.tokens()))
+            await asyncio.shield(lease.settle(visit.tokens() if engine_asked else 0))
 
 
 DOOR = web.AppKey("front_door", FrontDoor)

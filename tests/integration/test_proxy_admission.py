@@ -5,6 +5,8 @@ from __future__ import annotations
 import openai
 import pytest
 
+from proxy.core.door_config import LimitsConfig
+
 from .stack import ALIAS, DRAFT_MODEL, TARGET_MODEL, Stack, StackFactory, chat_body
 
 HOT = {"metric_overrides": {"vllm:kv_cache_usage_perc": 0.93}}
@@ -79,3 +81,18 @@ async def test_sheddable_tiering_alias_degrades_to_draft(make_stack: StackFactor
     )
     assert resp.status == 503
     assert await stack.metric("kvproxy_degraded_total", from_pool="target", to_pool="draft") == 1
+
+
+async def test_requests_shed_before_any_engine_cost_their_tenant_no_tokens(
+    make_stack: StackFactory,
+) -> None:
+    stack = await make_stack(limits=LimitsConfig(enabled=True, tokens_per_min=1000))
+    await _heat(stack, "t0", "t1")
+    long_prompt = "word " * 1000  # about 1,250 tokens by the estimate, were it charged
+    for _ in range(3):
+        resp = await stack.post("/v1/chat/completions", chat_body(long_prompt),
+                                **{"X-Priority": "sheddable"})
+        assert resp.status == 503
+    # No engine computed anything for them: the tenant's budget is untouched.
+    resp = await stack.post("/v1/chat/completions", chat_body("hi"), **{"X-Priority": "critical"})
+    assert resp.status == 200
