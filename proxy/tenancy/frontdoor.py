@@ -171,7 +171,7 @@ class FrontDoor:
             try:
                 lookup = await self.cache.lookup(req, policy, wait_s=wait_s)
             except BaseException:
-                await self._settle(visit)
+                await self._settle(visit, engine_asked=False)
                 raise
             visit.entry, visit.x_cache, visit.recorder = lookup.entry, lookup.status, lookup.fill
             visit.late = lookup.late
