@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -154,9 +155,12 @@ class Holding:
                 event.set()
 
     async def admit(self, plan: PoolPlan, priority: Priority, inbound: Inbound,
-                    max_tokens: int | None, deadline: float | None) -> Admitted:
+                    max_tokens: int | None, deadline: float | None, *,
+                    on_hold: Callable[[], Awaitable[None]] | None = None) -> Admitted:
         """The pool that serves the request (and its engines' views), after holding it for room
-        where the core says so."""
+        where the core says so. ``on_hold`` is awaited once if the request is held: identical
+        requests waiting for its answer (the response cache's single flight) are let go then,
+        so that a held request never holds up another class's work."""
         ask = _Ask(plan, priority, inbound, max_tokens)
         if not (self._enabled and self._queue(plan.pool).must_queue(priority)):
             try:
@@ -167,9 +171,10 @@ class Holding:
                 refused = shed
         else:
             refused = self._refusal(ask, REASON_COMMITTED)  # in line behind held work
-        return await self._hold(ask, deadline, refused)
+        return await self._hold(ask, deadline, refused, on_hold)
 
-    async def _hold(self, ask: _Ask, deadline: float | None, refused: NoCapacity) -> Admitted:
+    async def _hold(self, ask: _Ask, deadline: float | None, refused: NoCapacity,
+                    on_hold: Callable[[], Awaitable[None]] | None) -> Admitted:
         pool = ask.plan.pool
         ticket = next(self._tickets)
         queue = self._queue(pool)
@@ -183,6 +188,8 @@ class Holding:
         self._ctx.metrics.held_now.labels(pool).set(len(queue))
         outcome = "gone"
         try:
+            if on_hold is not None:
+                await on_hold()
             served, outcome = await self._wait(ask, ticket, verdict.until, event)
             return served
         except NoCapacity:

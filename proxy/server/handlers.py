@@ -202,7 +202,8 @@ async def _prepare(
     """Admit, rank and build the engine's request; the ranking and the KV tokens the request is
     expected to take (what ``_freed`` gives back when the answer tells no usage)."""
     holding = request.app[HOLDING]
-    job.pool, views = await holding.admit(plan, priority, inbound, job.max_tokens, job.deadline)
+    job.pool, views = await holding.admit(plan, priority, inbound, job.max_tokens, job.deadline,
+                                          on_hold=visit.release)
     if job.pool != plan.pool:
         visit.discard()  # another pool's answer is not the answer for the model asked for
     model = upstream_model(ctx.cfg, job.pool, inbound.model)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import openai
 import pytest
 
@@ -96,3 +98,40 @@ async def test_requests_shed_before_any_engine_cost_their_tenant_no_tokens(
     # No engine computed anything for them: the tenant's budget is untouched.
     resp = await stack.post("/v1/chat/completions", chat_body("hi"), **{"X-Priority": "critical"})
     assert resp.status == 200
+
+
+async def test_a_held_request_does_not_hold_up_an_identical_request_of_another_class(
+    make_stack: StackFactory,
+) -> None:
+    """The response cache makes identical requests wait for the first one's answer; when that
+    first one is held by admission, the others are let go at once, not held with it."""
+    stack = await make_stack(engine_kw={"time_scale": 1.0})  # streams that stay open a while
+    await _heat(stack, "t0", "t1")
+    long = {"stream": True, "max_tokens": 300, "ignore_eos": True}
+    busy = [asyncio.create_task(stack.post("/v1/chat/completions", chat_body(f"bg {i}", **long),
+                                           **{"X-Priority": "critical"})) for i in range(2)]
+    try:
+        await stack.wait_for(lambda: _inflight(stack))
+        same = chat_body("the same question", temperature=0)
+        leader = asyncio.create_task(stack.post("/v1/chat/completions", same,
+                                                **{"X-Priority": "sheddable"}))
+        await stack.wait_for(lambda: _held(stack))
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        follower = await stack.post("/v1/chat/completions", same, **{"X-Priority": "critical"})
+        took = loop.time() - started
+        assert follower.status == 200
+        assert took < 2.0, f"the critical copy waited {took:.1f}s behind the held one"
+        assert (await leader).status in (200, 503)
+    finally:
+        for task in busy:
+            task.cancel()
+        await asyncio.gather(*busy, return_exceptions=True)
+
+
+async def _inflight(stack: Stack) -> bool:
+    return await stack.metric("kvproxy_inflight_requests") >= 2
+
+
+async def _held(stack: Stack) -> bool:
+    return await stack.metric("kvproxy_held_requests") >= 1
