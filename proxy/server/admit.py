@@ -71,13 +71,9 @@ def decide(
     decision = ctx.admission.decide(plan.pool, priority, views, need)
     if isinstance(decision, Admit):
         return _admitted(ctx, plan.pool, decision), views
-    for fallback in _fallbacks(plan, priority):
-        need = need_tokens(ctx, fallback, inbound, max_tokens)
-        views = ctx.fleet.views(fallback, now)
-        second = ctx.admission.decide(fallback, priority, views, need)
-        if isinstance(second, Admit):
-            ctx.metrics.degraded.labels(plan.pool, fallback).inc()
-            return _admitted(ctx, fallback, second), views
+    moved = degrade(ctx, plan, priority, inbound, max_tokens)
+    if moved is not None:
+        return moved
     if decision.reason == REASON_NO_ENGINE:
         raise NoEngine(plan.pool, reason=decision.reason, retry_after_s=decision.retry_after_s)
     raise NoCapacity(
@@ -85,6 +81,21 @@ def decide(
         reason=decision.reason,
         retry_after_s=decision.retry_after_s,
     )
+
+
+def degrade(
+    ctx: ShellContext, plan: PoolPlan, priority: Priority, inbound: Inbound, max_tokens: int | None
+) -> Admitted | None:
+    """The first of the plan's fallback pools that admits the request now, or None."""
+    now = ctx.clock()
+    for fallback in _fallbacks(plan, priority):
+        need = need_tokens(ctx, fallback, inbound, max_tokens)
+        views = ctx.fleet.views(fallback, now)
+        second = ctx.admission.decide(fallback, priority, views, need)
+        if isinstance(second, Admit):
+            ctx.metrics.degraded.labels(plan.pool, fallback).inc()
+            return _admitted(ctx, fallback, second), views
+    return None
 
 
 def _fallbacks(plan: PoolPlan, priority: Priority) -> tuple[str, ...]:
@@ -110,6 +121,9 @@ class _Ask:
 
     def decide(self, ctx: ShellContext) -> Admitted:
         return decide(ctx, self.plan, self.priority, self.inbound, self.max_tokens)
+
+    def degrade(self, ctx: ShellContext) -> Admitted | None:
+        return degrade(ctx, self.plan, self.priority, self.inbound, self.max_tokens)
 
     def need(self, ctx: ShellContext, pool: str) -> float:
         return need_tokens(ctx, pool, self.inbound, self.max_tokens)
@@ -170,6 +184,11 @@ class Holding:
                     raise
                 refused = shed
         else:
+            # Behind work held for the first pool's room, but free to go down its tier chain:
+            # a pool further down that admits it now takes it (it jumps no one held there).
+            moved = ask.degrade(self._ctx)
+            if moved is not None:
+                return moved
             refused = self._refusal(ask, REASON_COMMITTED)  # in line behind held work
         return await self._hold(ask, deadline, refused, on_hold)
 

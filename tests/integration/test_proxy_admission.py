@@ -135,3 +135,29 @@ async def _inflight(stack: Stack) -> bool:
 
 async def _held(stack: Stack) -> bool:
     return await stack.metric("kvproxy_held_requests") >= 1
+
+
+async def test_sheddable_work_behind_held_work_still_moves_down_its_tier_chain(
+    make_stack: StackFactory,
+) -> None:
+    """Standard work held for the target pool's room does not keep sheddable work on a tier
+    chain from the draft pool, which admits it now (its deadline too short to be held)."""
+    stack = await make_stack(targets=2, drafts=1, engine_kw={"time_scale": 1.0})
+    for name in ("t0", "t1"):  # closed to standard work as well
+        await stack.faults(name, metric_overrides={"vllm:kv_cache_usage_perc": 0.97})
+    long = {"stream": True, "max_tokens": 300, "ignore_eos": True}
+    busy = [asyncio.create_task(stack.post("/v1/chat/completions", chat_body(f"bg {i}", **long),
+                                           **{"X-Priority": "critical"})) for i in range(2)]
+    try:
+        await stack.wait_for(lambda: _inflight(stack))
+        held = asyncio.create_task(stack.post("/v1/chat/completions", chat_body("std"),
+                                              **{"X-Priority": "standard"}))
+        await stack.wait_for(lambda: _held(stack))
+        resp = await stack.post("/v1/chat/completions", chat_body("shed", model=ALIAS),
+                                **{"X-Priority": "sheddable", "X-Request-Timeout": "1"})
+        assert resp.status == 200 and resp.headers["X-Served-By"] == "draft"
+        assert (await held).status in (200, 503)
+    finally:
+        for task in busy:
+            task.cancel()
+        await asyncio.gather(*busy, return_exceptions=True)
