@@ -11,16 +11,15 @@ from proxy.core.door_config import LimitsConfig
 
 from .stack import ALIAS, DRAFT_MODEL, TARGET_MODEL, Stack, StackFactory, chat_body
 
-HOT = {"metric_overrides": {"vllm:kv_cache_usage_perc": 0.93}}
 
-
-async def _heat(stack: Stack, *names: str) -> None:
+async def _heat(stack: Stack, *names: str, usage: float = 0.93) -> None:
+    """``names`` report ``usage`` of their KV cache, and the proxy has seen it."""
     for name in names:
-        await stack.faults(name, **HOT)
+        await stack.faults(name, metric_overrides={"vllm:kv_cache_usage_perc": usage})
 
     async def seen_hot() -> bool:
         rows = await stack.admin()
-        return all(rows[n]["snapshot"]["kv_usage"] == pytest.approx(0.93) for n in names)
+        return all(rows[n]["snapshot"]["kv_usage"] == pytest.approx(usage) for n in names)
 
     await stack.wait_for(seen_hot)
 
@@ -143,8 +142,7 @@ async def test_sheddable_work_behind_held_work_still_moves_down_its_tier_chain(
     """Standard work held for the target pool's room does not keep sheddable work on a tier
     chain from the draft pool, which admits it now (its deadline too short to be held)."""
     stack = await make_stack(targets=2, drafts=1, engine_kw={"time_scale": 1.0})
-    for name in ("t0", "t1"):  # closed to standard work as well
-        await stack.faults(name, metric_overrides={"vllm:kv_cache_usage_perc": 0.97})
+    await _heat(stack, "t0", "t1", usage=0.97)  # closed to standard work as well
     long = {"stream": True, "max_tokens": 300, "ignore_eos": True}
     busy = [asyncio.create_task(stack.post("/v1/chat/completions", chat_body(f"bg {i}", **long),
                                            **{"X-Priority": "critical"})) for i in range(2)]
