@@ -131,13 +131,17 @@ class DrainRate:
         self._window_s = window_s
         self._ended: deque[tuple[float, float]] = deque(maxlen=4096)
         self._sum = 0.0
-        self._since: float | None = None  # first answer seen: the window is not full before
+        # The first answer since the window was last empty: the window is not full before, so
+        # the rate is over the time since then (not since the process started: after a quiet
+        # spell the same recent answers would otherwise read as a rate ten times lower).
+        self._since: float | None = None
 
     def ended(self, now: float, tokens: float) -> None:
         """An answer ended at ``now``; its prompt and output (``tokens``) are freed."""
         if tokens <= 0:
             return
-        if self._since is None:
+        self._expire(now)
+        if not self._ended:
             self._since = now
         if len(self._ended) == self._ended.maxlen:
             self._sum -= self._ended[0][1]

@@ -149,6 +149,16 @@ def test_a_young_drain_rate_is_not_inflated_by_its_short_history() -> None:
     assert d.seconds_for(400.0, now=5.0) == pytest.approx(1.0)
 
 
+def test_the_drain_rate_after_a_quiet_spell_reads_as_in_a_fresh_process() -> None:
+    # The same recent answers give the same rate whatever came (and went) long before them.
+    old, fresh = DrainRate(window_s=10.0), DrainRate(window_s=10.0)
+    old.ended(0.0, 1000.0)
+    for d in (old, fresh):
+        d.ended(300.0, 1000.0)
+    assert old.seconds_for(2000.0, now=300.5) == fresh.seconds_for(2000.0, now=300.5)
+    assert fresh.seconds_for(2000.0, now=300.5) == pytest.approx(2.0)
+
+
 @pytest.mark.parametrize(("drain_s", "expected"), [
     (None, 2), (float("inf"), 2), (0.0, 1), (0.2, 1), (3.1, 4), (1e9, MAX_RETRY_AFTER_S)])
 def test_retry_after_is_the_drain_time_in_whole_bounded_seconds(
