@@ -12,7 +12,7 @@ looked up once: prometheus-client's ``labels`` validates and locks on every call
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -37,6 +37,8 @@ _DISPATCH_BUCKETS = (
 _SCRAPE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 _LAG_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 # A young collection takes tens of microseconds to a few milliseconds, an old one tens of them.
+# Engines that left the fleet whose late counts are still dropped (the most recent ones).
+_DEPARTED_KEPT = 1024
 _GC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
 
 BREAKER_VALUES = {"closed": 0.0, "half_open": 1.0, "open": 2.0}
@@ -82,24 +84,43 @@ class TenantLabels:
 
 
 M = TypeVar("M", Counter, Histogram)
+K = TypeVar("K", str, tuple[str, str])
 
 
 class Children(Generic[M]):
     """A labelled metric's children by label values, each looked up in the metric once. Label
-    sets are bounded by the module's rules; past ``limit`` of them, lookups are simply not kept."""
+    sets are bounded by the module's rules; past ``limit`` of them, lookups are simply not kept.
+    ``departed`` (looked at only when a label set is new) names the label sets of engines that
+    left the fleet: a late count for one (a request that was still open when it left) goes to a
+    child no registry exports, so engines that come and go leave no series behind."""
 
-    def __init__(self, metric: M, limit: int = 4096) -> None:
+    def __init__(self, metric: M, limit: int = 4096,
+                 departed: Callable[[tuple[str, ...]], bool] | None = None) -> None:
         self._metric: M = metric
         self._limit = limit
+        self._departed = departed
         self._children: dict[tuple[str, ...], Any] = {}
 
     def __call__(self, *values: str) -> M:
         child = self._children.get(values)
         if child is None:
+            if self._departed is not None and self._departed(values):
+                return _unexported(self._metric, values)
             child = self._metric.labels(*values)
             if len(self._children) < self._limit:
                 self._children[values] = child
         return child
+
+    def forget(self, match: Callable[[tuple[str, ...]], bool]) -> None:
+        """Drop the kept children whose label values ``match`` (their series were removed)."""
+        for values in [v for v in self._children if match(v)]:
+            del self._children[values]
+
+
+def _unexported(metric: M, values: tuple[str, ...]) -> M:
+    """A child of a metric shaped like ``metric`` in no registry: what it counts is dropped."""
+    shadow: M = type(metric)(metric._name, "unexported", metric._labelnames, registry=None)
+    return shadow.labels(*values)
 
 
 class ProxyMetrics:
@@ -185,7 +206,15 @@ class ProxyMetrics:
         self._engine_gauges(r)
         self._tenant_counters(r)
         # Every request observes these; see ``Children``.
-        self.requests_by = Children(self.requests)
+        # Engines that left the fleet, as (engine, pool): their counted series are removed, and
+        # late counts for them dropped (``Children``). Bounded: the oldest are let go.
+        self._departed: dict[tuple[str, str], None] = {}
+        self._departed_names: dict[str, None] = {}  # those in no pool any more
+        departed, names = self._departed, self._departed_names
+        self.requests_by = Children(self.requests, departed=lambda v: (v[1], v[0]) in departed)
+        self.upstream_errors_by = Children(self.upstream_errors, departed=lambda v: v[0] in names)
+        self.outlier_ejections_by = Children(
+            self.outlier_ejections, departed=lambda v: (v[1], v[0]) in departed)
         self.duration_by = Children(self.duration)
         self.ttft_by = Children(self.ttft)
         self.dispatch_by = Children(self.dispatch)
@@ -324,6 +353,9 @@ class ProxyMetrics:
         gone, self._engine_keys = self._engine_keys - keys, keys
         if gone:
             self._forget_engines(gone, states, {engine for engine, _ in keys})
+        for key in keys & self._departed.keys():  # back in the fleet: counted again
+            del self._departed[key]
+            self._departed_names.pop(key[0], None)
 
     def _forget_engines(self, gone: set[tuple[str, str]], states: tuple[str, ...],
                         present: set[str]) -> None:
@@ -335,12 +367,36 @@ class ProxyMetrics:
             for state in states:
                 with contextlib.suppress(KeyError):
                     self.health.remove(*key, state)
-            if key[0] not in present:  # the name in no pool any more
-                self.scrape_duration.remove_by_labels({"engine": key[0]})
-                self.scrape_failures.remove_by_labels({"engine": key[0]})
+            engine, pool = key
+            self.requests.remove_by_labels({"engine": engine, "pool": pool})
+            self.requests_by.forget(_pool_engine(pool, engine))
+            self.outlier_ejections.remove_by_labels({"engine": engine, "pool": pool})
+            self.outlier_ejections_by.forget(_pool_engine(pool, engine))
+            if engine not in present:  # the name in no pool any more
+                self.scrape_duration.remove_by_labels({"engine": engine})
+                self.scrape_failures.remove_by_labels({"engine": engine})
+                self.upstream_errors.remove_by_labels({"engine": engine})
+                self.upstream_errors_by.forget(_pool_engine(None, engine))
+                _remember(self._departed_names, engine)
+            _remember(self._departed, key)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _pool_engine(pool: str | None, engine: str) -> Callable[[tuple[str, ...]], bool]:
+    """Matches label values that start (pool, engine), or (engine) when ``pool`` is None."""
+    def match(values: tuple[str, ...]) -> bool:
+        if pool is None:
+            return values[0] == engine
+        return values[0] == pool and values[1] == engine
+    return match
+
+
+def _remember(departed: dict[K, None], key: K) -> None:
+    departed[key] = None
+    while len(departed) > _DEPARTED_KEPT:  # the oldest departures are let go
+        del departed[next(iter(departed))]
 
 
 def _set_optional(gauge: Gauge, key: tuple[str, str], value: float | None) -> None:

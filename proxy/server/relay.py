@@ -375,12 +375,12 @@ class Relay:
     ) -> None:
         metrics = self._ctx.metrics
         for out in engine.record(outcome, self._ctx.clock(), result, self._sent_at):
-            metrics.outlier_ejections.labels(out.pool, out.engine, out.reason).inc()
+            metrics.outlier_ejections_by(out.pool, out.engine, out.reason).inc()
             log.warning("engine %s ejected from the %s pool as an outlier (%s) for %.1f s",
                         out.engine, out.pool, out.reason, out.duration_s)
         self._recorded = True
         if kind is not None and outcome is not Outcome.SUCCESS:
-            metrics.upstream_errors.labels(engine.name, kind).inc()
+            metrics.upstream_errors_by(engine.name, kind).inc()
 
     def _answer(
         self, engine: Engine, resp: aiohttp.ClientResponse

@@ -126,7 +126,7 @@ class Leg:
     def _record(self, outcome: Outcome, sent_at: float) -> None:
         metrics = self.ctx.metrics
         for out in self.engine.record(outcome, self.ctx.clock(), None, sent_at):
-            metrics.outlier_ejections.labels(out.pool, out.engine, out.reason).inc()
+            metrics.outlier_ejections_by(out.pool, out.engine, out.reason).inc()
 
 
 _DETAIL_CHARS = 1000

@@ -87,3 +87,48 @@ async def test_a_departed_engines_figures_leave_metrics() -> None:
         await server.stop()
         for engine in (a, b):
             await engine.stop()
+
+
+async def test_a_departed_engines_request_counts_leave_metrics_late_answers_included() -> None:
+    """Engines that come and go leave no series behind: a departed engine's request counters
+    go with it, and an answer it finishes after it left is not counted under it."""
+    a, b = RogueEngine(TARGET_MODEL), RogueEngine(TARGET_MODEL)
+    for engine in (a, b):
+        await engine.start()
+    cfg = proxy_config([a.url, b.url], ["a", "b"], ["target"] * 2,
+                       routing=RoutingConfig(policy="round_robin"))
+    server = ProxyServer(cfg, app=build_app(cfg))
+    try:
+        await server.start()
+        async with aiohttp.ClientSession() as http:
+
+            async def ask(i: int, stream: bool = False) -> int:
+                async with http.post(server.url + COMPLETIONS,
+                                     json=chat_body(f"question {i}", stream=stream)) as r:
+                    await r.read()
+                    return r.status
+
+            async def metrics() -> str:
+                async with http.get(server.url + "/metrics") as r:
+                    return await r.text()
+
+            assert [await ask(i) for i in range(2)] == [200, 200]  # one each
+            assert 'engine="b"' in "".join(
+                line for line in (await metrics()).splitlines()
+                if line.startswith("kvproxy_requests_total"))
+            b.behaviour.chunk_delay_s, b.behaviour.tokens = 0.05, 20  # a second's stream
+            late = [asyncio.create_task(ask(i, stream=True)) for i in range(2, 4)]
+            await until(lambda: len(b.requests_to(COMPLETIONS)) == 2)
+            await asyncio.sleep(0.1)  # its first bytes are out
+            server.app[SHELL].fleet.remove("b")
+            gone = await metrics()  # b's series leave at this render...
+            assert not [line for line in gone.splitlines() if 'engine="b"' in line]
+            assert await asyncio.gather(*late) == [200, 200]  # ...before its answer ended
+            after = await metrics()
+        lines = [line for line in after.splitlines() if 'engine="b"' in line]
+        assert lines == [], lines
+        assert 'kvproxy_requests_total{class="standard",engine="a"' in after
+    finally:
+        await server.stop()
+        for engine in (a, b):
+            await engine.stop()
