@@ -198,7 +198,7 @@ def _check_sampling(body: dict[str, Any]) -> None:
         raise BadRequest("'seed' must be an integer", param="seed")
 
 
-_INT_FIELDS = ("max_tokens", "max_completion_tokens", "n", "seed")
+_INT_FIELDS = ("max_tokens", "max_completion_tokens", "n", "seed", "priority")
 
 
 def _read_lax(body: dict[str, Any]) -> None:

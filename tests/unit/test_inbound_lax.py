@@ -33,6 +33,9 @@ def chat(**extra: object) -> bytes:
         ({"stream": 1}, {"stream": True}),
         ({"stream": 0}, {"stream": False}),
         ({"max_tokens": 5, "stream": True}, {"max_tokens": 5, "stream": True}),
+        ({"priority": 5.0}, {"priority": 5}),
+        ({"priority": "-2"}, {"priority": -2}),
+        ({"priority": "sheddable"}, {"priority": "sheddable"}),  # the proxy's own words stay
     ],
 )
 def test_what_vllm_would_take_is_taken_in_its_own_type(
