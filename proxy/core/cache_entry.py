@@ -11,6 +11,8 @@ Rules (pure, no I/O):
   ``abort``, ``error`` (vLLM's request-level failure) or ``repetition`` (vLLM cut a degenerate,
   repeating answer: not one to hand every later asker) (``is_finished``); an entry that does not
   hold such an answer does not decode.
+- Each replay has an id of its own and the time it was made (``renamed``): the stored answer's
+  id and time are those of the first request only.
 - An entry names the tenant and model it belongs to; decoding checks both, so even a key collision
   or a corrupted store could not hand an answer across tenants. Garbage decodes to ``EntryError``,
   and so does an answer of the wrong shape (``well_formed``: the fields a replay reads, and the
@@ -58,6 +60,15 @@ class CachedResponse:
 
     def json_body(self) -> bytes:
         return orjson.dumps(self.response)
+
+    def renamed(self, suffix: str, created: int) -> CachedResponse:
+        """The same answer under an id of its own and the time of this replay: two clients
+        answered from one entry never share an id (clients key logs, feedback and idempotency
+        stores on it). The id keeps the stored one's prefix (``chatcmpl-``, ``cmpl-``)."""
+        old = self.response.get("id")
+        prefix = old.split("-", 1)[0] + "-" if isinstance(old, str) and "-" in old else ""
+        response = {**self.response, "id": prefix + suffix, "created": created}
+        return CachedResponse(self.tenant, self.model, self.chat, response)
 
     def usage_tokens(self) -> int | None:
         return usage_tokens(self.response)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import uuid
 from collections.abc import Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -209,7 +210,8 @@ async def replay(
     include_usage: bool,
     headers: Mapping[str, str],
 ) -> web.StreamResponse:
-    """Answer from a cache entry, as JSON or as an SSE stream."""
+    """Answer from a cache entry, as JSON or as an SSE stream, under an id of its own."""
+    entry = entry.renamed(uuid.uuid4().hex, int(time.time()))
     out_headers = {**headers, "X-Cache": "HIT"}
     if not stream:
         return web.Response(

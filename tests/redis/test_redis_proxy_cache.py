@@ -98,6 +98,17 @@ async def test_sse_replay_equals_the_original_stream(
     assert resp.headers["X-Cache"] == "HIT"
     answer = orjson.loads(raw_json)["choices"][0]
     assert (answer["message"]["content"], answer["finish_reason"]) == content(raw_first)
+    # Every answer has an id of its own, of the engine's form, and the time it was made.
+    ids = [_first_chunk(raw)["id"] for raw in (raw_first, raw_second, with_usage)]
+    ids.append(orjson.loads(raw_json)["id"])
+    assert len(set(ids)) == 4 and all(i.startswith("chatcmpl-") for i in ids), ids
+    assert _first_chunk(raw_second)["created"] >= _first_chunk(raw_first)["created"]
+
+
+def _first_chunk(raw: bytes) -> dict[str, Any]:
+    first = next(ln for ln in raw.split(b"\n") if ln.startswith(b"data: {"))
+    doc: dict[str, Any] = orjson.loads(first[6:])
+    return doc
 
 
 async def test_a_stream_cut_midway_is_not_cached(
