@@ -8,6 +8,10 @@ Rules:
   context length the engine's requests typically hold (``context_tokens``), until measured.
 - ``POST /admin/speculation`` validates a schedule before anything restarts (400 naming the
   problem) and answers 202 while the restart runs in a task the engine owns; ``GET`` shows state.
+  It takes the pool lease the controllers use (one per cluster: ``SimCluster.spec_lease``) under
+  its own holder name, so a restart asked for by hand and the controllers' rollouts together
+  keep at most ``max_out`` engines out; 409 while the engine drains or restarts or the lease is
+  taken.
 """
 
 from __future__ import annotations
@@ -15,16 +19,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 
 import orjson
 from aiohttp import web
 
-from engine_sidecar.sim.engine import SimEngine
+from engine_sidecar.sim.engine import ReconfigureRefused, SimEngine
 from engine_sidecar.sim.profiles import Profile
 from engine_sidecar.speculation import schedule as sch
 from engine_sidecar.speculation.controller import (
     Controller,
     ControllerSettings,
+    ReconfigureAbandoned,
     ReconfigureFailed,
 )
 from engine_sidecar.speculation.cost import StepCost
@@ -47,9 +53,12 @@ class SimEngineHandle:
     async def metrics_text(self) -> str | None:
         return None if self.engine.restarting else self.engine.metrics_text()
 
-    async def reconfigure(self, schedule: sch.Schedule) -> None:
+    async def reconfigure(self, schedule: sch.Schedule, on_drained: Callable[[], None]
+                          ) -> None:
         try:
-            await self.engine.reconfigure(schedule)
+            await self.engine.reconfigure(schedule, on_drained=on_drained)
+        except ReconfigureRefused as exc:
+            raise ReconfigureAbandoned(str(exc)) from None
         except RuntimeError as exc:
             raise ReconfigureFailed(str(exc)) from None
 
@@ -82,9 +91,10 @@ def default_settings(engine: SimEngine) -> ControllerSettings:
                                                     max_batch=cfg.max_num_seqs))
 
 
-async def run_controllers(engines: list[SimEngine], *, max_out: int = 1) -> None:
-    """Run one controller per speculating engine, sharing one pool lease, until cancelled."""
-    lease = LocalLease(max_out)
+async def run_controllers(engines: list[SimEngine], lease: Lease | None = None) -> None:
+    """Run one controller per speculating engine, sharing one pool lease (the cluster's, which
+    the admin route takes too), until cancelled."""
+    lease = lease or LocalLease()
     controllers = [attach_controller(e, default_settings(e), lease)
                    for e in engines if e.config.num_speculative_tokens > 0]
     async with asyncio.TaskGroup() as group:
@@ -96,11 +106,13 @@ async def run_controllers(engines: list[SimEngine], *, max_out: int = 1) -> None
 
 _TASKS: web.AppKey[set[asyncio.Task[None]]] = web.AppKey("speculation_tasks")
 _SIM: web.AppKey[SimEngine] = web.AppKey("speculation_engine", SimEngine)
+_LEASE: web.AppKey[Lease] = web.AppKey("speculation_lease")
 
 
-def add_routes(app: web.Application, engine: SimEngine) -> None:
+def add_routes(app: web.Application, engine: SimEngine, lease: Lease) -> None:
     app[_TASKS] = set()
     app[_SIM] = engine
+    app[_LEASE] = lease
     app.router.add_get("/admin/speculation", _get)
     app.router.add_post("/admin/speculation", _post)
     app.on_cleanup.append(_cancel_tasks)
@@ -136,17 +148,26 @@ async def _post(request: web.Request) -> web.Response:
     # tasks still running count too, or two requests would restart the engine twice over.
     if engine.draining or engine.restarting or request.app[_TASKS]:
         return _error("the engine is already draining or restarting", status=409)
-    task = asyncio.create_task(_restart(engine, schedule), name=f"sim-restart:{engine.name}")
+    # Its own holder: the engine's controller (holder ``engine.name``) must not count it as its
+    # own lease and restart the engine beside it.
+    lease, holder = request.app[_LEASE], f"admin:{engine.name}"
+    if not await lease.acquire(holder):
+        return _error("another engine of the pool is being reconfigured", status=409)
+    task = asyncio.create_task(_restart(engine, schedule, lease, holder),
+                               name=f"sim-restart:{engine.name}")
     request.app[_TASKS].add(task)
     task.add_done_callback(request.app[_TASKS].discard)
     return web.json_response(_state(engine) | {"draining": True}, status=202)
 
 
-async def _restart(engine: SimEngine, schedule: sch.Schedule) -> None:
+async def _restart(engine: SimEngine, schedule: sch.Schedule, lease: Lease, holder: str
+                   ) -> None:
     try:
         await engine.reconfigure(schedule)
     except RuntimeError as exc:
         log.error("restart of %s with %s failed: %s", engine.name, sch.render(schedule), exc)
+    finally:
+        await lease.release(holder)
 
 
 def _error(message: str, status: int = 400) -> web.Response:

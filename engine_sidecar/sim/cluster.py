@@ -4,7 +4,8 @@ Rules: ``start_cluster`` binds every engine before it returns (so ``urls`` are l
 engine's step loop; ``SimCluster.close`` refuses new requests, stops the step loops (aborting what
 still runs, so open streams end at once) and then the servers; it is idempotent. Port 0 gives every
 engine its own free port; a port ``P`` gives ``P, P+1, ...``. An engine without a configured name
-is called ``sim-<port>``.
+is called ``sim-<port>``. The engines of a cluster are one pool for speculation restarts: they share
+``spec_lease`` (the admin route and the controllers take it), so one is out at a time.
 """
 
 from __future__ import annotations
@@ -18,12 +19,14 @@ from aiohttp import web
 from engine_sidecar.sim.config import SimEngineConfig
 from engine_sidecar.sim.engine import SimEngine
 from engine_sidecar.sim.server import build_app
+from engine_sidecar.speculation.lease import LocalLease
 
 
 @dataclass
 class SimCluster:
     engines: list[SimEngine]
     urls: list[str]
+    spec_lease: LocalLease = field(default_factory=LocalLease)
     _runners: list[web.AppRunner] = field(default_factory=list, repr=False)
     _closed: bool = False
 
@@ -66,12 +69,12 @@ class SimCluster:
         await self.close()
 
 
-async def _start_one(config: SimEngineConfig, host: str, port: int
+async def _start_one(config: SimEngineConfig, host: str, port: int, lease: LocalLease
                      ) -> tuple[SimEngine, web.AppRunner, int]:
     engine = SimEngine(config)
     # Handlers are cancelled when their client leaves (that is how a disconnect aborts); at
     # shutdown only injected delays can still be running, so they get little time.
-    runner = web.AppRunner(build_app(engine), handler_cancellation=True, access_log=None,
+    runner = web.AppRunner(build_app(engine, lease), handler_cancellation=True, access_log=None,
                            shutdown_timeout=2.0)
     await runner.setup()
     try:
@@ -94,7 +97,8 @@ async def start_cluster(configs: Sequence[SimEngineConfig], host: str = "127.0.0
     url_host = f"[{host}]" if ":" in host else host
     try:
         for i, config in enumerate(configs):
-            engine, runner, bound = await _start_one(config, host, port + i if port else 0)
+            engine, runner, bound = await _start_one(config, host, port + i if port else 0,
+                                                     cluster.spec_lease)
             cluster.engines.append(engine)
             cluster._runners.append(runner)
             cluster.urls.append(f"http://{url_host}:{bound}")

@@ -13,7 +13,10 @@ Rules:
   refuse new requests (draining), let the running ones finish, start again empty (KV cache,
   counters and histograms reset, as a new vLLM process's would be), stay out ``restart_s``
   simulated seconds, then accept requests again. ``FaultConfig.restart_fails`` makes it fail
-  after the drain, leaving the engine on its old schedule.
+  after the drain, leaving the engine on its old schedule. It is not re-entrant: while one runs
+  (or the engine drains to stop) another is refused (``ReconfigureRefused``), and so is one whose
+  drain does not end in time (the streams still running are not cut); either way the engine
+  keeps its schedule.
 """
 
 from __future__ import annotations
@@ -118,6 +121,10 @@ class RequestStream:
             self.finished = True
             self._engine.abort(self)
             self._wake()
+
+
+class ReconfigureRefused(RuntimeError):
+    """The engine was not restarted and keeps its schedule (see the module rules)."""
 
 
 class SimEngine:
@@ -290,12 +297,20 @@ class SimEngine:
 
     # -- restart with a new speculation schedule ---------------------------------------------
 
-    async def reconfigure(self, schedule: Schedule, *, drain_timeout_s: float = 600.0) -> None:
+    async def reconfigure(self, schedule: Schedule, *, drain_timeout_s: float = 600.0,
+                          on_drained: Callable[[], None] | None = None) -> None:
         """Drain, restart empty with ``schedule`` (already validated), reopen; ``RuntimeError``
-        if the drain timed out or the injected restart fault fired (old schedule kept)."""
+        if the injected restart fault fired, ``ReconfigureRefused`` if another restart runs or
+        the drain timed out (old schedule kept in every case)."""
+        if self.draining or self.restarting:
+            # A second restart would swap the scheduler under the first's streams, and the
+            # first's ``finally`` would reopen the engine in the middle of the second.
+            raise ReconfigureRefused("the engine is already draining or restarting")
         self.draining = True
         try:
             await self._drained(drain_timeout_s)
+            if on_drained is not None:
+                on_drained()
             self.restarting = True
             await asyncio.sleep(self.config.spec.restart_s / self.config.time_scale)
             if self.faults.restart_fails:
@@ -320,7 +335,7 @@ class SimEngine:
         deadline = loop.time() + timeout_s / self.config.time_scale
         while self._streams or self.scheduler.has_work:
             if loop.time() >= deadline:
-                raise RuntimeError("drain timed out")
+                raise ReconfigureRefused("the drain timed out with requests still running")
             await asyncio.sleep(0.05 / self.config.time_scale)
 
     # -- the step loop ---------------------------------------------------------------------------

@@ -212,7 +212,7 @@ async def serve(configs: list[SimEngineConfig], host: str, port: int, drain_time
                 adaptive: bool = False) -> None:
     cluster = await start_cluster(configs, host=host, port=port)
     tune_gc()
-    controllers = (asyncio.create_task(run_controllers(cluster.engines),
+    controllers = (asyncio.create_task(run_controllers(cluster.engines, cluster.spec_lease),
                                        name="sim-speculation-controllers") if adaptive else None)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -25,6 +25,7 @@ from engine_sidecar.sim.protocol import ApiError, Kind, Limits, ParsedRequest, p
 from engine_sidecar.sim.responses import Identity
 from engine_sidecar.sim.streaming import ConnectionResetByFault, relay_full, relay_stream
 from engine_sidecar.sim.tokenizer import TOKEN_IDS, chat_prompt, decode, encode
+from engine_sidecar.speculation.lease import Lease, LocalLease
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,8 @@ async def _engine_header(request: web.Request, response: web.StreamResponse) -> 
     response.headers["X-Engine-Id"] = request.app[ENGINE].name
 
 
-def build_app(engine: SimEngine) -> web.Application:
+def build_app(engine: SimEngine, spec_lease: Lease | None = None) -> web.Application:
+    """``spec_lease``: the pool lease the admin speculation route takes (the cluster's)."""
     app = web.Application(middlewares=[_errors], client_max_size=64 * 1024 * 1024)
     app[ENGINE] = engine
     app.on_response_prepare.append(_engine_header)
@@ -79,7 +81,7 @@ def build_app(engine: SimEngine) -> web.Application:
     app.router.add_get("/admin/faults", _faults_get)
     app.router.add_post("/admin/faults", _faults_set)
     app.router.add_delete("/admin/faults", _faults_clear)
-    adaptive.add_routes(app, engine)
+    adaptive.add_routes(app, engine, spec_lease or LocalLease())
     return app
 
 

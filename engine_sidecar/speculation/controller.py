@@ -8,13 +8,20 @@ Rules:
   engine is back within one rollout, and a wait of up to ``eval_s`` after that would keep this
   one on the schedule it meant to leave. Every decision is logged (logger
   ``kvproxy.speculation``) with its inputs, and counted.
-- How long a rollout kept the engine out (drain, restart, warm-up) is measured and is what the
-  policy charges the next change for.
+- How long a rollout kept the engine out (drain, restart, warm-up; for a failed one, until it is
+  back on the last good schedule) is measured and is what the policy charges the next change for.
 - After a rollout the policy starts again from ``committed`` with the decision rolled out, so a
   provisional change (made on positions the window had not measured) keeps its one follow-up.
 - A change is rolled out only when ``act`` is on, the gate allows it and the pool lease is held:
   the engine handle drains, restarts with the new schedule and warms up; if that fails, the handle
-  is asked to come back on the last good schedule. The lease is released in every case.
+  is asked to come back on the last good schedule. The lease is released once the engine is back:
+  after a rollback that failed too, the engine is still out (the supervisor's backoff restarts
+  it), so the lease stays held, and no rollout of this engine starts, until a poll finds it ready.
+- A handle may abandon a reconfiguration without stopping the engine (its drain did not end in
+  time: cutting the streams would lose requests) or because the sidecar is stopping: nothing is
+  rolled back, the engine keeps its schedule (``abandoned``).
+- The gate's queue is the window's mean (an operator's request before the first evaluation
+  included), or one scrape's when the window has too few polls.
 - The clock is the event loop's, so a virtual-time loop (the benchmark) runs the same code.
 - Nothing here knows whether the engine is real vLLM or the simulator: that is the handle's job.
 """
@@ -55,12 +62,25 @@ class ReconfigureFailed(Exception):
     """The engine did not come back ready with the requested schedule."""
 
 
+class ReconfigureAbandoned(Exception):
+    """The engine was not restarted (its drain did not end in time, the sidecar is stopping, or
+    another restart of it runs): it keeps the schedule it had, there is nothing to roll back."""
+
+
 class EngineHandle(Protocol):
-    def current_schedule(self) -> sch.Schedule: ...
+    def current_schedule(self) -> sch.Schedule:
+        """The schedule the engine last came up ready with (not one still starting)."""
+        ...
 
-    async def metrics_text(self) -> str | None: ...
+    async def metrics_text(self) -> str | None:
+        """The engine's metrics; None while it is not ready (down, draining, starting)."""
+        ...
 
-    async def reconfigure(self, schedule: sch.Schedule) -> None: ...
+    async def reconfigure(self, schedule: sch.Schedule, on_drained: Callable[[], None]
+                          ) -> None:
+        """Drain, call ``on_drained``, restart with ``schedule``, warm up; raises
+        :class:`ReconfigureFailed` or :class:`ReconfigureAbandoned`."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -85,7 +105,7 @@ class ControllerStats:
     decisions: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
         ("change", "keep", "wait", "held"), 0))
     reconfigurations: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
-        ("ok", "rolled_back", "failed"), 0))
+        ("ok", "rolled_back", "failed", "abandoned"), 0))
     last: Decision | None = None
     last_change_gain: float | None = None
     measured_gain: float | None = None
@@ -117,6 +137,8 @@ class Controller:
         self._lease_retry = False  # the last change waited only for the pool's lease
         self._applying = False  # a rollout of this engine runs (``_apply``): one at a time
         self._distrusted = False  # the last scrape held an implausible value (logged once)
+        self._out_since = 0.0  # when the rollout that left the engine ``failed`` began
+        self._why = ""  # why the last rollout did not apply its schedule
 
     @property
     def max_k(self) -> int:
@@ -138,6 +160,8 @@ class Controller:
         """One poll, and one evaluation (with a rollout if it says so) when one is due."""
         now = self._now()
         text = await self.engine.metrics_text()
+        if text is not None and self.rollout.state is RolloutState.FAILED and not self._applying:
+            await self._back_after_failure(now)
         if text is not None:
             try:
                 snapshot = snapshot_from_text(text, now)
@@ -229,6 +253,9 @@ class Controller:
             # the same holder) and then release it while the first restart is still out.
             self._hold("a rollout of this engine is in progress")
             return False
+        if self.rollout.state is RolloutState.FAILED:
+            self._hold("the engine is not back from a failed rollback yet")
+            return False
         self._applying = True
         try:
             return await self._apply_one(decision)
@@ -240,9 +267,24 @@ class Controller:
         self.stats.decisions["held"] += 1
         self.last_hold = why
 
+    async def _queue(self) -> float:
+        """The engine's queue for the gate: the window's mean, else what one scrape shows."""
+        if self._pool_waiting is not None:
+            return await self._pool_waiting()
+        found = self.window.figures(self.engine.current_schedule(), self.max_k,
+                                    self.settings.policy.max_batch)
+        if found is not None:
+            return found.waiting
+        text = await self.engine.metrics_text()
+        if text is None:
+            return 0.0  # nothing is served, so nothing queues
+        try:
+            return snapshot_from_text(text, self._now()).waiting
+        except ImplausibleMetrics:
+            return 0.0
+
     async def _apply_one(self, decision: Decision) -> bool:
-        waiting = await self._pool_waiting() if self._pool_waiting else (
-            self._latest.waiting if self._latest else 0.0)
+        waiting = await self._queue()
         shed = await self._shed_probe() if self._shed_probe else None
         ok, why = may_start(shed_increase=shed, pool_waiting=waiting,
                             max_waiting=self.settings.max_waiting)
@@ -251,14 +293,22 @@ class Controller:
             self._hold(why if not ok else "another engine of the pool is being reconfigured")
             return False
         try:
-            ok = await self._roll_out(decision)
+            outcome = await self._roll_out(decision)
         finally:
-            await self.lease.release(self.name)
-        self.state = committed(self.state, self._now(), decision if ok else None)
-        self.last_hold = "" if ok else "the restart failed; rolled back"
-        return ok
+            # ``failed``: the engine is still out (down in the supervisor's backoff); the lease
+            # goes when a poll finds it back (``_back_after_failure``).
+            if self.rollout.state is not RolloutState.FAILED:
+                await self.lease.release(self.name)
+        self.state = committed(self.state, self._now(), decision if outcome == "ok" else None)
+        self.last_hold = "" if outcome == "ok" else self._why
+        return outcome == "ok"
 
-    async def _roll_out(self, decision: Decision) -> bool:
+    def _on_drained(self) -> None:
+        if self.rollout.state is RolloutState.DRAINING:
+            self.rollout.move(RolloutState.RESTARTING)
+
+    async def _roll_out(self, decision: Decision) -> str:
+        """Drain, restart, and roll back if that fails; the outcome, counted and logged."""
         good = decision.current
         self.rollout.move(RolloutState.LEASED)
         self.rollout.move(RolloutState.DRAINING)
@@ -267,33 +317,60 @@ class Controller:
                  sch.render(decision.proposed))
         started = self._now()
         try:
-            self.rollout.move(RolloutState.RESTARTING)
-            await self.engine.reconfigure(decision.proposed)
-            self.stats.out_s = self._now() - started
+            await self.engine.reconfigure(decision.proposed, self._on_drained)
+        except ReconfigureAbandoned as exc:
+            return self._abandoned("rollout", exc)
         except ReconfigureFailed as exc:
             log.error("speculation rollout engine=%s failed (%s); rolling back to %s",
                       self.name, exc, sch.render(good))
-            await self._roll_back(good)
-            return False
+            outcome = await self._roll_back(good)
+            # A failed rollout kept the engine out too: charged, or the policy would think
+            # restarts cheaper than they are.
+            self.stats.out_s = self._now() - started
+            self._out_since = started
+            return outcome
+        self.stats.out_s = self._now() - started
         self.rollout.move(RolloutState.IDLE)
         self.stats.reconfigurations["ok"] += 1
         self.stats.last_change_gain = decision.predicted_gain
         self.stats.measured_gain = None
         self.window.clear()
-        return True
+        return "ok"
 
-    async def _roll_back(self, good: sch.Schedule) -> None:
+    async def _roll_back(self, good: sch.Schedule) -> str:
         self.rollout.move(RolloutState.ROLLING_BACK)
         try:
-            await self.engine.reconfigure(good)
+            await self.engine.reconfigure(good, self._on_drained)
+        except ReconfigureAbandoned as exc:
+            return self._abandoned("rollback", exc)
         except ReconfigureFailed as exc:
             log.error("speculation rollback engine=%s failed too: %s", self.name, exc)
             self.rollout.move(RolloutState.FAILED)
             self.stats.reconfigurations["failed"] += 1
-            return
+            self._why = ("the restart failed and so did the rollback; the supervisor restarts "
+                         "the engine on the last good schedule")
+            return "failed"
         self.rollout.move(RolloutState.IDLE)
         self.stats.reconfigurations["rolled_back"] += 1
         self.window.clear()
+        self._why = "the restart failed; rolled back to the last good schedule"
+        return "rolled_back"
+
+    def _abandoned(self, what: str, exc: ReconfigureAbandoned) -> str:
+        log.warning("speculation %s engine=%s abandoned: %s", what, self.name, exc)
+        self.rollout.move(RolloutState.IDLE)
+        self.stats.reconfigurations["abandoned"] += 1
+        self._why = f"abandoned: {exc}"
+        return "abandoned"
+
+    async def _back_after_failure(self, now: float) -> None:
+        """The supervisor brought the engine back after a failed rollback: it is in again."""
+        self.rollout.move(RolloutState.IDLE)
+        self.stats.out_s = now - self._out_since
+        self.last_hold = ""
+        log.info("speculation engine=%s back after a failed rollback (out %.1f s)", self.name,
+                 self.stats.out_s)
+        await self.lease.release(self.name)
 
     def metrics_text(self) -> str:
         return render(self)

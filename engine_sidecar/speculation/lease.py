@@ -5,11 +5,17 @@ Rules:
   slot keys ``kvproxy:spec:rollout:<pool>:<i>`` set with NX and a TTL (a crashed holder frees its
   slot by expiry), deleted only by their holder. Redis being unreachable means no lease: an
   engine that cannot coordinate does not go out.
+- A held slot is renewed every third of its TTL by a named task until it is released: how long
+  an engine stays out (a slow drain, start, warm-up, a rollback's second start, a failed rollback
+  waiting for the supervisor) has no bound the TTL could be chosen from; the TTL only bounds how
+  long a crashed holder blocks the pool. ``close`` releases what is still held.
 - ``LocalLease`` does the same for engines of one process (the simulator, the benchmark).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from typing import Protocol
 
@@ -20,6 +26,10 @@ log = logging.getLogger(__name__)
 KEY_PREFIX = "kvproxy:spec:rollout:"
 _RELEASE = """
 if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end
+return 0
+"""
+_RENEW = """
+if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end
 return 0
 """
 
@@ -62,6 +72,8 @@ class RedisLease:
         self._client = aioredis.from_url(redis_url)
         self.pool, self.max_out, self.ttl_s = pool, max_out, ttl_s
         self._held: str | None = None
+        self._holder = ""
+        self._renewal: asyncio.Task[None] | None = None
 
     def _slot(self, i: int) -> str:
         return f"{KEY_PREFIX}{self.pool}:{i}"
@@ -71,16 +83,43 @@ class RedisLease:
             for i in range(self.max_out):
                 if await self._client.set(self._slot(i), holder, nx=True,
                                           px=int(self.ttl_s * 1000)):
-                    self._held = self._slot(i)
+                    self._hold(self._slot(i), holder)
                     return True
                 if await self._client.get(self._slot(i)) == holder.encode():
-                    self._held = self._slot(i)
+                    self._hold(self._slot(i), holder)
                     return True
         except (RedisError, OSError) as exc:
             log.warning("speculation lease: Redis unreachable (%s); not rolling out", exc)
         return False
 
+    def _hold(self, key: str, holder: str) -> None:
+        self._held, self._holder = key, holder
+        if self._renewal is None or self._renewal.done():
+            self._renewal = asyncio.create_task(self._renew(key, holder),
+                                                name=f"speculation-lease-renewal:{key}")
+
+    async def _renew(self, key: str, holder: str) -> None:
+        ttl_ms = int(self.ttl_s * 1000)
+        while True:
+            await asyncio.sleep(self.ttl_s / 3)
+            try:
+                if not await self._client.eval(_RENEW, 1, key, holder, ttl_ms):
+                    log.error("speculation lease %s: lost (expired or taken by another "
+                              "holder); another engine of the pool may be out too", key)
+                    return
+            except (RedisError, OSError) as exc:
+                # Two more tries before it expires; nothing better to do than try again.
+                log.warning("speculation lease %s: renewal failed (%s)", key, exc)
+
+    async def _stop_renewal(self) -> None:
+        task, self._renewal = self._renewal, None
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
     async def release(self, holder: str) -> None:
+        await self._stop_renewal()
         key, self._held = self._held, None
         if key is None:
             return
@@ -90,4 +129,5 @@ class RedisLease:
             log.warning("speculation lease: release failed (%s); it expires by TTL", exc)
 
     async def close(self) -> None:
+        await self.release(self._holder)
         await self._client.aclose()

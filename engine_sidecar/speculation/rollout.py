@@ -4,9 +4,11 @@ Rules:
 - One engine goes ``idle -> leased -> draining -> restarting -> idle`` (ready again with the new
   schedule); a failed restart goes ``restarting -> rolling_back -> idle`` (back on the last good
   schedule) or, if that fails too, ``rolling_back -> failed``, where the supervisor's ordinary
-  restart-with-backoff takes over. Any other move raises :class:`IllegalTransition`.
+  restart-with-backoff takes over, and ``failed -> idle`` once the engine is back. A drain that
+  does not end in time is abandoned, ``draining -> idle``: the engine was never stopped, and
+  cutting its streams would lose requests. Any other move raises :class:`IllegalTransition`.
 - The lease is what keeps more than ``max_out`` engines of a pool from being out at once; it is
-  held from ``leased`` until the engine is back (or has failed).
+  held from ``leased`` until the engine is back and ready, through ``failed`` too.
 - :func:`may_start` is the gate before a lease is even asked for: never while the pool sheds or
   queues (the engines that stay up must be able to take the drained engine's share).
 """
@@ -33,10 +35,10 @@ _S = RolloutState
 TRANSITIONS: dict[RolloutState, frozenset[RolloutState]] = {
     _S.IDLE: frozenset({_S.LEASED}),
     _S.LEASED: frozenset({_S.DRAINING, _S.IDLE}),
-    _S.DRAINING: frozenset({_S.RESTARTING, _S.ROLLING_BACK}),
+    _S.DRAINING: frozenset({_S.RESTARTING, _S.ROLLING_BACK, _S.IDLE}),
     _S.RESTARTING: frozenset({_S.IDLE, _S.ROLLING_BACK}),
     _S.ROLLING_BACK: frozenset({_S.IDLE, _S.FAILED}),
-    _S.FAILED: frozenset({_S.LEASED, _S.IDLE}),
+    _S.FAILED: frozenset({_S.IDLE}),
 }
 
 

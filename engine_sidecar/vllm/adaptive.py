@@ -8,7 +8,10 @@ Rules:
   the lease key ``speculation.pool``, by default the engine's role and model), or
   ``coordination = "local"`` for a pool of one. Anything else is refused at start-up.
 - The handle restarts vLLM through the supervisor with the profile's command line plus the new
-  ``num_speculative_tokens_per_batch_size``; a schedule is validated before anything drains.
+  ``num_speculative_tokens_per_batch_size``; a schedule is validated before anything drains. The
+  schedule it reports is the one the engine last came up ready with, not one still starting.
+- The pool lease's TTL covers one drain, stop and start, but the lease is renewed while held
+  (``lease``): the TTL only bounds how long a crashed sidecar blocks its pool.
 - Shedding is read from the proxies' ``/metrics`` (``kvproxy_shed_total``, summed over labels)
   named in ``speculation.proxy_metrics_urls``: any increase since the last look holds a rollout.
   Without proxies configured, only the engine's own queue is consulted.
@@ -19,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -31,6 +34,7 @@ from engine_sidecar.speculation import schedule as sch
 from engine_sidecar.speculation.controller import (
     Controller,
     ControllerSettings,
+    ReconfigureAbandoned,
     ReconfigureFailed,
 )
 from engine_sidecar.speculation.cost import StepCost
@@ -39,7 +43,7 @@ from engine_sidecar.speculation.policy import DEFAULT_EDGES, PolicySettings
 from engine_sidecar.speculation.shift import ShiftSettings
 from engine_sidecar.vllm import metrics as m
 from engine_sidecar.vllm.profile import Profile, ProfileError, build_command, with_schedule
-from engine_sidecar.vllm.supervisor import StartupFailed, Supervisor
+from engine_sidecar.vllm.supervisor import Abandoned, StartupFailed, Supervisor
 
 log = logging.getLogger(__name__)
 SHED_TOTAL = "kvproxy_shed_total"
@@ -146,7 +150,7 @@ class VllmEngineHandle:
         self.python = sup.cmd[0]
 
     def current_schedule(self) -> sch.Schedule:
-        eng = self.sup.profile.engine
+        eng = self.sup.last_good[0].engine
         raw = (eng.speculative or {}).get(sch.SCHEDULE_FIELD)
         if raw is None:
             return sch.uniform(eng.num_speculative_tokens, eng.max_num_seqs or 256)
@@ -158,13 +162,22 @@ class VllmEngineHandle:
     async def metrics_text(self) -> str | None:
         return await self.sup.engine_metrics() if self.sup.state.ready else None
 
-    async def reconfigure(self, schedule: sch.Schedule) -> None:
+    async def reconfigure(self, schedule: sch.Schedule, on_drained: Callable[[], None]
+                          ) -> None:
         self.check(schedule)
-        profile = with_schedule(self.sup.profile, schedule)
+        profile, cmd = self.sup.last_good
+        if schedule != self.current_schedule():
+            profile = with_schedule(profile, schedule)
+            cmd = build_command(profile, self.python)
+        # else a rollback: the very command line that last came up, which the supervisor knows
+        # as good and keeps restarting if even this start fails (one with the schedule spelled
+        # out would be a new command line, and the engine would stay down).
         try:
-            await self.sup.reconfigure(profile, build_command(profile, self.python))
+            await self.sup.reconfigure(profile, cmd, on_drained)
         except StartupFailed as exc:
             raise ReconfigureFailed(str(exc)) from None
+        except Abandoned as exc:
+            raise ReconfigureAbandoned(str(exc)) from None
 
 
 def shed_probe(session: aiohttp.ClientSession, urls: tuple[str, ...]
@@ -193,7 +206,8 @@ def build(profile: Profile, sup: Supervisor, session: aiohttp.ClientSession
     pool = s.pool or f"{profile.engine.role}:{profile.engine.served_model_name}"
     lease: Lease = LocalLease(s.max_out) if s.coordination == "local" else RedisLease(
         profile.sidecar.redis_url or "", pool, max_out=s.max_out,
-        ttl_s=profile.sidecar.startup_timeout_s + profile.sidecar.drain_timeout_s)
+        ttl_s=profile.sidecar.startup_timeout_s + profile.sidecar.drain_timeout_s
+        + profile.sidecar.stop_timeout_s)
     cost = StepCost(fixed_s=s.step_fixed_s, weights_s=s.step_weights_s,
                     kv_per_seq_s=s.step_kv_per_seq_s,
                     compute_per_token_s=s.step_compute_per_token_s,

@@ -6,7 +6,9 @@ Rules:
 - The adaptive speculation loop (``[speculation]``, see ``adaptive``) runs here, as a named task
   of this process, when the profile turns it on.
 - SIGTERM/SIGINT drain: not ready at once, wait for the engine's requests (bounded), stop vLLM,
-  exit 0. A second signal stops at once.
+  exit 0. A second signal stops at once. A rollout in progress (the loop's, or one a
+  ``POST /speculation`` runs in its handler) is abandoned by the supervisor, which starts no
+  engine once stopping began; the pool lease is released after the engine is stopped.
 """
 
 from __future__ import annotations
@@ -122,9 +124,9 @@ async def serve(profile: Profile, cmd: list[str], env: dict[str, str]) -> int:
             # wish to serve (the key's TTL is only the backstop for a killed process).
             await _stop_heartbeat(beat)
             await _stop_heartbeat(loop_task)
+            await sup.close()
             if built is not None:
                 await built[1].close()
-            await sup.close()
             await runner.cleanup()
     return 0
 

@@ -7,11 +7,16 @@ Rules:
 - Ready means: the process runs, ``/health`` answered 200 and every warm-up request succeeded, and
   the sidecar is not draining. Anything else is not ready.
 - ``reconfigure`` restarts the engine with another command line (a new speculation schedule):
-  report draining, wait for the engine's requests (bounded), stop supervision and the engine,
-  start the new one and wait for it to be ready; only then is supervision (restart on crash)
-  resumed. A start that fails leaves the engine stopped and raises ``StartupFailed`` so the caller
-  rolls back; a failed start of the last good command resumes supervision, whose backoff keeps
-  trying.
+  report draining, wait for the engine's requests, stop supervision and the engine, start the new
+  one and wait for it to be ready; only then is supervision (restart on crash) resumed. A start
+  that fails leaves the engine stopped and raises ``StartupFailed`` so the caller rolls back; a
+  failed start of the last good command resumes supervision, whose backoff keeps trying.
+- A reconfiguration never cuts a request: when requests still run at ``drain_timeout_s`` it is
+  abandoned (``Abandoned``), the engine keeps running and serving as before. One runs at a time.
+- Stopping (``drain_and_stop``, ``close``) wins over a reconfiguration: it is abandoned at its
+  next step and starts no engine afterwards, and ``close`` waits for it to give up before it
+  stops the engine, so no engine outlives the sidecar. A drain that interrupts a reconfiguration
+  still waiting for requests waits for them as any drain does.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,10 +39,16 @@ from engine_sidecar.vllm.spec import SpecStats, SpecWindow
 
 log = logging.getLogger(__name__)
 _WARMUP_PROMPT = "Warm up the engine: the quick brown fox jumps over the lazy dog."
+# How long ``close`` lets a reconfiguration reach its next step before cancelling it.
+_RECONFIGURE_GRACE_S = 10.0
 
 
 class StartupFailed(Exception):
     """The engine exited or never became healthy during start-up."""
+
+
+class Abandoned(Exception):
+    """A reconfiguration gave up without restarting the engine on the new command line."""
 
 
 @dataclass
@@ -70,6 +81,11 @@ class Supervisor:
         self._tasks: list[asyncio.Task[None]] = []
         self._supervision: asyncio.Task[None] | None = None
         self._good = (profile, list(cmd))
+        # The reconfiguration running (its task, and whether it still waits for requests).
+        self._reconfiguring: asyncio.Task[Any] | None = None
+        self._reconfigure_draining = False
+        self._reconfigured = asyncio.Event()
+        self._reconfigured.set()
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -84,6 +100,7 @@ class Supervisor:
 
     async def close(self) -> None:
         self._stopping.set()
+        await self._reconfiguration_over()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -93,9 +110,11 @@ class Supervisor:
 
     async def drain_and_stop(self) -> None:
         """Report draining, wait for the engine's requests to finish (bounded), then stop it."""
-        # An engine that never became ready has served nobody: nothing to wait for.
-        was_ready, self.state.ready = self.state.ready, False
-        self.state.draining = True
+        # An engine that never became ready has served nobody: nothing to wait for. One that a
+        # reconfiguration was draining has.
+        was_ready = self.state.ready or self._reconfigure_draining
+        self.state.ready, self.state.draining = False, True
+        self._stopping.set()  # a reconfiguration gives up at its next step
         now = time.monotonic()
         deadline = now + self.profile.sidecar.drain_timeout_s
         # Even an idle engine keeps running until the proxies have had time to see the flag:
@@ -110,17 +129,51 @@ class Supervisor:
 
     # -- reconfiguration ---------------------------------------------------------------------
 
-    async def reconfigure(self, profile: Profile, cmd: Sequence[str]) -> None:
+    async def reconfigure(self, profile: Profile, cmd: Sequence[str],
+                          on_drained: Callable[[], None] | None = None) -> None:
         """Drain, restart with ``cmd``, wait until ready (see module rules)."""
+        self._check_stopping()
+        if not self._reconfigured.is_set():
+            raise Abandoned("another reconfiguration of this engine is in progress")
+        self._reconfigured.clear()
+        self._reconfiguring = asyncio.current_task()
+        try:
+            await self._drain_for_reconfigure()
+            if on_drained is not None:
+                on_drained()
+            await self._restart_with(profile, cmd)
+        finally:
+            self._reconfiguring, self._reconfigure_draining = None, False
+            self._reconfigured.set()
+
+    def _check_stopping(self) -> None:
+        if self._stopping.is_set():
+            raise Abandoned("the sidecar is stopping")
+
+    async def _drain_for_reconfigure(self) -> None:
+        was_ready = self.state.ready
         self.state.draining, self.state.ready = True, False
+        self._reconfigure_draining = True
         self._note("draining to reconfigure")
-        await self._wait_idle()
+        try:
+            await self._wait_idle()
+        except Abandoned:
+            if not self._stopping.is_set():  # back in service, as it was; supervision never left
+                self.state.draining, self.state.ready = False, was_ready and self.state.engine_up
+                self._note("reconfiguration abandoned: requests still running")
+            raise
+        self._reconfigure_draining = False
+
+    async def _restart_with(self, profile: Profile, cmd: Sequence[str]) -> None:
         await self._stop_supervision()
         await self._stop_engine()
+        self._check_stopping()
         self.profile, self.cmd = profile, list(cmd)
         try:
             proc = await self._start_ready()
+            self._check_stopping()  # ``close`` stops the engine just started
         except (StartupFailed, OSError) as exc:
+            self._check_stopping()
             await self._stop_engine()
             if self.cmd == self._good[1]:
                 self.state.draining = False
@@ -132,14 +185,36 @@ class Supervisor:
         self._supervise(self._watch_then_supervise(proc))
 
     async def _wait_idle(self) -> None:
+        """Until the engine has no request (after the drain notice); ``Abandoned`` when it still
+        has some at ``drain_timeout_s``, or the sidecar is stopping."""
         side = self.profile.sidecar
         now = time.monotonic()
         deadline, noticed_at = now + side.drain_timeout_s, now + side.drain_notice_s
-        while self.state.engine_up and time.monotonic() < deadline:
+        while self.state.engine_up:
+            self._check_stopping()
             busy = await self._in_flight()
             if busy is not None and busy <= 0 and time.monotonic() >= noticed_at:
                 return
+            if time.monotonic() >= deadline:
+                still = "an unknown number of" if busy is None else f"{busy:.0f}"
+                raise Abandoned(f"the drain did not end within {side.drain_timeout_s:g} s "
+                                f"({still} requests still running); the engine keeps its "
+                                "schedule")
             await asyncio.sleep(0.25)
+
+    async def _reconfiguration_over(self) -> None:
+        """Wait for a running reconfiguration to give up (it checks ``_stopping`` at each
+        step); cancel it if it does not within the grace period."""
+        task = self._reconfiguring
+        if task is None or task is asyncio.current_task():
+            return
+        try:
+            await asyncio.wait_for(self._reconfigured.wait(), _RECONFIGURE_GRACE_S)
+        except TimeoutError:
+            log.warning("a reconfiguration did not give up in %.0f s; cancelling it",
+                        _RECONFIGURE_GRACE_S)
+            task.cancel()
+            await self._reconfigured.wait()
 
     async def _stop_supervision(self) -> None:
         task, self._supervision = self._supervision, None
@@ -208,6 +283,8 @@ class Supervisor:
         side = self.profile.sidecar
         deadline = time.monotonic() + side.startup_timeout_s
         while time.monotonic() < deadline:
+            if self._stopping.is_set():
+                raise StartupFailed("the sidecar is stopping")
             if proc.returncode is not None:
                 raise StartupFailed(f"exited with status {proc.returncode} before /health")
             if await self._get_status("/health") == 200:
@@ -223,6 +300,8 @@ class Supervisor:
                 "max_tokens": side.warmup_max_tokens, "temperature": 0.0}
         url = self.profile.local_engine_url + "/v1/completions"
         for i in range(side.warmup_requests):
+            if self._stopping.is_set():
+                raise StartupFailed("the sidecar is stopping")
             try:
                 async with self._session.post(url, json=body) as resp:
                     await resp.read()

@@ -49,7 +49,7 @@ class Engine:
     async def metrics_text(self) -> str | None:
         return self.texts.pop(0) if self.texts else None
 
-    async def reconfigure(self, schedule: sch.Schedule) -> None:
+    async def reconfigure(self, schedule: sch.Schedule, on_drained=None) -> None:
         self.asked.append(schedule)
         self.schedule = schedule
 

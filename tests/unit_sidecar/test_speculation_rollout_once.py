@@ -26,7 +26,7 @@ class SlowEngine:
     async def metrics_text(self) -> str | None:
         return None
 
-    async def reconfigure(self, schedule: sch.Schedule) -> None:
+    async def reconfigure(self, schedule: sch.Schedule, on_drained=None) -> None:
         self.asked.append(schedule)
         self.restarting.set()
         await self.back.wait()

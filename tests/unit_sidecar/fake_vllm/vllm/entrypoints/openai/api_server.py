@@ -5,12 +5,16 @@ metric names vLLM uses. ``max_tokens`` >= 1000 makes a request take ``max_tokens
 so drain behaviour can be observed. Env FAKE_VLLM_CRASH_MARKER: if that file exists at start-up,
 it is removed and the server exits with status 3 (a crash on first start). Env
 FAKE_VLLM_START_LOG: a file each start appends its ``time.monotonic()`` to, before the crash check
-(how far apart the supervisor's restarts were). Like vLLM's engine core, a child process runs
-beside the server; ``GET /child`` tells its pid.
+(how far apart the supervisor's restarts were). Env FAKE_VLLM_CONTROL: a JSON file read at each
+start, ``{"scheduled": how, "unscheduled": how}`` for a start whose ``--speculative-config`` has a
+``num_speculative_tokens_per_batch_size`` or not, where ``how`` is "ok" (the default), "exit"
+(status 4 at once) or seconds to wait before serving (a slow load). Like vLLM's engine core, a
+child process runs beside the server; ``GET /child`` tells its pid.
 """
 
 import argparse
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -64,6 +68,7 @@ def main():
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--served-model-name", default="fake")
+    parser.add_argument("--speculative-config", default="{}")
     args, _ = parser.parse_known_args()
     if start_log := os.environ.get("FAKE_VLLM_START_LOG"):
         with open(start_log, "a") as f:
@@ -72,6 +77,15 @@ def main():
     if marker and os.path.exists(marker):
         os.remove(marker)
         sys.exit(3)
+    if control := os.environ.get("FAKE_VLLM_CONTROL"):
+        with open(control) as f:
+            ways = json.load(f)
+        scheduled = "num_speculative_tokens_per_batch_size" in json.loads(args.speculative_config)
+        how = ways.get("scheduled" if scheduled else "unscheduled", "ok")
+        if how == "exit":
+            sys.exit(4)
+        if how != "ok":
+            time.sleep(float(how))
     app = web.Application()
     app["name"] = args.served_model_name
     app["child"] = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
@@ -79,7 +93,8 @@ def main():
     app.router.add_get("/health", health)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/metrics", metrics)
-    web.run_app(app, host=args.host, port=args.port, print=None)
+    # Like vLLM, a stopped server ends what still runs rather than finishing it.
+    web.run_app(app, host=args.host, port=args.port, print=None, shutdown_timeout=0.1)
 
 
 main()
