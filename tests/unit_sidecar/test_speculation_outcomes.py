@@ -16,7 +16,6 @@ from engine_sidecar.speculation.controller import (
 from engine_sidecar.speculation.lease import LocalLease, RedisLease
 from engine_sidecar.speculation.policy import PolicySettings
 from engine_sidecar.speculation.rollout import RolloutState
-from unit_sidecar.test_supervisor import redis_url  # noqa: F401  (a fixture)
 
 START, NEW = sch.uniform(4, 64), sch.uniform(1, 64)
 
@@ -124,7 +123,7 @@ async def test_an_operators_request_before_the_first_evaluation_is_gated_by_the_
 # -- the Redis lease is renewed while held ------------------------------------------------------
 
 async def test_a_held_redis_lease_outlives_its_ttl_until_released(
-        redis_url: str) -> None:  # noqa: F811  (the fixture)
+        redis_url: str) -> None:
     mine = RedisLease(redis_url, "target:m", ttl_s=0.6)
     other = RedisLease(redis_url, "target:m", ttl_s=0.6)
     try:

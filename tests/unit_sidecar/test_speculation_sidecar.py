@@ -20,15 +20,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from unit_sidecar.test_supervisor import (  # noqa: F401  (redis_url: a fixture)
-    FAKE_VLLM,
-    free_port,
-    get,
-    metric,
-    post,
-    redis_url,
-    wait_for,
-)
+from unit_sidecar.sidecars import FAKE_VLLM, free_port, get, launch, metric, post, stop, wait_for
 
 SCHEDULE = "num_speculative_tokens_per_batch_size"
 NEW = [[1, 4, 2], [5, 256, 1]]
@@ -110,9 +102,7 @@ poll_s = 0.2
 eval_s = 100000.0
 {extra_speculation}
 """)
-        proc = subprocess.Popen([sys.executable, "-m", "engine_sidecar.vllm", "--profile",
-                                 str(profile), "--log-level", "WARNING"],
-                                env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+        proc = launch(profile)
         sc = Sidecar(proc, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{vllm_port}",
                      vllm_port, control)
         started.append(sc)
@@ -120,13 +110,7 @@ eval_s = 100000.0
 
     yield start
     for sc in started:
-        if sc.proc.poll() is None:
-            sc.proc.send_signal(signal.SIGTERM)
-            try:
-                sc.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                sc.proc.kill()
-                sc.proc.wait()
+        stop(sc.proc, timeout=20)
         for pid in sc.engines_alive():  # what a failing test left behind
             os.killpg(pid, signal.SIGKILL)
 
@@ -185,7 +169,7 @@ def test_sigterm_during_a_rollout_leaves_no_engine_behind(sidecar) -> None:
 
 
 def test_a_failed_rollback_keeps_the_pool_lease_until_the_engine_is_back(
-        sidecar, redis_url: str) -> None:  # noqa: F811  (the fixture)
+        sidecar, redis_url: str) -> None:
     sc = sidecar(f'redis_url = "{redis_url}"', 'pool = "target:fake"')
     client = redis.Redis.from_url(redis_url)
     key = "kvproxy:spec:rollout:target:fake:0"

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,62 +20,18 @@ from pathlib import Path
 
 import pytest
 import redis
-from tiers import missing
 
-FAKE_VLLM = Path(__file__).parent / "fake_vllm"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def get(url: str, timeout: float = 5.0) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
-            return resp.status, resp.read().decode()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode()
-    except OSError:
-        return 0, ""
-
-
-def post(url: str, body: dict[str, object], timeout: float = 30.0) -> int:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        resp.read()
-        return resp.status
-
-
-def wait_for(predicate, timeout: float = 30.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def metric(text: str, name: str) -> float | None:
-    for line in text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            return float(line.rsplit(" ", 1)[1])
-    return None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A killed child of a dead parent is reaped by init; until then it is a zombie.
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
+from unit_sidecar.sidecars import (
+    FAKE_VLLM,
+    alive,
+    free_port,
+    get,
+    launch,
+    metric,
+    post,
+    stop,
+    wait_for,
+)
 
 
 @dataclass
@@ -123,21 +77,13 @@ drain_timeout_s = 10.0
 stop_timeout_s = 5.0
 {extra_sidecar}
 """)
-        proc = subprocess.Popen([sys.executable, "-m", "engine_sidecar.vllm", "--profile",
-                                 str(profile), "--log-level", "WARNING"],
-                                env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+        proc = launch(profile)
         started.append(proc)
         return Sidecar(proc, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{vllm_port}")
 
     yield start
     for proc in started:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop(proc, timeout=15)
 
 
 def test_ready_after_health_and_warm_up_and_advertises_engine_url(sidecar_factory) -> None:
@@ -226,7 +172,7 @@ def test_engine_killed_while_ready_comes_back(sidecar_factory) -> None:
              and get(sc.url + "/ready")[0] == 200, what="engine restarted")
     assert sc.ready()["restarts"] == 1
     # The crashed server's process group, child included, was killed before the restart.
-    wait_for(lambda: not _alive(child), timeout=5, what="orphaned child killed")
+    wait_for(lambda: not alive(child), timeout=5, what="orphaned child killed")
 
 
 def test_sigterm_drains_in_flight_requests_then_stops_engine(sidecar_factory) -> None:
@@ -264,31 +210,6 @@ def test_idle_engine_keeps_serving_while_the_drain_is_announced(sidecar_factory)
     assert time.monotonic() - signalled < 2.0, "the request was sent inside the notice period"
     assert sc.proc.wait(timeout=20) == 0
     assert time.monotonic() - signalled >= 2.0
-
-
-@pytest.fixture
-def redis_url() -> Iterator[str]:
-    server = shutil.which("redis-server")
-    if server is None:
-        missing("redis-server is not installed")
-    port = free_port()
-    proc = subprocess.Popen([server, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no"], stdout=subprocess.DEVNULL)
-    client = redis.Redis(port=port)
-    try:
-        wait_for(lambda: _pings(client), what="redis-server")
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        client.close()
-        proc.terminate()
-        proc.wait(timeout=10)
-
-
-def _pings(client: redis.Redis) -> bool:
-    try:
-        return bool(client.ping())
-    except redis.RedisError:
-        return False
 
 
 def test_engine_registered_in_redis_with_ttl_and_removed_on_drain(sidecar_factory,
