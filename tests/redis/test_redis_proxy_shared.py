@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import subprocess
 import sys
@@ -230,12 +231,7 @@ async def test_tokens_per_minute_through_the_proxy(make_stack: StackFactory) -> 
 async def test_engines_discovered_from_the_registry(
     make_stack: StackFactory, redis_server: RedisServer
 ) -> None:
-    extra = await start_cluster([sim("reg0", seed=5)], host="127.0.0.1", port=0)
-    link = RedisLink(RedisConfig(url=redis_server.url, **SLOW_OK))
-    stop = asyncio.Event()
-    record = EngineRecord("reg0", "target", MODEL, extra.urls[0])
-    beat = asyncio.create_task(heartbeat_engine(link, record, ttl_s=3, stop=stop))
-    try:
+    async with registered_engine(redis_server) as sidecar:
         door = door_config(redis_url=redis_server.url, redis={"discover_engines": True})
         stack = await make_stack(door, engines=1)
 
@@ -248,18 +244,12 @@ async def test_engines_discovered_from_the_registry(
                 await asyncio.sleep(0.05)
         results = [await stack.post(chat(f"spread {i}", temperature=0.5)) for i in range(12)]
         assert {r.headers["X-Engine"] for r, _ in results} == {"t0", "reg0"}
-        stop.set()
-        await beat  # the sidecar leaves: its key is deleted
+        await sidecar.leave()  # its key is deleted
         async with asyncio.timeout(5):
             while "reg0" in await engines():  # noqa: ASYNC110
                 await asyncio.sleep(0.05)
         resp, _ = await stack.post(chat("after", temperature=0.5))
         assert resp.status == 200 and resp.headers["X-Engine"] == "t0"
-    finally:
-        stop.set()
-        await beat
-        await link.close()
-        await extra.close()
 
 
 async def test_a_registered_engine_is_known_when_the_proxy_starts_listening(
@@ -267,23 +257,43 @@ async def test_a_registered_engine_is_known_when_the_proxy_starts_listening(
 ) -> None:
     """The first scrape round waits for the registry's first read: a proxy that listens knows
     the engines registered before it started, not only the configured ones."""
-    extra = await start_cluster([sim("reg0", seed=5)], host="127.0.0.1", port=0)
-    link = RedisLink(RedisConfig(url=redis_server.url, **SLOW_OK))
-    stop = asyncio.Event()
-    record = EngineRecord("reg0", "target", MODEL, extra.urls[0])
-    beat = asyncio.create_task(heartbeat_engine(link, record, ttl_s=3, stop=stop))
-    try:
+    async with registered_engine(redis_server) as sidecar:
         async with asyncio.timeout(5):
-            while not await link.run("exists", lambda r: r.exists(  # noqa: ASYNC110
-                    record_key(link, "target", extra.urls[0]))):
+            while not await sidecar.registered():  # noqa: ASYNC110
                 await asyncio.sleep(0.02)
         door = door_config(redis_url=redis_server.url, redis={"discover_engines": True})
         stack = await make_stack(door, engines=1)
         async with stack.http.get(stack.url + "/admin/engines") as resp:
             health = {r["name"]: r["health"] for r in (await resp.json())["engines"]}
         assert health == {"t0": "healthy", "reg0": "healthy"}
+
+
+class _Sidecar:
+    """A simulated engine registered in Redis the way the vLLM sidecar registers its engine."""
+
+    def __init__(self, link: RedisLink, url: str) -> None:
+        self._link, self.url = link, url
+        self._stop = asyncio.Event()
+        record = EngineRecord("reg0", "target", MODEL, url)
+        self._beat = asyncio.create_task(heartbeat_engine(link, record, ttl_s=3, stop=self._stop))
+
+    async def registered(self) -> bool:
+        key = record_key(self._link, "target", self.url)
+        return bool(await self._link.run("exists", lambda r: r.exists(key)))
+
+    async def leave(self) -> None:
+        self._stop.set()
+        await self._beat
+
+
+@contextlib.asynccontextmanager
+async def registered_engine(redis_server: RedisServer) -> AsyncIterator[_Sidecar]:
+    extra = await start_cluster([sim("reg0", seed=5)], host="127.0.0.1", port=0)
+    link = RedisLink(RedisConfig(url=redis_server.url, **SLOW_OK))
+    sidecar = _Sidecar(link, extra.urls[0])
+    try:
+        yield sidecar
     finally:
-        stop.set()
-        await beat
+        await sidecar.leave()
         await link.close()
         await extra.close()
