@@ -112,15 +112,24 @@ def paced(admission: Admission, pool: str, cls: Priority, reason: str,
             and max(v.kv_usage, v.pressure.projected_kv or 0.0) < limit]
 
 
-def room_short(views: Sequence[EngineView], mark: float, need_tokens: float) -> float | None:
+def room_short(views: Sequence[EngineView], mark: float | None, need_tokens: float,
+               usage_mark: float | None = None) -> float | None:
     """KV tokens the emptiest fresh engine must free before a request needing ``need_tokens``
-    fits under ``mark`` (0: it fits); None when no engine's commitments are known."""
-    shorts = [
-        (p.committed_kv - mark + kv_share(need_tokens, p.capacity_tokens, mark))
-        * p.capacity_tokens
-        for v in views if v.routable and v.fresh
-        if (p := v.pressure).committed_kv is not None and p.capacity_tokens
-    ]
+    fits under the committed ``mark`` and, with ``usage_mark`` (a class refused for its reported
+    KV usage is admitted again below it), before its usage is under that too (0: it fits); None
+    when no engine's figures say."""
+    shorts = []
+    for v in views:
+        p = v.pressure
+        if not (v.routable and v.fresh and p.capacity_tokens):
+            continue
+        parts = []
+        if mark is not None and p.committed_kv is not None:
+            parts.append(p.committed_kv - mark + kv_share(need_tokens, p.capacity_tokens, mark))
+        if usage_mark is not None:
+            parts.append(v.kv_usage - usage_mark)
+        if parts:
+            shorts.append(max(parts) * p.capacity_tokens)
     return max(0.0, min(shorts)) if shorts else None
 
 

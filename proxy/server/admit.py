@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from proxy.core.admission import REASON_NO_ENGINE, Admit, Priority
+from proxy.core.admission import REASON_KV, REASON_NO_ENGINE, Admit, Priority
 from proxy.core.errors import NoCapacity, NoEngine
 from proxy.core.holding import (
     HOLDABLE,
@@ -276,8 +276,12 @@ class Holding:
         how long the pool's answers are expected to take to free the room it lacks."""
         ctx, pool = self._ctx, ask.plan.pool
         mark = committed_mark(self._cfg, ask.priority)
-        short = None if mark is None else room_short(
-            ctx.fleet.views(pool, ctx.clock()), mark, ask.need(ctx, pool))
+        # Refused for the usage the engines report: that must fall under the class's
+        # re-admission mark too (the commitments alone may show room: 0 s would be a lie).
+        usage_mark = ctx.admission.threshold(ask.priority).admit_below if reason == REASON_KV \
+            else None
+        short = None if mark is None and usage_mark is None else room_short(
+            ctx.fleet.views(pool, ctx.clock()), mark, ask.need(ctx, pool), usage_mark)
         drain_s = None if short is None else self._drain(pool).seconds_for(
             short, asyncio.get_running_loop().time())
         wait = retry_after(drain_s, int(refused.retry_after_s))

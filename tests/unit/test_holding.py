@@ -110,8 +110,8 @@ def test_new_work_queues_behind_held_work_of_its_class_or_a_higher_one() -> None
 
 
 def view(committed: float | None, capacity: int | None = 10_000, *, fresh: bool = True,
-         routable: bool = True) -> EngineView:
-    return EngineView(name="e", routable=routable, fresh=fresh, load=0.0, kv_usage=0.5,
+         routable: bool = True, usage: float = 0.5) -> EngineView:
+    return EngineView(name="e", routable=routable, fresh=fresh, load=0.0, kv_usage=usage,
                       pressure=Pressure(committed_kv=committed, capacity_tokens=capacity))
 
 
@@ -121,6 +121,18 @@ def test_room_short_is_what_the_emptiest_fresh_engine_must_free() -> None:
     assert room_short(views, 0.90, 500.0) == pytest.approx(700.0)
     assert room_short([view(0.50)], 0.90, 500.0) == 0.0  # it fits
     assert room_short([view(None), view(0.5, capacity=None)], 0.90, 500.0) is None
+
+
+def test_a_refusal_for_reported_usage_waits_for_the_usage_to_fall_under_its_mark() -> None:
+    # Commitments show room, the reported usage does not: 0.93 against a 0.75 re-admission mark
+    # is 1 800 of 10 000 tokens to free on the emptier engine (the fuller one needs more).
+    views = [view(0.40, usage=0.93), view(0.40, usage=0.97)]
+    assert room_short(views, 0.90, 500.0) == 0.0
+    assert room_short(views, 0.90, 500.0, usage_mark=0.75) == pytest.approx(1_800.0)
+    assert room_short(views, None, 500.0, usage_mark=0.75) == pytest.approx(1_800.0)
+    # Whichever is further from its mark on an engine is what it must free.
+    assert room_short([view(0.95, usage=0.80)], 0.90, 500.0, usage_mark=0.75) == pytest.approx(
+        1_000.0)
 
 
 def test_committed_marks_by_class() -> None:
