@@ -11,7 +11,8 @@ Rules:
 - This module reads the file it is given and nothing else; it never looks at ``os.environ`` itself.
 - Types come from the dataclasses' annotations: ``bool``, ``int``, ``float``, ``str``, ``X | None``,
   ``tuple[X, ...]`` and nested dataclasses. Anything else in an annotation is a programming error.
-- An ``int`` is accepted where a ``float`` is expected; a ``bool`` is never accepted as a number.
+- An ``int`` is accepted where a ``float`` is expected; a ``bool`` is never accepted as a number;
+  ``inf`` and ``nan`` are never accepted (no setting has a use for them).
 - A nested table that is given only in part keeps the defaults of the keys it leaves out.
 - Missing required keys are ``ConfigError`` naming the dotted field too.
 """
@@ -19,6 +20,7 @@ Rules:
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import stat
 import tomllib
@@ -108,6 +110,10 @@ def _convert_scalar(tp: Any, value: object, path: str) -> Any:
         raise ConfigError(path, "must be an integer")
     if tp is float:
         if isinstance(value, int | float) and not isinstance(value, bool):
+            # No setting takes an infinite or undefined value (TOML, the environment and
+            # ``--set`` can all spell one): refused here, once, whatever the field's own range.
+            if not math.isfinite(value):
+                raise ConfigError(path, "must be a finite number")
             return float(value)
         raise ConfigError(path, "must be a number")
     if tp is str:

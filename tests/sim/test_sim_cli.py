@@ -7,6 +7,7 @@ import asyncio
 import re
 import signal
 import sys
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -86,3 +87,6 @@ def test_list_profiles_prints_the_derived_table(capsys: pytest.CaptureFixture[st
     out = capsys.readouterr().out
     assert out.startswith("| profile |")
     assert "`llama8b-l4`" in out and "`llama70b-h100`" in out
+    # docs/simulator.md shows the table as printed: a profile added or changed shows there too.
+    docs = (Path(__file__).parents[2] / "docs" / "simulator.md").read_text()
+    assert out.strip() in docs

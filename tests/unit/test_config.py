@@ -141,6 +141,12 @@ def test_env_then_cli(tmp_path: Path) -> None:
         ({"KVPROXY_UPSTREAM_CONNECT_TIMEOUT_S": "1e309"}, [], "upstream.connect_timeout_s"),
         ({}, ["routing.decode_step_s=inf"], "routing.decode_step_s"),
         ({}, ["routing.decode_seq_step_s=inf"], "routing.decode_seq_step_s"),
+        # Every number setting, whatever its own range check: none has a use for either.
+        ({}, ["routing.load_factor=inf"], "routing.load_factor"),
+        ({"KVPROXY_ROUTING_LOAD_FACTOR": "1e400"}, [], "routing.load_factor"),
+        ({}, ["pressure.horizon_scrapes=inf"], "pressure.horizon_scrapes"),
+        ({"KVPROXY_ADMISSION_SHEDDABLE_SHED_ABOVE": "nan"}, [],
+         "admission.sheddable.shed_above"),
         ({}, ["routing.seed=18446744073709551616"], "routing.seed"),
         ({}, ["pressure.output_window=1000000000000000000000000000000"],
          "pressure.output_window"),
@@ -198,6 +204,8 @@ def engines_toml(*urls: str, names: tuple[str, ...] | None = None) -> str:
             "<=",
         ),
         ("[routing]\nload_factor = 0.5\n", "routing.load_factor", ">= 1.0"),
+        ("[routing]\nload_factor = inf\n", "routing.load_factor", "finite"),
+        ("[pressure]\nhorizon_scrapes = nan\n", "pressure.horizon_scrapes", "finite"),
         (
             '[[pools]]\nname = "big gpu"\nmodel = "m"\n'
             + engines_toml("http://a").split("\n", 3)[3],
