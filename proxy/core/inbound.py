@@ -108,7 +108,18 @@ def too_deep(value: object, limit: int) -> bool:
 
 def accept(raw: bytes, endpoint: Endpoint, *, max_depth: int = DEFAULT_MAX_DEPTH) -> Inbound:
     """Parse and validate ``raw`` for ``endpoint``."""
-    body = parse_body(raw, max_depth)
+    return accept_body(parse_body(raw, max_depth), endpoint)
+
+
+def named_model(body: Mapping[str, Any]) -> str | None:
+    """The model a parsed body names, if it names one as a string (for the access log of a
+    request refused for another field)."""
+    model = body.get("model")
+    return model if isinstance(model, str) else None
+
+
+def accept_body(body: dict[str, Any], endpoint: Endpoint) -> Inbound:
+    """Validate a parsed body (``parse_body``) for ``endpoint``."""
     model = _model(body)
     if endpoint is Endpoint.CHAT:
         prompt_text = canonical_chat(_messages(body))

@@ -29,7 +29,7 @@ from proxy.core.deadline import FIELD as TIMEOUT_FIELD
 from proxy.core.deadline import HEADER as TIMEOUT_HEADER
 from proxy.core.deadline import client_timeout
 from proxy.core.errors import KvproxyError, NoCapacity, NotFound
-from proxy.core.inbound import Endpoint, Inbound, accept, rewrite
+from proxy.core.inbound import Endpoint, Inbound, accept_body, named_model, parse_body, rewrite
 from proxy.core.isolation import Salting, client_salt
 from proxy.core.pools import (
     ModelEntry,
@@ -121,8 +121,11 @@ async def _serve(
     job.tenant = tenant
     server = ctx.cfg.server
     raw = await read_body(request, server.max_body_bytes, server.body_timeout_s)
-    inbound = accept(raw, endpoint, max_depth=server.max_json_depth)
+    body = parse_body(raw, server.max_json_depth)
     del raw
+    job.model = named_model(body)  # logged even when another field is refused
+    inbound = accept_body(body, endpoint)
+    del body
     priority, salt, plan = _classify(request, ctx, job, inbound)
     visit = await door.enter(
         tenant,

@@ -229,3 +229,20 @@ async def test_deadline_line_is_504(make_stack: StackFactory, access: AccessLine
     # of a loop iteration, so the timer may fire up to about a millisecond before 0.3 s by the
     # monotonic clock the log's duration is read from.
     assert 0.3 - 0.002 <= line["duration_s"] < 5
+
+
+@pytest.mark.parametrize(("body", "headers"), [
+    ({"max_tokens": 0}, {}),
+    ({}, {"X-Request-Timeout": "-1"}),
+    ({}, {"X-Priority": "bogus"}),
+])
+async def test_a_request_refused_for_another_field_still_logs_its_model(
+    make_stack: StackFactory, access: AccessLines, body: dict[str, object],
+    headers: dict[str, str],
+) -> None:
+    stack = await make_stack(**ON)
+    resp = await stack.post("/v1/chat/completions", chat_body("x", **body),
+                            **headers, **{"X-Request-Id": "bad"})
+    assert resp.status == 400
+    line = await access.one("bad")
+    assert (line["status"], line["model"]) == (400, TARGET_MODEL)
