@@ -125,7 +125,7 @@ class Scraper:
         # fleet: at most ``max_metrics_bytes`` per engine).
         self._parsed: dict[str, tuple[bytes, EngineSnapshot]] = {}
         self.parses = 0  # texts actually parsed (the rest were repeats)
-        self._durations: dict[str, Histogram] = {}
+        self._durations: dict[str, tuple[Engine, Histogram]] = {}
         # Per engine, its scrape still open (past a round's timeout, or in the round running).
         self._open: dict[str, _Open] = {}
 
@@ -293,12 +293,14 @@ class Scraper:
         self._metrics.scrape_failures.labels(engine.name, PROXY_SHORT).inc()
 
     def _observe_duration(self, engine: Engine, started: float) -> None:
-        # The labelled child looked up once per engine, not on every scrape.
-        child = self._durations.get(engine.name)
-        if child is None:
-            child = self._durations[engine.name] = self._metrics.scrape_duration.labels(
-                engine.name)
-        child.observe(self._clock() - started)
+        # The labelled child looked up once per engine, not on every scrape; kept with the
+        # engine it was made for: one that left (its series removed) and came back under the
+        # same name between two rounds gets a child its series is exported from again.
+        kept = self._durations.get(engine.name)
+        if kept is None or kept[0] is not engine:
+            kept = self._durations[engine.name] = (
+                engine, self._metrics.scrape_duration.labels(engine.name))
+        kept[1].observe(self._clock() - started)
 
     def _attempt(self, engine: Engine, started: float,
                  fetch: asyncio.Future[bytes]) -> Outcome | None:

@@ -11,7 +11,6 @@ looked up once: prometheus-client's ``labels`` validates and locks on every call
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -330,7 +329,7 @@ class ProxyMetrics:
         """Set every engine's gauges; an engine no longer among ``rows`` (it left the fleet)
         loses its gauges and its scrape series, so that none of them goes on reporting the
         last figures of an engine that is gone, and engines coming and going by the hundred
-        leave nothing behind. Its request counters stay: they are history, not state."""
+        leave nothing behind (``forget_engine``, which the fleet also calls when one leaves)."""
         states = tuple(health_states)
         out: dict[str, int] = {}
         keys = set()
@@ -359,26 +358,31 @@ class ProxyMetrics:
 
     def _forget_engines(self, gone: set[tuple[str, str]], states: tuple[str, ...],
                         present: set[str]) -> None:
-        for key in gone:
-            for gauge in (self.kv_usage, self.running, self.waiting, self.snapshot_age,
-                          self.engine_inflight, self.breaker, self.outlier, self.pressure):
-                with contextlib.suppress(KeyError):
-                    gauge.remove(*key)
-            for state in states:
-                with contextlib.suppress(KeyError):
-                    self.health.remove(*key, state)
-            engine, pool = key
-            self.requests.remove_by_labels({"engine": engine, "pool": pool})
-            self.requests_by.forget(_pool_engine(pool, engine))
-            self.outlier_ejections.remove_by_labels({"engine": engine, "pool": pool})
-            self.outlier_ejections_by.forget(_pool_engine(pool, engine))
-            if engine not in present:  # the name in no pool any more
-                self.scrape_duration.remove_by_labels({"engine": engine})
-                self.scrape_failures.remove_by_labels({"engine": engine})
-                self.upstream_errors.remove_by_labels({"engine": engine})
-                self.upstream_errors_by.forget(_pool_engine(None, engine))
-                _remember(self._departed_names, engine)
-            _remember(self._departed, key)
+        for engine, pool in gone:
+            self.forget_engine(engine, pool, name_left=engine not in present)
+
+    def forget_engine(self, engine: str, pool: str, *, name_left: bool = True) -> None:
+        """``engine`` of ``pool`` left the fleet: its series go now (not at the next render: an
+        engine that comes and goes between two renders would leave them for good), and late
+        counts for it are dropped (``Children``). ``name_left``: no pool has an engine of that
+        name any more (its scrape and error series go too)."""
+        key = (engine, pool)
+        self._engine_keys.discard(key)
+        for gauge in (self.kv_usage, self.running, self.waiting, self.snapshot_age,
+                      self.engine_inflight, self.breaker, self.outlier, self.pressure,
+                      self.health):
+            gauge.remove_by_labels({"engine": engine, "pool": pool})
+        self.requests.remove_by_labels({"engine": engine, "pool": pool})
+        self.requests_by.forget(_pool_engine(pool, engine))
+        self.outlier_ejections.remove_by_labels({"engine": engine, "pool": pool})
+        self.outlier_ejections_by.forget(_pool_engine(pool, engine))
+        if name_left:
+            self.scrape_duration.remove_by_labels({"engine": engine})
+            self.scrape_failures.remove_by_labels({"engine": engine})
+            self.upstream_errors.remove_by_labels({"engine": engine})
+            self.upstream_errors_by.forget(_pool_engine(None, engine))
+            _remember(self._departed_names, engine)
+        _remember(self._departed, key)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

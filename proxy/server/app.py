@@ -121,6 +121,7 @@ def _context(
     def forget(pool: str, engine: str) -> None:
         if pool in policies:
             policies[pool].forget(engine)
+        metrics.forget_engine(engine, pool)  # engine names are unique across the fleet
 
     fleet = Fleet(cfg, engines, on_remove=forget)
     return ShellContext(

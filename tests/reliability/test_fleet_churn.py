@@ -10,6 +10,7 @@ import aiohttp
 from integration.stack import TARGET_MODEL, chat_body, proxy_config
 
 from proxy.core.config import RoutingConfig
+from proxy.core.fleet_config import EngineConfig
 from proxy.server.app import build_app
 from proxy.server.keys import SHELL
 from proxy.server.lifecycle import ProxyServer
@@ -124,6 +125,42 @@ async def test_a_departed_engines_request_counts_leave_metrics_late_answers_incl
             gone = await metrics()  # b's series leave at this render...
             assert not [line for line in gone.splitlines() if 'engine="b"' in line]
             assert await asyncio.gather(*late) == [200, 200]  # ...before its answer ended
+            after = await metrics()
+        lines = [line for line in after.splitlines() if 'engine="b"' in line]
+        assert lines == [], lines
+        assert 'kvproxy_requests_total{class="standard",engine="a"' in after
+    finally:
+        await server.stop()
+        for engine in (a, b):
+            await engine.stop()
+
+
+async def test_an_engine_that_comes_and_goes_between_two_renders_leaves_nothing() -> None:
+    """An engine's series go when it leaves, not at the next render of ``/metrics``: one that
+    was scraped and served requests, and left before anyone read ``/metrics``, leaves none."""
+    a, b = RogueEngine(TARGET_MODEL), RogueEngine(TARGET_MODEL)
+    for engine in (a, b):
+        await engine.start()
+    cfg = proxy_config([a.url], ["a"], ["target"], routing=RoutingConfig(policy="round_robin"))
+    server = ProxyServer(cfg, app=build_app(cfg))
+    try:
+        await server.start()
+        fleet = server.app[SHELL].fleet
+        async with aiohttp.ClientSession() as http:
+
+            async def metrics() -> str:
+                async with http.get(server.url + "/metrics") as r:
+                    return await r.text()
+
+            await metrics()  # a render before b exists
+            fleet.add("target", EngineConfig("b", b.url))
+            await until(lambda: len(b.requests_to("/metrics")) >= 2)  # scraped
+            for i in range(4):  # round robin: two of them answered by b
+                async with http.post(server.url + COMPLETIONS,
+                                     json=chat_body(f"question {i}")) as r:
+                    assert r.status == 200
+            assert len(b.requests_to(COMPLETIONS)) == 2
+            fleet.remove("b")
             after = await metrics()
         lines = [line for line in after.splitlines() if 'engine="b"' in line]
         assert lines == [], lines
