@@ -5,12 +5,16 @@ engine's figures leave ``/metrics``."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import aiohttp
 from integration.stack import TARGET_MODEL, chat_body, proxy_config
 
 from proxy.core.config import RoutingConfig
 from proxy.core.fleet_config import EngineConfig
+from proxy.fleet.engines import Fleet
 from proxy.server.app import build_app
 from proxy.server.keys import SHELL
 from proxy.server.lifecycle import ProxyServer
@@ -61,111 +65,94 @@ async def test_a_retry_never_goes_to_engines_that_left_the_fleet() -> None:
             await engine.stop()
 
 
-async def test_a_departed_engines_figures_leave_metrics() -> None:
+@dataclass
+class _Churn:
+    """A proxy over engines ``a`` and ``b`` (its fleet: the first ``present`` of them), and a
+    client."""
+
+    server: ProxyServer
+    http: aiohttp.ClientSession
+    a: RogueEngine
+    b: RogueEngine
+
+    @property
+    def fleet(self) -> Fleet:
+        return self.server.app[SHELL].fleet
+
+    async def metrics(self) -> str:
+        async with self.http.get(self.server.url + "/metrics") as r:
+            return await r.text()
+
+    async def ask(self, i: int, stream: bool = False) -> int:
+        async with self.http.post(self.server.url + COMPLETIONS,
+                                  json=chat_body(f"question {i}", stream=stream)) as r:
+            await r.read()
+            return r.status
+
+
+@contextlib.asynccontextmanager
+async def _churn(present: int = 2) -> AsyncIterator[_Churn]:
     a, b = RogueEngine(TARGET_MODEL), RogueEngine(TARGET_MODEL)
     for engine in (a, b):
         await engine.start()
-    cfg = proxy_config([a.url, b.url], ["a", "b"], ["target"] * 2)
-    server = ProxyServer(cfg, app=build_app(cfg))
-    try:
-        await server.start()
-        async with aiohttp.ClientSession() as http:
-
-            async def metrics() -> str:
-                async with http.get(server.url + "/metrics") as r:
-                    return await r.text()
-
-            before = await metrics()
-            assert 'kvproxy_engine_kv_usage{engine="b",pool="target"}' in before
-            assert 'kvproxy_scrape_duration_seconds_count{engine="b"}' in before
-            server.app[SHELL].fleet.remove("b")
-            await asyncio.sleep(0.3)  # a scrape round or two without b
-            after = await metrics()
-        lines = [line for line in after.splitlines() if 'engine="b"' in line]
-        assert lines == [], lines
-        assert 'kvproxy_engine_kv_usage{engine="a",pool="target"}' in after
-    finally:
-        await server.stop()
-        for engine in (a, b):
-            await engine.stop()
-
-
-async def test_a_departed_engines_request_counts_leave_metrics_late_answers_included() -> None:
-    """Engines that come and go leave no series behind: a departed engine's request counters
-    go with it, and an answer it finishes after it left is not counted under it."""
-    a, b = RogueEngine(TARGET_MODEL), RogueEngine(TARGET_MODEL)
-    for engine in (a, b):
-        await engine.start()
-    cfg = proxy_config([a.url, b.url], ["a", "b"], ["target"] * 2,
+    engines = [(a.url, "a"), (b.url, "b")][:present]
+    cfg = proxy_config([u for u, _ in engines], [n for _, n in engines], ["target"] * present,
                        routing=RoutingConfig(policy="round_robin"))
     server = ProxyServer(cfg, app=build_app(cfg))
     try:
         await server.start()
         async with aiohttp.ClientSession() as http:
-
-            async def ask(i: int, stream: bool = False) -> int:
-                async with http.post(server.url + COMPLETIONS,
-                                     json=chat_body(f"question {i}", stream=stream)) as r:
-                    await r.read()
-                    return r.status
-
-            async def metrics() -> str:
-                async with http.get(server.url + "/metrics") as r:
-                    return await r.text()
-
-            assert [await ask(i) for i in range(2)] == [200, 200]  # one each
-            assert 'engine="b"' in "".join(
-                line for line in (await metrics()).splitlines()
-                if line.startswith("kvproxy_requests_total"))
-            b.behaviour.chunk_delay_s, b.behaviour.tokens = 0.05, 20  # a second's stream
-            late = [asyncio.create_task(ask(i, stream=True)) for i in range(2, 4)]
-            await until(lambda: len(b.requests_to(COMPLETIONS)) == 2)
-            await asyncio.sleep(0.1)  # its first bytes are out
-            server.app[SHELL].fleet.remove("b")
-            gone = await metrics()  # b's series leave at this render...
-            assert not [line for line in gone.splitlines() if 'engine="b"' in line]
-            assert await asyncio.gather(*late) == [200, 200]  # ...before its answer ended
-            after = await metrics()
-        lines = [line for line in after.splitlines() if 'engine="b"' in line]
-        assert lines == [], lines
-        assert 'kvproxy_requests_total{class="standard",engine="a"' in after
+            yield _Churn(server, http, a, b)
     finally:
         await server.stop()
         for engine in (a, b):
             await engine.stop()
+
+
+def _of_b(text: str) -> list[str]:
+    return [line for line in text.splitlines() if 'engine="b"' in line]
+
+
+async def test_a_departed_engines_figures_leave_metrics() -> None:
+    async with _churn() as c:
+        before = await c.metrics()
+        assert 'kvproxy_engine_kv_usage{engine="b",pool="target"}' in before
+        assert 'kvproxy_scrape_duration_seconds_count{engine="b"}' in before
+        c.fleet.remove("b")
+        await asyncio.sleep(0.3)  # a scrape round or two without b
+        after = await c.metrics()
+    assert _of_b(after) == []
+    assert 'kvproxy_engine_kv_usage{engine="a",pool="target"}' in after
+
+
+async def test_a_departed_engines_request_counts_leave_metrics_late_answers_included() -> None:
+    """Engines that come and go leave no series behind: a departed engine's request counters
+    go with it, and an answer it finishes after it left is not counted under it."""
+    async with _churn() as c:
+        assert [await c.ask(i) for i in range(2)] == [200, 200]  # one each
+        assert any(line.startswith("kvproxy_requests_total") for line in _of_b(await c.metrics()))
+        c.b.behaviour.chunk_delay_s, c.b.behaviour.tokens = 0.05, 20  # a second's stream
+        late = [asyncio.create_task(c.ask(i, stream=True)) for i in range(2, 4)]
+        await until(lambda: len(c.b.requests_to(COMPLETIONS)) == 2)
+        await asyncio.sleep(0.1)  # its first bytes are out
+        c.fleet.remove("b")
+        assert _of_b(await c.metrics()) == []  # b's series leave at once...
+        assert await asyncio.gather(*late) == [200, 200]  # ...before its answer ended
+        after = await c.metrics()
+    assert _of_b(after) == []
+    assert 'kvproxy_requests_total{class="standard",engine="a"' in after
 
 
 async def test_an_engine_that_comes_and_goes_between_two_renders_leaves_nothing() -> None:
     """An engine's series go when it leaves, not at the next render of ``/metrics``: one that
     was scraped and served requests, and left before anyone read ``/metrics``, leaves none."""
-    a, b = RogueEngine(TARGET_MODEL), RogueEngine(TARGET_MODEL)
-    for engine in (a, b):
-        await engine.start()
-    cfg = proxy_config([a.url], ["a"], ["target"], routing=RoutingConfig(policy="round_robin"))
-    server = ProxyServer(cfg, app=build_app(cfg))
-    try:
-        await server.start()
-        fleet = server.app[SHELL].fleet
-        async with aiohttp.ClientSession() as http:
-
-            async def metrics() -> str:
-                async with http.get(server.url + "/metrics") as r:
-                    return await r.text()
-
-            await metrics()  # a render before b exists
-            fleet.add("target", EngineConfig("b", b.url))
-            await until(lambda: len(b.requests_to("/metrics")) >= 2)  # scraped
-            for i in range(4):  # round robin: two of them answered by b
-                async with http.post(server.url + COMPLETIONS,
-                                     json=chat_body(f"question {i}")) as r:
-                    assert r.status == 200
-            assert len(b.requests_to(COMPLETIONS)) == 2
-            fleet.remove("b")
-            after = await metrics()
-        lines = [line for line in after.splitlines() if 'engine="b"' in line]
-        assert lines == [], lines
-        assert 'kvproxy_requests_total{class="standard",engine="a"' in after
-    finally:
-        await server.stop()
-        for engine in (a, b):
-            await engine.stop()
+    async with _churn(present=1) as c:
+        await c.metrics()  # a render before b exists
+        c.fleet.add("target", EngineConfig("b", c.b.url))
+        await until(lambda: len(c.b.requests_to("/metrics")) >= 2)  # scraped
+        assert [await c.ask(i) for i in range(4)] == [200] * 4  # round robin: two to b
+        assert len(c.b.requests_to(COMPLETIONS)) == 2
+        c.fleet.remove("b")
+        after = await c.metrics()
+    assert _of_b(after) == []
+    assert 'kvproxy_requests_total{class="standard",engine="a"' in after
