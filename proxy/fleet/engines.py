@@ -148,12 +148,14 @@ _KEEP_REMOVED = 64
 
 class Fleet:
     def __init__(self, cfg: Config, engines: Sequence[Engine] | None = None,
-                 on_remove: Callable[[str, str], None] | None = None) -> None:
+                 on_remove: Callable[[str, str], None] | None = None,
+                 on_add: Callable[[str, str], None] | None = None) -> None:
         self._cfg = cfg
         self._removed: dict[str, Engine] = {}
         self._outliers: dict[str, OutlierDetector] = {}
         # Told (pool, engine name) when an engine leaves, so per-engine state elsewhere goes too.
         self._on_remove = on_remove
+        self._on_add = on_add  # and when one joins at run time
         if engines is None:
             engines = [_engine(cfg, pool.name, e) for pool in cfg.pools for e in pool.engines]
         self._engines: dict[str, Engine] = {e.name: e for e in engines}
@@ -175,6 +177,8 @@ class Fleet:
         self._engines[added.name] = added
         self._pools.setdefault(pool, []).append(added)
         self._bind(added)
+        if self._on_add is not None:
+            self._on_add(pool, added.name)
 
     def _bind(self, engine: Engine) -> None:
         detector = self._outliers.get(engine.pool)

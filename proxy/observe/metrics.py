@@ -36,9 +36,10 @@ _DISPATCH_BUCKETS = (
 _SCRAPE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 _LAG_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 # A young collection takes tens of microseconds to a few milliseconds, an old one tens of them.
+_GC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
+
 # Engines that left the fleet whose late counts are still dropped (the most recent ones).
 _DEPARTED_KEPT = 1024
-_GC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
 
 BREAKER_VALUES = {"closed": 0.0, "half_open": 1.0, "open": 2.0}
 OUTLIER_VALUES = {"active": 0.0, "probation": 1.0, "ejected": 2.0}
@@ -284,7 +285,6 @@ class ProxyMetrics:
 
     def _engine_gauges(self, r: CollectorRegistry) -> None:
         labels = ["engine", "pool"]
-        self._engine_keys: set[tuple[str, str]] = set()  # (engine, pool) as last refreshed
         self.kv_usage = Gauge(
             "kvproxy_engine_kv_usage", "Last scraped KV-cache usage (0-1)", labels, registry=r
         )
@@ -326,16 +326,12 @@ class ProxyMetrics:
         )  # fmt: skip
 
     def refresh_engines(self, rows: Iterable[EngineGaugeRow], health_states: Iterable[str]) -> None:
-        """Set every engine's gauges; an engine no longer among ``rows`` (it left the fleet)
-        loses its gauges and its scrape series, so that none of them goes on reporting the
-        last figures of an engine that is gone, and engines coming and going by the hundred
-        leave nothing behind (``forget_engine``, which the fleet also calls when one leaves)."""
+        """Set every engine's gauges (an engine that left the fleet lost its series when it left:
+        ``forget_engine``)."""
         states = tuple(health_states)
         out: dict[str, int] = {}
-        keys = set()
         for row in rows:
             key = (row.engine, row.pool)
-            keys.add(key)
             _set_optional(self.kv_usage, key, row.kv_usage)
             _set_optional(self.running, key, row.running)
             _set_optional(self.waiting, key, row.waiting)
@@ -349,25 +345,19 @@ class ProxyMetrics:
                 self.health.labels(*key, state).set(1.0 if state == row.health else 0.0)
         for pool, count in out.items():
             self.outliers_ejected.labels(pool).set(count)
-        gone, self._engine_keys = self._engine_keys - keys, keys
-        if gone:
-            self._forget_engines(gone, states, {engine for engine, _ in keys})
-        for key in keys & self._departed.keys():  # back in the fleet: counted again
-            del self._departed[key]
-            self._departed_names.pop(key[0], None)
 
-    def _forget_engines(self, gone: set[tuple[str, str]], states: tuple[str, ...],
-                        present: set[str]) -> None:
-        for engine, pool in gone:
-            self.forget_engine(engine, pool, name_left=engine not in present)
+    def engine_back(self, engine: str, pool: str) -> None:
+        """``engine`` of ``pool`` joined the fleet (again): it is counted from now on."""
+        self._departed.pop((engine, pool), None)
+        self._departed_names.pop(engine, None)
 
-    def forget_engine(self, engine: str, pool: str, *, name_left: bool = True) -> None:
-        """``engine`` of ``pool`` left the fleet: its series go now (not at the next render: an
-        engine that comes and goes between two renders would leave them for good), and late
-        counts for it are dropped (``Children``). ``name_left``: no pool has an engine of that
-        name any more (its scrape and error series go too)."""
+    def forget_engine(self, engine: str, pool: str) -> None:
+        """``engine`` of ``pool`` left the fleet (the fleet tells, ``Fleet``'s ``on_remove``):
+        its series go now, not at the next render (an engine that comes and goes between two
+        renders would leave them for good), and late counts for it are dropped (``Children``).
+        Engine names are unique across the fleet's pools, so its scrape and error series go
+        too."""
         key = (engine, pool)
-        self._engine_keys.discard(key)
         for gauge in (self.kv_usage, self.running, self.waiting, self.snapshot_age,
                       self.engine_inflight, self.breaker, self.outlier, self.pressure,
                       self.health):
@@ -376,12 +366,11 @@ class ProxyMetrics:
         self.requests_by.forget(_pool_engine(pool, engine))
         self.outlier_ejections.remove_by_labels({"engine": engine, "pool": pool})
         self.outlier_ejections_by.forget(_pool_engine(pool, engine))
-        if name_left:
-            self.scrape_duration.remove_by_labels({"engine": engine})
-            self.scrape_failures.remove_by_labels({"engine": engine})
-            self.upstream_errors.remove_by_labels({"engine": engine})
-            self.upstream_errors_by.forget(_pool_engine(None, engine))
-            _remember(self._departed_names, engine)
+        self.scrape_duration.remove_by_labels({"engine": engine})
+        self.scrape_failures.remove_by_labels({"engine": engine})
+        self.upstream_errors.remove_by_labels({"engine": engine})
+        self.upstream_errors_by.forget(_pool_engine(None, engine))
+        _remember(self._departed_names, engine)
         _remember(self._departed, key)
 
     def render(self) -> bytes:

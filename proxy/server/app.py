@@ -121,9 +121,10 @@ def _context(
     def forget(pool: str, engine: str) -> None:
         if pool in policies:
             policies[pool].forget(engine)
-        metrics.forget_engine(engine, pool)  # engine names are unique across the fleet
+        metrics.forget_engine(engine, pool)
 
-    fleet = Fleet(cfg, engines, on_remove=forget)
+    fleet = Fleet(cfg, engines, on_remove=forget,
+                  on_add=lambda pool, engine: metrics.engine_back(engine, pool))
     return ShellContext(
         cfg=cfg,
         fleet=fleet,
