@@ -177,9 +177,13 @@ def prompt_ids_of(chat: bool, body: dict[str, object],
         return _chat_ids(body) if chat else _completion_ids(body)
     if chat:
         _chat_ids(body)  # the same checks of the messages
+    param = "messages" if chat else "prompt"
     ids = tokenizer.request_ids(chat, body)
     if ids is None:
-        raise _bad("the prompt cannot be tokenized", "messages" if chat else "prompt")
+        raise _bad("the prompt cannot be tokenized", param)
+    if ids and not 0 <= min(ids) <= max(ids) < tokenizer.vocab_size:
+        bad = min(ids) if min(ids) < 0 else max(ids)
+        raise _bad(f"Token id {bad} is out of vocabulary", param)  # vLLM's words
     return array("I", ids)
 
 

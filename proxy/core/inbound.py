@@ -42,6 +42,9 @@ class Inbound:
     model: str
     stream: bool
     prompt_text: str
+    # The body's size in bytes as received (0 when not known): a bound on everything a chat
+    # template can render from it, tools and tool-call arguments included.
+    size: int = 0
 
 
 DEFAULT_MAX_DEPTH = 64
@@ -108,7 +111,7 @@ def too_deep(value: object, limit: int) -> bool:
 
 def accept(raw: bytes, endpoint: Endpoint, *, max_depth: int = DEFAULT_MAX_DEPTH) -> Inbound:
     """Parse and validate ``raw`` for ``endpoint``."""
-    return accept_body(parse_body(raw, max_depth), endpoint)
+    return accept_body(parse_body(raw, max_depth), endpoint, size=len(raw))
 
 
 def named_model(body: Mapping[str, Any]) -> str | None:
@@ -118,15 +121,15 @@ def named_model(body: Mapping[str, Any]) -> str | None:
     return model if isinstance(model, str) else None
 
 
-def accept_body(body: dict[str, Any], endpoint: Endpoint) -> Inbound:
-    """Validate a parsed body (``parse_body``) for ``endpoint``."""
+def accept_body(body: dict[str, Any], endpoint: Endpoint, *, size: int = 0) -> Inbound:
+    """Validate a parsed body (``parse_body``, ``size`` bytes of it) for ``endpoint``."""
     model = _model(body)
     if endpoint is Endpoint.CHAT:
         prompt_text = canonical_chat(_messages(body))
     else:
         prompt_text = canonical_prompt(_prompt(body))
     _check_sampling(body)
-    return Inbound(endpoint, body, model, _flag(body, "stream"), prompt_text)
+    return Inbound(endpoint, body, model, _flag(body, "stream"), prompt_text, size)
 
 
 def rewrite(

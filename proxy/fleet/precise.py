@@ -7,11 +7,13 @@ Rules:
   listener; ``close`` cancels them and closes the context. Nothing outlives the application.
 - ``prepare`` tokenizes a request's prompt and hashes its blocks, once, before routing; only
   for a pool with a tokenizer and at least one engine in sync. Encoding costs about a
-  millisecond per thousand tokens, so a prompt longer than ``INLINE_CHARS`` is encoded on a
-  small thread pool (the ``tokenizers`` library releases the GIL while it encodes) and the event
-  loop keeps relaying other streams meanwhile; a short one is encoded inline, where the thread
-  hop would cost more than it saves. Hashing the blocks (Python, holding the GIL) is done on the
-  loop either way, with one ``ChainMemo``, so a prefix shared with earlier prompts is hashed once.
+  millisecond per thousand tokens, so a request whose prompt or body is longer than
+  ``INLINE_CHARS`` (the body bounds what a template renders besides the messages' text: tools,
+  tool-call arguments, documents) is rendered and encoded on a small thread pool (the
+  ``tokenizers`` library releases the GIL while it encodes) and the event loop keeps relaying
+  other streams meanwhile; a short one is encoded inline, where the thread hop would cost more
+  than it saves. Hashing the blocks (Python, holding the GIL) is done on the loop either way,
+  with one ``ChainMemo``, so a prefix shared with earlier prompts is hashed once.
 - ``holdings`` answers, for one prepared request, what each in-sync engine holds of its prompt
   (``core.exact_holdings.PreciseHoldings``); engines out of sync, without a publisher, or of a
   pool without a tokenizer are left to the approximate index. A request that cannot be
@@ -96,7 +98,7 @@ class PreciseRouting:
         sizes = {x.index.block_size or 0 for x in self._by_pool.get(pool, ()) if x.precise}
         if tokenizer is None or not sizes:
             return None
-        if len(inbound.prompt_text) <= INLINE_CHARS or self._pool is None:
+        if max(len(inbound.prompt_text), inbound.size) <= INLINE_CHARS or self._pool is None:
             ids = self._encoded(tokenizer, inbound)
         else:
             ids = await asyncio.get_running_loop().run_in_executor(

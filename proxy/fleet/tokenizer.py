@@ -7,11 +7,13 @@ Rules:
   list picks ``default``), and the ``bos_token`` / ``eos_token`` from there too. A missing or
   unreadable file is a ``ConfigError`` naming the pool's field.
 - Chat requests are rendered as vLLM 0.32 renders them with a Hugging Face template: Jinja in a
-  sandbox with ``trim_blocks``, ``lstrip_blocks`` and ``loopcontrols``, the messages in the
-  template's content format (``openai``, a list of text parts, when the template loops over a
-  message's content; else ``string``, text parts joined with newlines), ``add_generation_prompt``
-  true unless the request says otherwise, then encoded without special tokens (vLLM's default for
-  chat). Completions are encoded with special tokens; token-id prompts are used as they are.
+  sandbox with ``trim_blocks``, ``lstrip_blocks`` and ``loopcontrols``, the messages, tools and
+  template variables built as vLLM builds them (``chat_render``), in the template's content
+  format (``openai``, a list of text parts, when the template loops over a message's content;
+  else ``string``), then encoded without special tokens (vLLM's default for chat). Completions
+  are encoded with special tokens; token-id prompts are used as they are.
+- A chat template that does not compile, or a template file that is not UTF-8, is a
+  ``ConfigError`` naming the pool's field, like a missing tokenizer file.
 - Work is bounded: at most ``max_chars`` characters are encoded; a longer text is cut and its
   last ``CUT_MARGIN`` tokens dropped (a cut can change only the tokens next to it).
 - A conversation resends its history, and a template puts special tokens between messages, so
@@ -54,10 +56,12 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.sandbox
 from tokenizers import Tokenizer
 
 from proxy.core.errors import ConfigError
+from proxy.fleet import chat_render
 
 log = logging.getLogger(__name__)
 CUT_MARGIN = 16
@@ -176,7 +180,12 @@ class PromptTokenizer:
                  eos_token: str = "", max_chars: int = 262_144,
                  cache_chars: int = 8 * 1024 * 1024) -> None:
         self._tok = tokenizer
-        self._template = _environment().from_string(template) if template else None
+        env = _environment()
+        self._template = env.from_string(template) if template else None
+        # The variables the template reads: the request's chat_template_kwargs pass only these.
+        self._variables = frozenset(jinja2.meta.find_undeclared_variables(env.parse(template))
+                                    if template else ())
+        self._continues = bool(template and "content" in template)
         self._openai_format = bool(template and _CONTENT_LOOP.search(template))
         self._specials = {"bos_token": bos_token, "eos_token": eos_token}
         self.max_chars = max_chars
@@ -193,6 +202,11 @@ class PromptTokenizer:
             self._after_space = True
             self._spans = self._spans_agree()
         self._spanned_pieces = 0
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids below this are in the vocabulary (added tokens included)."""
+        return int(self._tok.get_vocab_size(with_added_tokens=True))
 
     @property
     def segmented(self) -> bool:
@@ -320,36 +334,21 @@ class PromptTokenizer:
         messages = body.get("messages")
         if self._template is None or not isinstance(messages, list):
             return None
-        generation = body.get("add_generation_prompt", True)
+        conversation = [chat_render.message(m, self._openai_format) for m in messages]
+        kwargs = chat_render.template_kwargs(body, self._variables)
+        final = None
+        if body.get("continue_final_message"):
+            if not self._continues:
+                raise ValueError("the template never reads a message's content")
+            final = chat_render.mark_final(conversation)
         tools = body.get("tools")
         text = self._template.render(
-            messages=[self._message(m) for m in messages],
-            add_generation_prompt=generation is not False,
-            tools=tools if isinstance(tools, list) else None, **self._specials)
+            messages=conversation,
+            tools=[chat_render.tool(t) for t in tools] if isinstance(tools, list) else None,
+            **(self._specials | kwargs))
+        if final is not None:
+            text = chat_render.continue_text(text, final)
         return self.encode(text, special=body.get("add_special_tokens") is True)
-
-    def _message(self, message: object) -> dict[str, Any]:
-        if not isinstance(message, dict):
-            raise TypeError("a message is not an object")
-        out = dict(message)
-        content = message.get("content")
-        parts = _text_parts(content)
-        if self._openai_format:
-            out["content"] = [{"type": "text", "text": t} for t in parts]
-        elif content is not None:
-            out["content"] = "\n".join(parts)
-        return out
-
-
-def _text_parts(content: object) -> list[str]:
-    if content is None:
-        return []
-    if isinstance(content, str):
-        return [content]
-    if isinstance(content, list):
-        return [p["text"] for p in content if isinstance(p, dict) and p.get("type") == "text"
-                and isinstance(p.get("text"), str)]
-    raise TypeError("message content is neither text nor a list of parts")
 
 
 def load_tokenizer(path: str, field: str) -> PromptTokenizer:
@@ -371,9 +370,16 @@ def load_tokenizer(path: str, field: str) -> PromptTokenizer:
         except (OSError, ValueError):
             raise ConfigError(field, f"{cfg_file} is not readable JSON") from None
         config = loaded if isinstance(loaded, dict) else {}
-    template = _template(file.parent, config)
-    return PromptTokenizer(tokenizer, template, bos_token=_special(config, "bos_token"),
-                           eos_token=_special(config, "eos_token"))
+    try:
+        template = _template(file.parent, config)
+        return PromptTokenizer(tokenizer, template, bos_token=_special(config, "bos_token"),
+                               eos_token=_special(config, "eos_token"))
+    except (OSError, UnicodeDecodeError):
+        raise ConfigError(field, f"the chat template beside {file} is not readable UTF-8 "
+                                 "text") from None
+    except jinja2.TemplateSyntaxError as exc:
+        raise ConfigError(field, f"the chat template beside {file} does not compile: "
+                                 f"{exc.message} (line {exc.lineno})") from None
 
 
 def loaded_tokenizers(pools: Sequence[Any]) -> dict[str, PromptTokenizer]:

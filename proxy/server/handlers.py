@@ -122,9 +122,10 @@ async def _serve(
     server = ctx.cfg.server
     raw = await read_body(request, server.max_body_bytes, server.body_timeout_s)
     body = parse_body(raw, server.max_json_depth)
+    size = len(raw)
     del raw
     job.model = named_model(body)  # logged even when another field is refused
-    inbound = accept_body(body, endpoint)
+    inbound = accept_body(body, endpoint, size=size)
     del body
     priority, salt, plan = _classify(request, ctx, job, inbound)
     visit = await door.enter(

@@ -10,8 +10,10 @@ read) tokenizes with the tiny model's own tokenizer files and listens to engine 
 from __future__ import annotations
 
 import asyncio
+import shutil
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -76,6 +78,44 @@ async def test_the_proxy_tokenizes_chat_as_vllm_does(backend: Backend) -> None:
     status, got = await post_json(backend.a.url + "/tokenize",
                                   {"model": backend.model, "prompt": "the cache holds a block"})
     assert tok.request_ids(False, {"prompt": "the cache holds a block"}) == got["tokens"]
+
+
+# A string-format template that renders what agent traffic carries: the tools, a tool call's
+# arguments (which vLLM hands over as an object), a null content, and a template variable.
+TOOL_TEMPLATE = (
+    "{{ bos_token }}{% if tools %}<|system|>{{ tools | tojson }}\n{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+    "{% if m.tool_calls %}{% for c in m.tool_calls %} call {{ c.function.name }}"
+    "{{ c.function.arguments | tojson }}{% endfor %}{% endif %}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% if not enable_thinking %} no thinking"
+    "{% endif %}{% endif %}")
+
+
+async def test_the_proxy_renders_tool_conversations_and_template_variables_as_vllm_does(
+        backend: Backend, tmp_path: Path) -> None:
+    assert backend.tokenizer is not None
+    shutil.copytree(backend.tokenizer, tmp_path / "tok")
+    (tmp_path / "tok" / "chat_template.jinja").write_text(TOOL_TEMPLATE)
+    tok = load_tokenizer(str(tmp_path / "tok"), "tokenizer")
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "route", "arguments": '{"engine": "a", "blocks": 3}'}}
+    messages = [{"role": "user", "content": "which engine holds the prefix?"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "content": "the engine a", "tool_call_id": "c1"}]
+    tools = [{"type": "function", "function": {
+        "name": "route", "description": "find the engine",
+        "parameters": {"type": "object", "properties": {"engine": {"type": "string"}}}}}]
+    bodies = [
+        {"messages": messages, "tools": tools},
+        {"messages": messages, "chat_template_kwargs": {"enable_thinking": True}},
+        {"messages": [*messages, {"role": "assistant", "content": "the cache "}],
+         "add_generation_prompt": False, "continue_final_message": True},
+    ]
+    for body in bodies:
+        status, got = await post_json(backend.a.url + "/tokenize", {
+            "model": backend.model, "chat_template": TOOL_TEMPLATE, **body})
+        assert status == 200, got
+        assert tok.request_ids(True, body) == got["tokens"], body
 
 
 async def test_the_index_is_what_vllm_reported_and_a_shared_prefix_is_routed_there(

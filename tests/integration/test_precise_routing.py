@@ -161,6 +161,34 @@ async def test_the_index_is_what_engines_reported_and_shared_prefixes_follow_it(
     assert rows["t0"]["kv_events"]["last_seq"] is not None
 
 
+async def test_a_short_message_with_large_tools_is_encoded_off_the_event_loop(
+        precise: Precise, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The template renders the tools too: the body's size, not the messages' text, decides.
+    threads: list[str] = []
+    encoded = PreciseRouting._encoded
+
+    def spy(*args: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return encoded(*args)
+
+    monkeypatch.setattr(PreciseRouting, "_encoded", staticmethod(spy))
+
+    async def all_precise() -> bool:
+        return all(r["kv_events"]["mode"] == "precise" for r in (await precise.admin()).values())
+
+    await precise.until(all_precise, "both engines precise")
+    fields = {f"field_{k}": {"type": "string", "description": "the proxy routes " * 4}
+              for k in range(64)}
+    body = {**_chat("short system prompt", "which tool?"),
+            "tools": [{"type": "function", "function": {
+                "name": "lookup", "parameters": {"type": "object", "properties": fields}}}]}
+    assert len(str(body["messages"])) < INLINE_CHARS < len(str(body["tools"]))
+    async with precise.http.post(precise.server.url + "/v1/chat/completions",
+                                 json=body) as resp:
+        assert resp.status == 200, await resp.text()
+    assert len(threads) == 1 and threads[0].startswith("kvproxy-tokenize"), threads
+
+
 async def test_a_dead_publisher_falls_back_to_the_approximate_index(precise: Precise) -> None:
     async def mode(name: str) -> str:
         return str((await precise.admin())[name]["kv_events"]["mode"])
@@ -186,3 +214,14 @@ async def test_a_dead_publisher_falls_back_to_the_approximate_index(precise: Pre
         async with precise.http.post(precise.server.url + "/v1/chat/completions",
                                      json=body) as resp:
             assert resp.status == 200, await resp.text()
+
+
+async def test_the_simulator_refuses_token_ids_outside_its_models_vocabulary(
+        precise: Precise) -> None:
+    # As vLLM does (a 400 naming the id), never a 500 that would charge the engine's breaker.
+    url = precise.cluster.urls[0] + "/v1/completions"
+    for bad in (2**32, 2**40, 399_999, -1):
+        body = {"model": TARGET_MODEL, "max_tokens": 1, "prompt": [5, bad, 6]}
+        async with precise.http.post(url, json=body) as resp:
+            assert resp.status == 400, (bad, await resp.text())
+            assert "out of vocabulary" in (await resp.json())["error"]["message"] or bad < 0
