@@ -184,9 +184,10 @@ class KvproxyRouter:
         info["believed_held"] = key.tokens - prefill
         if "est" in info:
             info["predicted"] = info["est"][name][3]  # the pick's own TTFT estimate
-        self.policy.observe(key, name)
         if isinstance(self.policy, ExpectedTTFT):
-            self.policy.dispatched(rid, key)
+            self.policy.dispatched(rid, key, name)
+        else:
+            self.policy.observe(key, name)
         e = int(name[1:])
         if self.precise and self.exact is not None:
             hashes, settled = self.exact

@@ -233,7 +233,8 @@ class ExpectedTTFT:
         self._rendezvous = Rendezvous(cfg.seed)
         self.mean_prompt = 0.0  # tokens; 0 until the first request
         self.mean_queue = 0.0  # requests waiting for prefill per engine, moving average
-        self._unconfirmed: OrderedDict[Hashable, RouteKey] = OrderedDict()
+        self._unconfirmed: OrderedDict[Hashable, tuple[RouteKey, str, tuple[int, ...]]] = (
+            OrderedDict())
 
     def estimates(self, key: RouteKey, engines: Sequence[EngineView]) -> list[Estimate]:
         names = [e.name for e in engines]
@@ -293,19 +294,23 @@ class ExpectedTTFT:
                            held_slack=self._slack(key))
 
     def observe(self, key: RouteKey, engine: str) -> None:
+        """Another process's (or a speculative leg's) request with ``key`` went to ``engine``."""
         self.holdings.record(key, engine)
-        tokens = key.tokens
+        self._learn_prompt(key.tokens)
+
+    def _learn_prompt(self, tokens: float) -> None:
         self.mean_prompt = tokens if not self.mean_prompt else (
             self.mean_prompt + _MEAN_WEIGHT * (tokens - self.mean_prompt))
 
-    def dispatched(self, token: Hashable, key: RouteKey) -> None:
-        """The request known by ``token`` (unique among those open) was sent with ``key``; its
-        ``first_byte`` settles the prompt where it was answered. Kept only while the charge
-        that reads settled holdings is on."""
-        if not self.cfg.charge_abandoned:
-            return
+    def dispatched(self, token: Hashable, key: RouteKey, engine: str) -> None:
+        """This process sent the request known by ``token`` (unique among those open) with
+        ``key`` to ``engine``: recorded there at once (provisional), and kept until its answer
+        says what the engine did with it: ``first_byte`` (computed: the prompt counts in the
+        pool's mean and, with the abandoned charge on, settles where it was answered) or
+        ``refused`` (an engine's 4xx: computed nothing, so what this recorded is taken back)."""
+        fresh = self.holdings.record(key, engine)
         pending = self._unconfirmed
-        pending[token] = key
+        pending[token] = (key, engine, fresh)
         pending.move_to_end(token)
         if len(pending) > MAX_UNCONFIRMED:
             pending.popitem(last=False)
@@ -313,9 +318,21 @@ class ExpectedTTFT:
     def first_byte(self, token: Hashable, engine: str) -> None:
         """The request known by ``token`` had its first byte from ``engine``: it computed the
         prompt (a retry's engine, when the first one failed)."""
-        key = self._unconfirmed.pop(token, None)
-        if key is not None:
-            self.holdings.confirm(key, engine)
+        sent = self._unconfirmed.pop(token, None)
+        if sent is None:
+            return
+        self._learn_prompt(sent[0].tokens)
+        if self.cfg.charge_abandoned:
+            self.holdings.confirm(sent[0], engine)
+
+    def refused(self, token: Hashable, engine: str) -> None:
+        """The request known by ``token`` was answered with a 4xx by ``engine``: no prompt was
+        computed. If that engine is where it was recorded, the blocks the record added go
+        (blocks recorded there before, by other requests, stay): a prompt one engine refuses
+        (a context it cannot take, a model it does not serve) is not drawn back to it."""
+        sent = self._unconfirmed.pop(token, None)
+        if sent is not None and sent[1] == engine:
+            self.holdings.withdraw(engine, sent[2])
 
     def confirm(self, key: RouteKey, engine: str) -> None:
         """Another process's request with ``key`` had its first byte from ``engine``: settled

@@ -44,8 +44,13 @@ class PrefixHoldings(Protocol):
         (never more than ``held_tokens``)."""
         ...
 
-    def record(self, key: RouteKey, engine: str) -> None:
-        """``key``'s prompt was just sent to ``engine`` (provisional: computed soon)."""
+    def record(self, key: RouteKey, engine: str) -> tuple[int, ...]:
+        """``key``'s prompt was just sent to ``engine`` (provisional: computed soon); returns
+        the blocks that were not recorded there before (for ``withdraw``)."""
+        ...
+
+    def withdraw(self, engine: str, blocks: Sequence[int]) -> None:
+        """``engine`` refused the request whose ``record`` added ``blocks``: drop them."""
         ...
 
     def confirm(self, key: RouteKey, engine: str) -> None:
@@ -66,10 +71,14 @@ class BlockIndex:
         # would rescan the holes its deletions leave at the front.
         self._blocks: dict[str, OrderedDict[int, None]] = {}
 
-    def add(self, engine: str, chain: Sequence[int]) -> None:
+    def add(self, engine: str, chain: Sequence[int]) -> tuple[int, ...]:
+        """Record ``chain`` for ``engine``; returns the blocks that were not there before."""
         if self.capacity <= 0:
-            return
+            return ()
         blocks = self._blocks.setdefault(engine, OrderedDict())
+        # Only a chain's deepest blocks can be new: one held there means every shallower one
+        # was recorded with it (module rules of ``match_depths``).
+        held = held_depth(blocks, chain) if chain and chain[0] in blocks else 0
         # Deepest first, so a prefix's first blocks are the most recent and are evicted last,
         # as an engine's own LRU keeps a shared prefix longer than one request's tail.
         for h in reversed(chain):
@@ -77,6 +86,13 @@ class BlockIndex:
             blocks.move_to_end(h)
         while len(blocks) > self.capacity:
             blocks.popitem(last=False)
+        return tuple(chain[held:])
+
+    def drop(self, engine: str, hashes: Sequence[int]) -> None:
+        blocks = self._blocks.get(engine)
+        if blocks:
+            for h in hashes:
+                blocks.pop(h, None)
 
     def match_depths(self, chain: Sequence[int], engines: Sequence[str]) -> dict[str, int]:
         """For each of ``engines`` with a match, the deepest depth of ``chain`` routed to it.
@@ -121,8 +137,12 @@ class ApproxHoldings:
         held = self.index.match_depths(key.chain, list(settled))
         return _tokens(key, {e: min(d, held[e]) for e, d in settled.items() if e in held})
 
-    def record(self, key: RouteKey, engine: str) -> None:
-        self.index.add(engine, key.chain)
+    def record(self, key: RouteKey, engine: str) -> tuple[int, ...]:
+        return self.index.add(engine, key.chain)
+
+    def withdraw(self, engine: str, blocks: Sequence[int]) -> None:
+        self.index.drop(engine, blocks)
+        self.settled.drop(engine, blocks)
 
     def confirm(self, key: RouteKey, engine: str) -> None:
         if key.chain:

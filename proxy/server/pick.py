@@ -75,13 +75,15 @@ async def rank(
         name: policy.uncached_tokens(key, name) for name in ranked[: 1 + ctx.cfg.upstream.retries]
     }
     job.prompt_tokens = dict(job.prefill)
-    policy.observe(key, ranked[0])
     token = None
     if isinstance(policy, ExpectedTTFT):
-        # The relay's first byte settles the prompt where it is answered (``Relay._answered``),
-        # here and, through the outbox, in the other processes.
-        policy.dispatched(id(job), key)
+        # The relay's answer says what the engine did with the prompt (``Relay._answered``):
+        # a first byte settles it where it was answered, here and, through the outbox, in the
+        # other processes; a 4xx takes this process's record back.
+        policy.dispatched(id(job), key, ranked[0])
         token = id(job)
+    else:
+        policy.observe(key, ranked[0])
     ctx.outbox.dispatched(pool, ranked[0], chain, token)
     if holdings is not None and ctx.precise is not None:
         ctx.precise.dispatched(ranked[0], holdings)

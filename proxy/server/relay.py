@@ -252,12 +252,17 @@ class Relay:
             engine.estimate.learn_answer(tokens, size, streamed=streamed,
                                          max_tokens=self._job.max_tokens)
 
-    def _answered(self, engine: Engine) -> None:
+    def _answered(self, engine: Engine, refused: bool = False) -> None:
+        """The engine answered; ``refused``: with a 4xx (it computed nothing)."""
         self._job.first_byte_at = self._ctx.clock()
         engine.state.on_first_byte(self._ticket, self._job.first_byte_at)
         engine.commitments.first_byte(self._ticket)
         policy = self._ctx.policies.get(self._job.pool)
-        if isinstance(policy, ExpectedTTFT):  # announced by ``pick.rank`` under this token
+        if not isinstance(policy, ExpectedTTFT):  # else announced by ``pick.rank``, this token
+            return
+        if refused:
+            policy.refused(id(self._job), engine.name)
+        else:
             policy.first_byte(id(self._job), engine.name)
             self._ctx.outbox.answered(id(self._job), engine.name)
 
@@ -412,7 +417,7 @@ class Relay:
         self._outcome(engine, classify_status(resp.status), f"http_{resp.status}")
         if resp.status < 300:
             engine.state.on_complete(self._ticket, self._ctx.clock())
-        self._answered(engine)
+        self._answered(engine, refused=400 <= resp.status < 500)
         self._job.status = resp.status
         if resp.status == 200:
             self._job.usage = usage_of_body(body)

@@ -47,3 +47,19 @@ async def test_a_failed_engine_settles_nothing_and_the_retry_engine_settles_it(
         await resp.read()
     assert policy.holdings.settled.size(first) > 0
     assert policy.holdings.settled.size(stack.names[1]) == 0
+
+
+async def test_a_prompt_an_engine_refuses_is_not_drawn_back_to_it(stack: Stack) -> None:
+    # An engine's 4xx computed nothing: the record the pick made there is taken back, and the
+    # refused prompt's size does not enter the pool's mean prompt (the expected-wait gauge).
+    policy = _policy(stack)
+    too_long = chat_body(PROMPT * 40, max_tokens=16)
+    async with await stack.post("/v1/chat/completions", too_long) as resp:
+        assert resp.status == 400, await resp.text()
+        engine = resp.headers["X-Engine"]
+    assert policy.holdings.index.size(engine) == 0
+    assert policy.mean_prompt == 0.0 and not policy._unconfirmed
+    async with await stack.post("/v1/chat/completions", chat_body(PROMPT)) as resp:
+        assert resp.status == 200
+        await resp.read()
+    assert policy.mean_prompt > 0.0

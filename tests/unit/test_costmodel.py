@@ -333,8 +333,7 @@ def test_charging_the_abandoned_cache_keeps_a_conversation_home_longer() -> None
         picks = []
         for cfg in (replace(CFG, charge_abandoned=False), replace(CFG, charge_abandoned=True)):
             policy = ExpectedTTFT(cfg)
-            policy.observe(history, "e0")
-            policy.dispatched("history", history)
+            policy.dispatched("history", history, "e0")
             policy.first_byte("history", "e0")
             picks.append(policy.rank(turn, fleet)[0])
         assert picks == [plain, charged]
@@ -347,8 +346,7 @@ def test_only_a_settled_history_is_charged_for_leaving() -> None:
     turn = key(*range(1, 50), tokens=3150.0)
     fleet = [idle("e0", prefill=5000.0, pending=1, load=1.0), idle("e1")]
     policy = ExpectedTTFT(replace(CFG, charge_abandoned=True))
-    policy.observe(history, "e0")
-    policy.dispatched(1, history)
+    policy.dispatched(1, history, "e0")
     assert policy.rank(turn, fleet)[0] == "e1"
     policy.first_byte(1, "e0")
     assert policy.rank(turn, fleet)[0] == "e0"

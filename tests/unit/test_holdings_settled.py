@@ -87,8 +87,7 @@ def test_a_holding_settles_when_confirmed_and_is_forgotten_with_its_engine() -> 
 def test_a_first_byte_settles_the_prompt_where_it_was_answered() -> None:
     policy = ExpectedTTFT(RoutingConfig(charge_abandoned=True))
     k = key((1, 2, 3))
-    policy.observe(k, "e0")
-    policy.dispatched(7, k)
+    policy.dispatched(7, k, "e0")
     policy.first_byte(8, "e0")  # another request's token: nothing to settle
     assert policy.top_settled(k, ENGINES) == 0.0
     policy.first_byte(7, "e0")
@@ -99,13 +98,15 @@ def test_a_first_byte_settles_the_prompt_where_it_was_answered() -> None:
 def test_requests_awaiting_their_first_byte_are_bounded() -> None:
     policy = ExpectedTTFT(RoutingConfig(charge_abandoned=True))
     for token in range(MAX_UNCONFIRMED + 10):
-        policy.dispatched(token, key((1,)))
+        policy.dispatched(token, key((1,)), "e1")
     assert len(policy._unconfirmed) == MAX_UNCONFIRMED
     policy.first_byte(0, "e0")  # the oldest were dropped: nothing settles
     assert policy.top_settled(key((1,)), ENGINES) == 0.0
     off = ExpectedTTFT(RoutingConfig(charge_abandoned=False))
-    off.dispatched(1, key((1,)))
-    assert not off._unconfirmed  # nothing kept when nothing reads it
+    off.dispatched(1, key((1,)), "e0")
+    off.first_byte(1, "e0")
+    assert off.top_settled(key((1,)), ENGINES) == 0.0  # nothing settles when nothing reads it
+    assert not off._unconfirmed
 
 
 def test_exact_holdings_settle_only_what_the_engines_events_reported() -> None:
@@ -121,3 +122,32 @@ def test_exact_holdings_settle_only_what_the_engines_events_reported() -> None:
     index.apply(Batch(2.0, (Stored(tuple(keys[2:]), 8),), 0))  # the engine reports them
     found.add("e0", index, 8, now=2.0)
     assert found.known_settled(["e0"]) == {"e0": 40.0}
+
+
+def test_a_refused_request_takes_back_only_the_blocks_its_record_added() -> None:
+    policy = ExpectedTTFT(RoutingConfig())
+    shared, longer = key((1, 2)), key((1, 2, 3, 4))
+    policy.dispatched("first", shared, "e0")
+    policy.first_byte("first", "e0")
+    policy.dispatched("refused", longer, "e0")
+    assert policy.holdings.held_tokens(longer, ENGINES) == {"e0": 256.0}
+    policy.refused("refused", "e0")
+    # The shared prefix that an answered request recorded stays, settled; the rest goes.
+    assert policy.holdings.held_tokens(longer, ENGINES) == {"e0": 128.0}
+    assert policy.top_settled(longer, ENGINES) == 128.0
+    policy.first_byte("refused", "e0")  # ended once: a late first byte finds nothing
+    assert policy.holdings.held_tokens(longer, ENGINES) == {"e0": 128.0}
+    # Refused by a retry's engine: the record on the engine it was sent to is not that one's.
+    policy.dispatched("retried", longer, "e0")
+    policy.refused("retried", "e1")
+    assert policy.holdings.held_tokens(longer, ENGINES) == {"e0": 256.0}
+
+
+def test_only_answered_prompts_count_in_the_pools_mean_prompt() -> None:
+    policy = ExpectedTTFT(RoutingConfig())
+    policy.dispatched(1, RouteKey((1,), prompt_tokens=100_000.0), "e0")
+    policy.refused(1, "e0")
+    assert policy.mean_prompt == 0.0
+    policy.dispatched(2, RouteKey((2,), prompt_tokens=500.0), "e0")
+    policy.first_byte(2, "e0")
+    assert policy.mean_prompt == 500.0

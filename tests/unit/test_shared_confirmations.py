@@ -78,8 +78,7 @@ async def test_a_first_byte_in_one_process_settles_the_prompt_in_the_other() -> 
     log = Log()
     a, b = _side(log), _side(log)
     # A's request path: ``pick.rank`` then ``Relay._answered``, first byte from a retry on e1.
-    a.policy.observe(KEY, "e0")
-    a.policy.dispatched("job", KEY)
+    a.policy.dispatched("job", KEY, "e0")
     a.outbox.dispatched("p", "e0", CHAIN, "job")
     await a.shared.sync()
     await b.shared.sync()
@@ -95,7 +94,7 @@ async def test_a_first_byte_in_one_process_settles_the_prompt_in_the_other() -> 
     assert a.sample("kvproxy_sharing_published_total", kind="confirmations") == 1.0
     # ... and one answered where it was sent settles there in both processes.
     a.outbox.dispatched("p", "e0", CHAIN, "job2")
-    a.policy.dispatched("job2", KEY)
+    a.policy.dispatched("job2", KEY, "e0")
     a.policy.first_byte("job2", "e0")
     a.outbox.answered("job2", "e0")
     await a.shared.sync()

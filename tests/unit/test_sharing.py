@@ -382,8 +382,7 @@ def test_a_siblings_first_byte_settles_its_prompt_here_as_there() -> None:
     a, b = ExpectedTTFT(RoutingConfig()), ExpectedTTFT(RoutingConfig())
     box, kept = Outbox(8), Unconfirmed()
     # A's own path: dispatched, then its first byte (``pick.rank``, ``Relay._answered``).
-    a.observe(history, "e0")
-    a.dispatched("job", history)
+    a.dispatched("job", history, "e0")
     box.dispatched("p", "e0", history.chain, token="job")
     a.first_byte("job", "e0")
     box.answered("job", "e0")
