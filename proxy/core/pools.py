@@ -58,15 +58,19 @@ def resolve_model(cfg: Config, model: str) -> PoolPlan:
     entry = find_model(cfg, model)
     if entry is None:
         raise NotFound(f"The model {shown(model)} does not exist", param="model")
-    pools = entry.pools if cfg.admission.degrade_to_draft else entry.pools[:1]
-    return PoolPlan(pools)
+    return PoolPlan(entry.pools)
+
+
+def _chain(cfg: Config, chain: tuple[str, ...]) -> tuple[str, ...]:
+    """An alias's pools as requests take them: its first one alone when chains are off."""
+    return chain if cfg.admission.degrade_to_draft else chain[:1]
 
 
 def find_model(cfg: Config, model: str) -> ModelEntry | None:
     names = [p.name for p in cfg.pools]
     for alias in cfg.aliases:
         if alias.name == model:
-            return ModelEntry(model, alias.chain(names), alias=True)
+            return ModelEntry(model, _chain(cfg, alias.chain(names)), alias=True)
     for pool in cfg.pools:
         if model in pool.served:
             return ModelEntry(model, (pool.name,), alias=False)
@@ -90,5 +94,5 @@ def model_names(cfg: Config) -> list[ModelEntry]:
     names = [p.name for p in cfg.pools]
     for alias in cfg.aliases:
         # An alias named like a model several pools serve replaces that model's entry.
-        entries[alias.name] = ModelEntry(alias.name, alias.chain(names), alias=True)
+        entries[alias.name] = ModelEntry(alias.name, _chain(cfg, alias.chain(names)), alias=True)
     return list(entries.values())

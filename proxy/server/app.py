@@ -235,7 +235,8 @@ async def _front_door(app: web.Application) -> AsyncIterator[None]:
         lambda: ctx.fleet,
         open_s=ctx.cfg.breaker.open_s,
         clock=ctx.clock,
-        on_registry=RegistrySync(ctx.fleet, pools),
+        on_registry=RegistrySync(ctx.fleet, pools,
+                                 (e.url for pool in ctx.cfg.pools for e in pool.engines)),
         pressure=(lambda: ctx.fleet) if guard.enabled else None,
         pressure_hold_s=guard.hold_scrapes * ctx.cfg.telemetry.interval_s,
     )

@@ -290,20 +290,41 @@ def routable_records(
 
 class RegistrySync:
     """Keeps the engines discovered in the registry in the fleet; configured engines are never
-    touched (a registered engine with a configured engine's name is ignored)."""
+    touched. A registered engine with a configured engine's name, or at an engine's URL that a
+    configured or an already discovered engine has (``static_urls``: the configured ones), is
+    ignored with one warning: one engine counted twice would get twice its share of traffic,
+    under two breakers and two in-flight counts."""
 
-    def __init__(self, fleet: FleetLike, pools: Mapping[str, str]) -> None:
+    def __init__(self, fleet: FleetLike, pools: Mapping[str, str],
+                 static_urls: Iterable[str] = ()) -> None:
         self._fleet = fleet
         self._pools = dict(pools)
         self._static = {e.name for e in fleet}
+        self._static_urls = {_same_url(u) for u in static_urls}
         self.discovered: dict[str, tuple[str, EngineConfig]] = {}
+        self._doubles: set[str] = set()  # names warned about, while they stay registered
 
     def __call__(self, records: list[EngineRecord]) -> None:
-        wanted = {
-            name: entry
-            for name, entry in routable_records(records, self._pools).items()
-            if name not in self._static
-        }
+        routable = routable_records(records, self._pools)
+        # Engines already discovered keep their URL first; then by name, so that every proxy
+        # process picks the same one of two records naming one URL.
+        order = sorted(routable, key=lambda name: (name not in self.discovered, name))
+        taken = set(self._static_urls)
+        wanted: dict[str, tuple[str, EngineConfig]] = {}
+        doubles: set[str] = set()
+        for name in order:
+            if name in self._static:
+                continue
+            url = _same_url(routable[name][1].url)
+            if url in taken:
+                doubles.add(name)
+                if name not in self._doubles:
+                    log.warning("ignoring registered engine %r: another engine is already "
+                                "routed to at %s", name, routable[name][1].url)
+                continue
+            taken.add(url)
+            wanted[name] = routable[name]
+        self._doubles = doubles
         for name, entry in list(self.discovered.items()):
             if wanted.get(name) != entry:
                 self._fleet.remove(name)
@@ -316,6 +337,13 @@ class RegistrySync:
                 log.info(
                     "engine %s (%s pool, %s) discovered in the registry", name, pool, engine.url
                 )
+
+
+def _same_url(url: str) -> str:
+    """An engine URL as compared for "the same engine" (scheme and host are case-blind)."""
+    scheme, sep, rest = url.rstrip("/").partition("://")
+    host, slash, path = rest.partition("/")
+    return f"{scheme.lower()}{sep}{host.lower()}{slash}{path}"
 
 
 class RegistryWatcher:

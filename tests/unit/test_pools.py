@@ -57,6 +57,11 @@ def test_two_pool_layout_keeps_its_meaning() -> None:
 def test_degrade_can_be_turned_off() -> None:
     assert resolve_model(config(degrade=False), "chat") == PoolPlan(("target",))
     assert resolve_model(fleet(degrade=False), "chat") == PoolPlan(("h100",))
+    # /v1/models lists the pools requests take, not the chain that is off.
+    listed = {e.id: e.pools for e in model_names(fleet(degrade=False))}
+    assert listed["chat"] == ("h100",)
+    entry = find_model(fleet(degrade=False), "chat")
+    assert entry is not None and entry.pools == ("h100",)
 
 
 def test_tier_chains_and_shared_model_names() -> None:
