@@ -134,9 +134,10 @@ async def test_a_request_opened_without_a_dispatch_wakes_a_quiet_round(tmp_path:
         await asyncio.sleep(0.2)  # quiet
         state = a.engines[1].state
         ticket = state.on_dispatch(time.monotonic(), prefill=0.0)
-        await _until(lambda: b.engines[1].state.remote_open == 1.0, 1.0)
+        # 5 s: a third of the way to the next heartbeat.
+        await _until(lambda: b.engines[1].state.remote_open == 1.0, 5.0)
         state.on_settle(ticket)
-        await _until(lambda: b.engines[1].state.remote_open == 0.0, 1.0)
+        await _until(lambda: b.engines[1].state.remote_open == 0.0, 5.0)
 
 
 async def test_heartbeats_keep_an_idle_sibling_live_and_a_dead_one_expires(

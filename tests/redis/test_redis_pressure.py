@@ -46,7 +46,7 @@ async def test_one_replicas_pressure_closes_the_engine_on_the_other(
     clock = Clock()
     fleets = [Fleet(CFG), Fleet(CFG)]
     links = [RedisLink(RedisConfig(url=redis_server.url, **SLOW_OK)) for _ in fleets]
-    shared = [SharedPressure(lk, lambda f=f: f, hold_s=0.3, clock=clock, poll_s=0.25)
+    shared = [SharedPressure(lk, lambda f=f: f, hold_s=3.0, clock=clock, poll_s=0.25)
               for lk, f in zip(links, fleets, strict=True)]
     a, b = fleets
     try:
@@ -80,14 +80,18 @@ async def test_one_replicas_pressure_closes_the_engine_on_the_other(
         assert adm.decide("target", Priority.STANDARD, only_e1) == Shed("preempting", 2)
         assert adm.decide("target", Priority.CRITICAL, only_e1) == Admit()
         ttl = await links[0].client.pttl(links[0].key("pressure", "e1", "standard"))
-        assert 0 < ttl <= 500
+        assert 0 < ttl <= 3000  # the guard's hold
 
         # A stops judging (its telemetry went stale): the keys expire and B reopens the engine.
         clock.now += 5.0
-        await asyncio.sleep(0.6)
-        for s in shared:
-            await s.sync()
-        assert level(b, "e1", clock.now) is Level.OPEN
+        async with asyncio.timeout(15):
+            while True:
+                for s in shared:
+                    await s.sync()
+                if level(b, "e1", clock.now) is Level.OPEN:
+                    break
+                await asyncio.sleep(0.1)
+        assert not await links[0].client.exists(links[0].key("pressure", "e1", "standard"))
     finally:
         for lk in links:
             await lk.close()

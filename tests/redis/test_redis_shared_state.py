@@ -88,7 +88,9 @@ async def test_breaker_opening_reaches_other_replicas(redis_server: RedisServer)
             await lk.close()
 
 
-async def test_breaker_polling_loop_within_a_second(redis_server: RedisServer) -> None:
+async def test_breaker_polling_loop_carries_an_opening_to_another_replica(
+    redis_server: RedisServer,
+) -> None:
     links = [RedisLink(RedisConfig(url=redis_server.url, **SLOW_OK)) for _ in range(2)]
     loop = asyncio.get_running_loop()
     a = [FakeEngine("e0", Breaker(CFG))]
@@ -100,7 +102,8 @@ async def test_breaker_polling_loop_within_a_second(redis_server: RedisServer) -
     ]
     try:
         trip(a[0].breaker, loop.time())
-        async with asyncio.timeout(1.0):
+        # The loops run on their own: b's breaker opens only if a's opening reaches it.
+        async with asyncio.timeout(10.0):
             while b[0].breaker.state is not BreakerState.OPEN:  # noqa: ASYNC110 - polled state
                 await asyncio.sleep(0.02)
     finally:
@@ -119,14 +122,19 @@ async def test_registry_heartbeat_and_expiry(redis_server: RedisServer) -> None:
     record = EngineRecord("t0", "target", "llama", "http://127.0.0.1:9000")
     stop = asyncio.Event()
     try:
-        beat = asyncio.create_task(heartbeat_engine(link, record, ttl_s=3, stop=stop))
-        await asyncio.sleep(0.05)
-        assert await list_engines(link) == [record]
+        # Beats every 2 s against a 6 s TTL: t0 stays registered throughout.
+        beat = asyncio.create_task(heartbeat_engine(link, record, ttl_s=6, stop=stop))
+        async with asyncio.timeout(10.0):
+            while await list_engines(link) != [record]:  # noqa: ASYNC110 - polled Redis
+                await asyncio.sleep(0.02)
         short = EngineRecord("t1", "target", "llama", "http://h:1")
-        await register_engine(link, short, ttl_s=0.05)
+        await register_engine(link, short, ttl_s=2.0)
         await watcher.poll()
-        await asyncio.sleep(0.1)  # t1 stops heartbeating and expires
-        await watcher.poll()
+        # t1 never beats: its record expires by its TTL alone (each poll reports changes only).
+        async with asyncio.timeout(10.0):
+            while seen[-1] != ["t0"]:
+                await asyncio.sleep(0.05)
+                await watcher.poll()
         await watcher.poll()  # unchanged: no call
         stop.set()
         await beat  # deregisters on the way out

@@ -25,6 +25,7 @@ import aiohttp
 import pytest
 from integration.stack import TARGET_MODEL, chat_body, proxy_config
 
+from proxy.core.config import TelemetryConfig
 from proxy.server.lifecycle import ProxyServer
 
 ENGINES = 2
@@ -77,9 +78,9 @@ async def _drain(stream: asyncio.StreamReader) -> None:
 
 
 @asynccontextmanager
-async def proxy_before(sim: Sim) -> AsyncIterator[ProxyServer]:
+async def proxy_before(sim: Sim, **sections: object) -> AsyncIterator[ProxyServer]:
     names = [f"e{i}" for i in range(ENGINES)]
-    server = ProxyServer(proxy_config(sim.urls, names, ["target"] * ENGINES))
+    server = ProxyServer(proxy_config(sim.urls, names, ["target"] * ENGINES, **sections))
     await server.start()
     try:
         async with aiohttp.ClientSession() as http:
@@ -194,15 +195,21 @@ async def test_a_proxy_blocked_in_slices_calls_no_engine_unreachable(
 ) -> None:
     caplog.set_level(logging.INFO, logger="proxy.fleet.scraper")
     rng = random.Random(61)
+    # A timeout the engine process answers well within however loaded the machine, so that any
+    # scrape missing it does so because this process was blocked.
+    telemetry = TelemetryConfig(interval_s=0.6, timeout_s=0.5, stale_after_s=3.0)
 
     async def block_in_slices() -> None:
-        # This process (the proxy's event loop) stalls 0.1-0.4 s at a time, free 0-50 ms.
-        deadline = time.monotonic() + 3.0
+        # This process (the proxy's event loop) stalls 0.6-1.2 s at a time, longer than the
+        # scrape timeout. In between it is free for 0-50 ms, or for 2 ms at most: a round begun
+        # then is still waiting when the next stall begins, so its timer fires late and its
+        # answers are read only after the stall.
+        deadline = time.monotonic() + 5.0
         while time.monotonic() < deadline:
-            time.sleep(rng.uniform(0.1, 0.4))  # noqa: ASYNC251 - blocking is the point
-            await asyncio.sleep(rng.uniform(0.0, 0.05))
+            time.sleep(rng.uniform(0.6, 1.2))  # noqa: ASYNC251 - blocking is the point
+            await asyncio.sleep(rng.uniform(0.0, rng.choice((0.002, 0.05))))
 
-    async with sim_process() as sim, proxy_before(sim) as proxy:
+    async with sim_process() as sim, proxy_before(sim, telemetry=telemetry) as proxy:
         answers = await _traffic_while(proxy.url, lambda: asyncio.ensure_future(block_in_slices()))
         async with aiohttp.ClientSession() as http:
             timeouts = [await _scrape_timeouts(http, proxy.url, f"e{i}") for i in range(ENGINES)]

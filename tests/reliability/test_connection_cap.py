@@ -127,11 +127,13 @@ async def test_past_the_cap_and_its_grace_connections_are_closed_at_once(
         async with _held(proxy.url, CAP):
             grace_held = [await connect(proxy.url) for _ in range(GRACE)]
             reader, writer = await connect(proxy.url)  # past the cap and the grace
-            assert await closed_by_peer(reader, timeout_s=0.5)
+            # Half the head deadline: closed by the cap (dropped: counted below).
+            assert await closed_by_peer(reader, timeout_s=5.0)
             await close(writer)
-            # Those of the grace that send nothing give their place back within a second or so.
+            # Those of the grace that send nothing give their place back after 1 s, long before
+            # the head deadline.
             for grace_reader, _ in grace_held:
-                assert await closed_by_peer(grace_reader, timeout_s=3.0)
+                assert await closed_by_peer(grace_reader, timeout_s=8.0)
             for _, grace_writer in grace_held:
                 await close(grace_writer)
         assert await _metric(proxy.url, "kvproxy_client_connections_dropped_total") == 1

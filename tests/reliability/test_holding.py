@@ -68,12 +68,13 @@ async def held(stack: Stack, count: int) -> None:
 
 
 async def test_a_held_request_is_served_once_its_room_is_freed(make_stack: StackFactory) -> None:
-    stack = await committed_engine(make_stack, stall_s=1.0, hold_sheddable_s=30.0)
+    # The six stall 5 s: still in flight while the seventh is seen held.
+    stack = await committed_engine(make_stack, stall_s=5.0, hold_sheddable_s=30.0)
     async with six_in_flight(stack):
         seventh = asyncio.create_task(send(stack, "sheddable", "seventh"))
         await held(stack, 1)  # waiting in the proxy, not refused
         assert not seventh.done()
-        resp = await asyncio.wait_for(seventh, 20.0)  # the six end after their stall: room
+        resp = await asyncio.wait_for(seventh, 25.0)  # the six end after their stall: room
     assert resp.status == 200
     assert resp.headers["X-Engine"] == "t0"
     assert await stack.metric("kvproxy_held_total", outcome="admitted",

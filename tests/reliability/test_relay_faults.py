@@ -83,8 +83,9 @@ async def test_client_disconnect_aborts_engine_request(make_stack: StackFactory)
     async def aborted() -> bool:
         return "chatcmpl-gone-1" in (await stack.engine_state(engine))["aborted_ids"]
 
-    await stack.wait_for(aborted, timeout_s=2.0)
-    assert loop.time() - closed_at < 0.5
+    await stack.wait_for(aborted, timeout_s=10.0)
+    # The 2000-token stream would run far longer than this: aborted, not ended.
+    assert loop.time() - closed_at < 3.0
     # The stream was on the raw path when the client left (counted as it ends).
     assert await stack.metric("kvproxy_relay_raw_streams_total") == 1
 

@@ -65,11 +65,12 @@ async def engines() -> AsyncIterator[list[EngineProcess]]:
 async def parent(engines: list[EngineProcess], tmp_path: Path,
                  request: pytest.FixtureRequest) -> AsyncIterator[Parent]:
     config = tmp_path / "kvproxy.toml"
-    # More lines of [server] and [routing], where a test asks.
+    # More lines of [server] and [routing], where a test asks; [telemetry] replaced.
     extra: dict[str, list[str]] = getattr(request, "param", {})
+    telemetry = extra.get("telemetry", ["interval_s = 0.1", "timeout_s = 0.09",
+                                        "stale_after_s = 0.6"])
     lines = ["[server]", "drain_timeout_s = 10.0", *extra.get("server", []), "[telemetry]",
-             "interval_s = 0.1",
-             "timeout_s = 0.09", "stale_after_s = 0.6",
+             *telemetry,
              # A bound no burst here reaches: the test is about what workers know, not spilling.
              "[routing]", "min_load_bound = 16", *extra.get("routing", []),
              "[[pools]]", 'name = "target"', f'model = "{TARGET_MODEL}"']
@@ -194,9 +195,10 @@ async def test_both_workers_serve_and_metrics_count_them_all(parent: Parent) -> 
 async def test_a_burst_sharing_a_new_prefix_lands_on_one_engine(parent: Parent) -> None:
     seats = parent.workers()
     async with aiohttp.ClientSession() as http:
-        # The first request of the prefix: a long stream, still open on one worker and engine.
+        # The first request of the prefix: a stream far longer than the test (it is closed
+        # below), still open on one worker and engine.
         stream = await http.post(parent.url + "/v1/chat/completions",
-                                 json=chat(PREFIX + " first", stream=True, max_tokens=300,
+                                 json=chat(PREFIX + " first", stream=True, max_tokens=3000,
                                            ignore_eos=True))  # fmt: skip
         assert stream.status == 200
         await stream.content.readline()
@@ -294,12 +296,14 @@ async def test_each_engine_is_scraped_as_often_as_by_one_proxy(
     parent: Parent, engines: list[EngineProcess]
 ) -> None:
     loop = asyncio.get_running_loop()
-    before, started = await _metrics_served(engines), loop.time()
+    started = loop.time()  # before the first count is read: the window holds every scrape counted
+    before = await _metrics_served(engines)
     await asyncio.sleep(2.0)
     after, took = await _metrics_served(engines), loop.time() - started
     # One proxy scrapes every 0.1 s at most (a round never starts early); two workers scraping
-    # each for itself would double that. Slow rounds on a busy machine only lower the count.
-    most = took / 0.1 + 2
+    # each for itself would double that. Half as many again is allowed: while a stalled worker
+    # 0's relays are late, worker 1 scrapes for itself. Slow rounds only lower the count.
+    most = 1.5 * took / 0.1 + 2
     assert all(b - a <= most for a, b in zip(before, after, strict=True)), (before, after, most)
     seats = parent.workers()
     relayed = [total(await own_metrics(seats[i][1]), "kvproxy_scrape_relayed_total",
@@ -325,33 +329,50 @@ async def _assert_healthy(path: str, engines: int) -> None:
     assert healthy == engines, [line for line in text.splitlines() if "engine_health{" in line]
 
 
+async def _quiet_window(path: str) -> float:
+    """Until a worker makes no scrape of its own for 1 s (five intervals); its scrape count then.
+    Bounded by the caller."""
+    while True:
+        settled = await _scraped_by(path)
+        await asyncio.sleep(1.0)
+        if await _scraped_by(path) == settled:
+            return settled
+
+
+async def _applied(path: str) -> float:
+    return total(await own_metrics(path), "kvproxy_scrape_relayed_total", result="applied")
+
+
+# Scrapes every 0.2 s, each given 0.19 s, stale after 3 s: seven processes share the machine, and
+# what is shown is who scrapes, not how fast.
+@pytest.mark.parametrize("parent", [{"telemetry": ["interval_s = 0.2", "timeout_s = 0.19",
+                                                   "stale_after_s = 3.0"]}], indirect=True)
 async def test_a_sibling_takes_over_the_scrapes_of_a_dead_worker_and_nothing_goes_stale(
     parent: Parent, engines: list[EngineProcess]
 ) -> None:
     seats = parent.workers()
     other = seats[1][1]
     # Worker 1 follows worker 0's scrapes: it makes none of its own while they arrive.
-    await asyncio.sleep(0.5)
-    quiet = await _scraped_by(other)
-    await asyncio.sleep(0.5)
-    assert await _scraped_by(other) == quiet
+    async with asyncio.timeout(15):
+        quiet = await _quiet_window(other)
     os.kill(seats[0][0], signal.SIGKILL)
     async with asyncio.timeout(15):
-        # Until worker 0 is back, worker 1 keeps every engine healthy by scraping them itself.
-        while (seat := parent.workers().get(0)) is None or seat[0] == seats[0][0]:
+        # Worker 1 takes the engines over (its own scrapes resume) and keeps every one healthy
+        # until worker 0 is back.
+        while True:
             await _assert_healthy(other, len(engines))
+            seat = parent.workers().get(0)
+            if (seat is not None and seat[0] != seats[0][0]
+                    and await _scraped_by(other) > quiet):
+                break
             await asyncio.sleep(0.05)
-    assert await _scraped_by(other) > quiet
-    await _assert_healthy(other, len(engines))
+    applied = await _applied(other)
     # The new worker 0 scrapes again and worker 1 goes back to following it.
     async with asyncio.timeout(15):
         while await _relayed_or_zero(seat[1]) < 1:  # noqa: ASYNC110
             await asyncio.sleep(0.05)
-        while True:
-            settled = await _scraped_by(other)
-            await asyncio.sleep(0.5)
-            if await _scraped_by(other) == settled:
-                break
+        await _quiet_window(other)
+    assert await _applied(other) > applied  # what it follows: the new worker 0's scrapes
     await _assert_healthy(other, len(engines))
 
 
@@ -438,4 +459,4 @@ async def test_a_stop_while_a_worker_waits_to_restart_is_prompt_and_clean(parent
     parent.proc.send_signal(signal.SIGTERM)
     async with asyncio.timeout(15):
         assert await parent.proc.wait() == 0
-    assert time.monotonic() - stopped_at < 2.0  # well inside the 4 s back-off
+    assert time.monotonic() - stopped_at < 3.5  # inside the 4 s back-off: it did not run out

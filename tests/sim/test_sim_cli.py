@@ -65,16 +65,20 @@ async def test_sigterm_drains_then_exits(http: aiohttp.ClientSession) -> None:
     try:
         assert proc.stderr is not None
         urls = await _read_urls(proc.stderr, 2)
-        body = chat_body("stay with me", max_tokens=40, ignore_eos=True, stream=True)
+        # About 4 s of stream: still open while the drain is observed below.
+        body = chat_body("stay with me", max_tokens=300, ignore_eos=True, stream=True)
         async with http.post(urls[0] + "/v1/chat/completions", json=body) as resp:
             await resp.content.readuntil(b"\n\n")
             proc.send_signal(signal.SIGTERM)
-            await asyncio.sleep(0.1)
-            assert await metric(http, urls[1], "kvproxy_sidecar_draining") == 1
+            async with asyncio.timeout(10):
+                while await metric(http, urls[1], "kvproxy_sidecar_draining") != 1:  # noqa: ASYNC110
+                    await asyncio.sleep(0.02)
             async with http.post(urls[1] + "/v1/chat/completions", json=chat_body("new")) as r:
                 assert r.status == 503
             events = parse_sse(await resp.read())
         assert events[-1] == "[DONE]"
+        # Every token after the first event arrived: the drain cut nothing.
+        assert len(events[:-1]) == 300 and events[-2]["choices"][0]["finish_reason"] == "length"
         assert await asyncio.wait_for(proc.wait(), 20) == 0
     finally:
         if proc.returncode is None:

@@ -124,11 +124,13 @@ async def test_an_operators_request_before_the_first_evaluation_is_gated_by_the_
 
 async def test_a_held_redis_lease_outlives_its_ttl_until_released(
         redis_url: str) -> None:
-    mine = RedisLease(redis_url, "target:m", ttl_s=0.6)
-    other = RedisLease(redis_url, "target:m", ttl_s=0.6)
+    mine = RedisLease(redis_url, "target:m", ttl_s=3.0)
+    other = RedisLease(redis_url, "target:m", ttl_s=3.0)
     try:
         assert await mine.acquire("engine-a")
-        await asyncio.sleep(2.0)  # over three TTLs: a slow drain, start and warm-up
+        # Past the TTL by a second (a slow drain, start and warm-up): only renewals, every
+        # 1 s, keep the lease held; unrenewed, it would have expired at 3 s.
+        await asyncio.sleep(4.0)
         assert not await other.acquire("engine-b")
         await mine.release("engine-a")
         assert await other.acquire("engine-b")
