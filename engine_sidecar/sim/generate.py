@@ -9,6 +9,9 @@ Rules:
   asked for); set to false, the request reads the prefix cache and vLLM computes no logits for
   the cached positions: their entries hold whatever the buffer held. The simulator makes them
   deliberately wrong (rank 1 is token id 0), so a client that trusts them fails loudly.
+- The top-level ``cache_salt`` keys the prompt's first block as on the OpenAI endpoints (so one
+  tenant's verification never reads another's cached prefix) and ``priority`` orders it on a
+  priority-scheduling engine, both checked as there.
 - Only the sampling fields the simulator models are read; others are ignored.
 """
 
@@ -24,7 +27,7 @@ from aiohttp import web
 
 from engine_sidecar.sim.agreement import prompt_logprobs
 from engine_sidecar.sim.engine import RequestStream, Sampling, SimEngine
-from engine_sidecar.sim.protocol import ApiError
+from engine_sidecar.sim.protocol import ApiError, Limits, cache_salt_of, priority_of
 from engine_sidecar.sim.responses import usage
 from engine_sidecar.sim.scheduler import Status
 from engine_sidecar.sim.tokenizer import TOKEN_IDS
@@ -57,8 +60,9 @@ def _number(params: dict[str, Any], key: str, default: float) -> float:
     return float(value)
 
 
-def _sampling(engine: SimEngine, params: dict[str, Any], workload: str | None
+def _sampling(body: dict[str, Any], limits: Limits, workload: str | None
               ) -> tuple[Sampling, int | None]:
+    params = body["sampling_params"]
     lp = params.get("prompt_logprobs")
     if lp is not None and (isinstance(lp, bool) or not isinstance(lp, int) or not 0 <= lp <= 20):
         raise _bad("sampling_params.prompt_logprobs must be in 0..20", "prompt_logprobs")
@@ -68,10 +72,11 @@ def _sampling(engine: SimEngine, params: dict[str, Any], workload: str | None
     return Sampling(max_tokens=max(1, int(_number(params, "max_tokens", 16))),
                     temperature=_number(params, "temperature", 1.0),
                     seed=seed if isinstance(seed, int) else None, workload=workload,
-                    read_cache=read), lp
+                    read_cache=read, cache_salt=cache_salt_of(body),
+                    priority=priority_of(body, limits)), lp
 
 
-async def generate(request: web.Request, engine: SimEngine) -> web.Response:
+async def generate(request: web.Request, engine: SimEngine, limits: Limits) -> web.Response:
     if not engine.config.scale_out:
         raise ApiError(403, "Scale-out endpoints are disabled. Restart vllm serve with "
                        "--enable-scale-out to enable them.")
@@ -85,7 +90,7 @@ async def generate(request: web.Request, engine: SimEngine) -> web.Response:
         raise ApiError(404, f"The model `{body.get('model')}` does not exist.", "model")
     ids = _token_ids(body, engine.config.max_model_len)
     workload = request.headers.get("X-Workload-Class", "")[:64] or None
-    sampling, lp = _sampling(engine, body["sampling_params"], workload)
+    sampling, lp = _sampling(body, limits, workload)
     if not engine.fits(len(ids) + sampling.max_tokens):
         raise _bad("The request needs more KV-cache blocks than the engine has.", "max_tokens")
     stream = engine.submit("gen-" + uuid.uuid4().hex, ids, sampling)

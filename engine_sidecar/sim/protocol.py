@@ -122,8 +122,8 @@ def parse(kind: Kind, raw: bytes, limits: Limits) -> ParsedRequest:
         max_tokens=_max_tokens(kind, body, len(prompt_ids), limits),
         stream=stream, include_usage=_include_usage(body, stream),
         temperature=_temperature(body), seed=_opt_int(body, "seed"),
-        priority=_priority(body, limits), ignore_eos=_opt_bool(body, "ignore_eos"),
-        logprobs=_logprobs(kind, body), cache_salt=_cache_salt(body),
+        priority=priority_of(body, limits), ignore_eos=_opt_bool(body, "ignore_eos"),
+        logprobs=_logprobs(kind, body), cache_salt=cache_salt_of(body),
         prompt_logprobs=_prompt_logprobs(body, stream),
         return_token_ids=_opt_bool(body, "return_token_ids"),
         allowed_token_ids=_allowed(body),
@@ -152,7 +152,7 @@ def _prompt_logprobs(body: dict[str, object], stream: bool) -> int | None:
     return wanted
 
 
-def _cache_salt(body: dict[str, object]) -> str | None:
+def cache_salt_of(body: dict[str, object]) -> str | None:
     salt = body.get("cache_salt")
     if salt is None:
         return None
@@ -244,7 +244,7 @@ def _include_usage(body: dict[str, object], stream: bool) -> bool:
     return _opt_bool(options, "include_usage")
 
 
-def _priority(body: dict[str, object], limits: Limits) -> int:
+def priority_of(body: dict[str, object], limits: Limits) -> int:
     # vLLM 0.32 accepts a priority on an fcfs engine and ignores it; so does the simulator.
     priority = _opt_int(body, "priority") or 0
     return priority if limits.priority_scheduling else 0

@@ -105,7 +105,7 @@ async def _generate_tokens(request: web.Request) -> web.StreamResponse:
     if engine.draining:
         raise ApiError(503, "The engine is draining and accepts no new requests.")
     await _inject(engine)
-    return await generate.generate(request, engine)
+    return await generate.generate(request, engine, _limits(engine))
 
 
 async def _inject(engine: SimEngine) -> None:

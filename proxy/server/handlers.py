@@ -158,7 +158,9 @@ async def _serve(
                 holding.ended(job.pool, _freed(job, expected))
         completed = True
     finally:
-        await door.leave(visit, completed=completed, engine_asked=job.engine != "none")
+        usage = job.usage
+        await door.leave(visit, completed=completed, engine_asked=job.engine != "none",
+                         used=None if usage is None else usage.prompt + usage.completion)
     return response
 
 

@@ -72,9 +72,13 @@ class Visit:
         if isinstance(self.recorder, Fill):
             await self.recorder.close(completed=False)
 
-    def tokens(self) -> int:
+    def tokens(self, used: int | None = None) -> int:
+        """Tokens to charge: none for a cache hit; the engine's usage as the relay read it
+        (``used``), else as the recording holds it; else an estimate from the bytes."""
         if self.entry is not None:
             return 0
+        if used is not None:
+            return used
         recording = self.recorder.recording if isinstance(self.recorder, Fill) else self.recorder
         response = None if recording is None else recording.response()
         counted = None if response is None else usage_tokens(response)
@@ -172,7 +176,7 @@ class FrontDoor:
             try:
                 lookup = await self.cache.lookup(req, policy, wait_s=wait_s)
             except BaseException:
-                await self._settle(visit, engine_asked=False)
+                await self._settle(visit, engine_asked=False, used=None)
                 raise
             visit.entry, visit.x_cache, visit.recorder = lookup.entry, lookup.status, lookup.fill
             visit.late = lookup.late
@@ -181,22 +185,24 @@ class FrontDoor:
             visit.recorder = Recording(chat=visit.chat, max_bytes=limit)
         return visit
 
-    async def leave(self, visit: Visit, *, completed: bool, engine_asked: bool = True) -> None:
+    async def leave(self, visit: Visit, *, completed: bool, engine_asked: bool = True,
+                    used: int | None = None) -> None:
         """Settle a visit once: the cache fill finished (the answer stored only if the request
-        ``completed``), then the lease settled with the tokens used: none when no engine was
-        asked (refused, shed or held out by the proxy itself)."""
+        ``completed``), then the lease settled with the tokens used (``used``: the engine's
+        usage, when the relay read one; a recording too long to keep has lost it): none when
+        no engine was asked (refused, shed or held out by the proxy itself)."""
         try:
             if isinstance(visit.recorder, Fill):
                 await visit.recorder.close(completed=completed)
         finally:
-            await self._settle(visit, engine_asked)
+            await self._settle(visit, engine_asked, used)
 
-    async def _settle(self, visit: Visit, engine_asked: bool) -> None:
+    async def _settle(self, visit: Visit, engine_asked: bool, used: int | None) -> None:
         # Shielded, so a cancelled request still settles; a shield costs a task, and unlimited
         # traffic (limits off, the default) has no lease to settle.
         lease, visit.lease = visit.lease, None
         if lease is not None and lease.pending:
-            await asyncio.shield(lease.settle(visit.tokens() if engine_asked else 0))
+            await asyncio.shield(lease.settle(visit.tokens(used) if engine_asked else 0))
 
 
 DOOR = web.AppKey("front_door", FrontDoor)

@@ -10,7 +10,8 @@ Rules:
 - ``required = false`` (the demo): a request without a known key is tenant ``default_tenant``; a
   known key still names its tenant. ``required = true``: no known key is 401.
 - Redis trouble never turns a key that worked into a 401: a remembered tenant stays valid while
-  Redis is down, and a key that cannot be checked at all is a 503 (retry), not "invalid key".
+  Redis is down, and a key that cannot be checked at all is a 503 (retry), not "invalid key",
+  whether keys are required or not (never the default tenant: it could be another tenant's key).
 """
 
 from __future__ import annotations
@@ -123,8 +124,9 @@ class TenantDirectory:
         except RedisUnavailable:
             if remembered is not None:
                 return remembered[0]
-            if not self.cfg.required:
-                return None
+            # Also when keys are not required: the key may be a tenant's, and served as the
+            # default tenant its answers would reach the response cache and the engines' cache
+            # scope that clients without a key share.
             self.failures.labels("unavailable").inc()
             raise NoCapacity(
                 "API key cannot be checked right now", reason="auth_unavailable"

@@ -202,3 +202,26 @@ async def _verifications(http: aiohttp.ClientSession, url: str) -> dict[str, flo
             mode = line.split('mode="', 1)[1].split('"', 1)[0]
             out[mode] = out.get(mode, 0.0) + float(line.rsplit(" ", 1)[1])
     return out
+
+
+async def test_the_token_in_endpoint_keys_its_prefix_cache_by_cache_salt(
+        engines: tuple[str, str]) -> None:
+    # What speculative-first verification relies on for tenant isolation (``verify_cached``
+    # sends the tenant's salt), and what the simulator's endpoint does the same way.
+    target, _ = engines
+    seed = int(time.time() * 1000) % 97
+    ids = [5 + (seed + 7 * i) % 90 for i in range(300)]
+
+    async def cached(http: aiohttp.ClientSession, **extra: object) -> int:
+        body = {"model": TARGET, "token_ids": ids, **extra,
+                "sampling_params": {"max_tokens": 1, "temperature": 0,
+                                    "skip_reading_prefix_cache": False}}
+        async with http.post(target + "/inference/v1/generate", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            usage = (await resp.json())["usage"]
+            return int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
+        assert await cached(http, cache_salt=f"tenant-a-{seed}") == 0
+        assert await cached(http, cache_salt=f"tenant-b-{seed}") == 0
+        assert await cached(http, cache_salt=f"tenant-a-{seed}") > 0

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import openai
 
-from proxy.core.door_config import AuthConfig, TenantConfig
+from proxy.core.cache_key import CacheConfig
+from proxy.core.door_config import AuthConfig, LimitsConfig, TenantConfig
 
 from .stack import TARGET_MODEL, Stack, StackFactory
 
@@ -78,3 +79,23 @@ async def test_without_a_key_everything_is_the_anonymous_tenant(make_stack: Stac
     assert await stack.metric("kvproxy_tenant_requests_total", status="404", **default) == 1
     assert await stack.metric("kvproxy_tenant_tokens_total", kind="prompt", **default) > 0
     assert await stack.metric("kvproxy_tenant_requests_total", tenant="acme") == 0
+
+
+async def test_a_stream_too_long_to_record_is_charged_its_usage_not_an_estimate(
+    make_stack: StackFactory,
+) -> None:
+    # Past cache.max_entry_bytes the recording is dropped, but the relay still read the engine's
+    # usage: about 60 tokens charged per stream, where the estimate from ~6 KB of events would
+    # put the tenant hundreds of tokens in debt after the first.
+    stack = await make_stack(targets=1, limits=LimitsConfig(enabled=True, tokens_per_min=300),
+                             cache=CacheConfig(max_entry_bytes=512))
+    client = openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="none", max_retries=0)
+    try:
+        for _ in range(3):
+            stream = await client.chat.completions.create(
+                model=TARGET_MODEL, messages=MESSAGES, max_tokens=40, stream=True,
+                temperature=1.0, extra_body={"ignore_eos": True})
+            chunks = [c async for c in stream]
+            assert chunks[-1].choices[0].finish_reason == "length"
+    finally:
+        await client.close()

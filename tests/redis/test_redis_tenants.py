@@ -120,6 +120,22 @@ async def test_redis_outage_keeps_known_keys(keyed: Keyed) -> None:
     assert exc.value.status == 503 and exc.value.reason == "auth_unavailable"
 
 
+async def test_with_keys_optional_a_key_redis_cannot_check_is_never_the_default_tenant(
+    keyed: Keyed,
+) -> None:
+    # Served as the default tenant, a tenant's answers would reach the response cache and the
+    # engines' cache scope that clients without a key share.
+    directory = TenantDirectory(auth(required=False, redis_keys=True, redis_cache_s=0.0),
+                                keyed.link)
+    await register_key(keyed.link, "sk-tenant-key-1", "xcorp")
+    keyed.server.stop()
+    with pytest.raises(NoCapacity) as exc:
+        await directory.identify("Bearer sk-tenant-key-1")
+    assert exc.value.status == 503 and exc.value.reason == "auth_unavailable"
+    assert await directory.identify(None) == "default"  # no key: the default tenant, as ever
+    assert await directory.identify(f"Bearer {KEY_A}") == "acme"
+
+
 async def test_a_key_that_is_not_utf8_is_refused_not_a_crash(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

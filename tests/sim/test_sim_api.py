@@ -259,6 +259,29 @@ async def test_token_in_generate_reads_the_cache_and_leaves_cached_positions_unc
     assert data["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
 
+async def test_token_in_generate_keys_its_cache_by_the_requests_cache_salt(
+        start: Start, http: aiohttp.ClientSession) -> None:
+    # As vLLM's GenerateRequest: one tenant's verification never reads another's prefix.
+    cluster = await start()
+    url = cluster.urls[0] + "/inference/v1/generate"
+    ids = list(range(500, 800))
+
+    async def cached(**extra: object) -> int:
+        body = {"token_ids": ids, "sampling_params": {"max_tokens": 1, "temperature": 0},
+                **extra}
+        async with http.post(url, json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            return int((await resp.json())["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    assert await cached(cache_salt="tenant-a") == 0
+    assert await cached(cache_salt="tenant-b") == 0
+    assert await cached() == 0
+    assert await cached(cache_salt="tenant-a") == 288
+    async with http.post(url, json={"token_ids": ids, "cache_salt": "a/b",
+                                    "sampling_params": {"max_tokens": 1}}) as resp:
+        assert resp.status == 400
+
+
 async def test_token_in_generate_needs_scale_out(start: Start,
                                                  http: aiohttp.ClientSession) -> None:
     cluster = await start(SimEngineConfig(scale_out=False, time_scale=FAST))
