@@ -67,8 +67,12 @@ class RedisLink:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.cfg = cfg
-        self.client: aioredis.Redis = aioredis.Redis.from_url(
+        # A blocking pool: past ``max_connections`` operations open at once, an operation waits
+        # for a connection (within its own timeout) instead of failing, so a burst of requests
+        # is never read as Redis being down (which would put the whole link in back-off).
+        pool = aioredis.BlockingConnectionPool.from_url(
             cfg.url,
+            timeout=cfg.op_timeout_s,
             socket_timeout=cfg.op_timeout_s,
             socket_connect_timeout=cfg.connect_timeout_s,
             max_connections=cfg.max_connections,
@@ -78,6 +82,7 @@ class RedisLink:
             # plain Redis, and nothing the proxy would act on.
             maint_notifications_config=MaintNotificationsConfig(enabled=False),
         )
+        self.client: aioredis.Redis = aioredis.Redis.from_pool(pool)
         self.metrics = RedisMetrics(registry or CollectorRegistry())
         self._clock = clock
         self._down_until = 0.0

@@ -9,6 +9,7 @@ here to stand for whatever else redis-py may raise.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -129,3 +130,17 @@ async def test_a_backend_failing_in_any_way_is_a_miss_and_a_skipped_store(
     assert registry.get_sample_value("kvproxy_cache_errors_total", {"op": "get"}) == 1
     assert registry.get_sample_value("kvproxy_cache_errors_total", {"op": "set"}) == 1
     assert [r.exc_info for r in caplog.records if r.name == "kvproxy.cache"] == [None, None]
+
+
+async def test_more_operations_than_pooled_connections_wait_for_one_and_all_succeed(
+    redis_server: RedisServer,
+) -> None:
+    # A burst past ``max_connections`` is not Redis trouble: nothing fails, no back-off.
+    link = RedisLink(RedisConfig(url=redis_server.url, **SLOW_OK, max_connections=2))
+    try:
+        await link.run("set", lambda r: r.set("k", "v"))
+        got = await asyncio.gather(*(link.run("get", lambda r: r.get("k")) for _ in range(300)))
+        assert got == [b"v"] * 300
+        assert link.available
+    finally:
+        await link.close()
