@@ -2,7 +2,8 @@
 
 Rules (pure, no I/O):
 - Only reproducible answers are cached: ``temperature == 0`` or an integer ``seed`` other than
-  ``-1`` (vLLM reads ``-1`` as no seed), and ``n == 1``.
+  ``-1`` (vLLM reads ``-1`` as no seed), and ``n == 1``; never a request with
+  ``kv_transfer_params`` or ``ec_transfer_params`` (its answer is this request's alone).
   Config can turn the cache off; a request can refuse it with ``Cache-Control``: ``no-store``
   (neither read nor write) or ``no-cache`` (not answered from the cache, but the fresh answer is
   stored).
@@ -21,8 +22,8 @@ Rules (pure, no I/O):
   must never be able to produce another tenant's key.
 - Each field of the key is length-prefixed, so no two different (tenant, model, body) produce
   the same HMAC input.
-- Canonical JSON: keys sorted, and numbers with an integral float value written as integers
-  (``0`` and ``0.0`` are the same temperature).
+- Canonical JSON: the top level's keys sorted and its integral floats written as integers (``0``
+  and ``0.0`` are the same temperature); below the top level, exactly as sent (``canonical_body``).
 """
 
 from __future__ import annotations
@@ -46,7 +47,6 @@ TRANSPORT_FIELDS = frozenset({"stream", "stream_options", "priority"})
 _KEY_DOMAIN = b"kvproxy-response-cache-v1"
 _EXACT_FLOAT_INTS = 2**53
 _STREAM_OPTIONS = frozenset({"include_usage", "continuous_usage_stats"})
-_CONTAINERS = (dict, list)  # a tuple: ``dict | list`` would build a union object on every test
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,8 @@ def decide(body: Mapping[str, Any], cache_control: str | None, *, enabled: bool)
     directives = _directives(cache_control)
     if "no-store" in directives:
         return CachePolicy(False, False, "no_store")
-    reason = _irreproducible(body) or _unstorable_stream(body) or _unusual_transport(body)
+    reason = (_irreproducible(body) or _transfer(body) or _unstorable_stream(body)
+              or _unusual_transport(body))
     if reason:
         return CachePolicy(False, False, reason)
     if "no-cache" in directives:
@@ -132,6 +133,14 @@ def _irreproducible(body: Mapping[str, Any]) -> str:
     seed = body.get("seed")
     seeded = isinstance(seed, int) and not isinstance(seed, bool) and seed != -1
     return "" if greedy or seeded else "sampling"
+
+
+def _transfer(body: Mapping[str, Any]) -> str:
+    """A disaggregated prefill or encoder request: its answer names blocks the engine keeps for
+    this request alone, for a while (vLLM's ``kv_transfer_params``), so it is never replayed."""
+    if body.get("kv_transfer_params") is not None or body.get("ec_transfer_params") is not None:
+        return "transfer"
+    return ""
 
 
 def _unstorable_stream(body: Mapping[str, Any]) -> str:
@@ -187,69 +196,21 @@ def _is_number(value: object) -> bool:
 
 
 def canonical_body(body: Mapping[str, Any]) -> bytes:
-    """The request as the key sees it: transport fields dropped, numbers normalised, keys sorted."""
-    kept = {k: _normalised(v) for k, v in body.items() if k not in TRANSPORT_FIELDS}
+    """The request as the key sees it: transport fields dropped, the top level's keys sorted and
+    its integral floats written as integers; everything below the top level exactly as sent.
+
+    Only the top level is loosened: its fields are the request's parameters, which vLLM reads by
+    name and as numbers (``0`` and ``0.0`` are the same temperature). Inside them order and
+    spelling can change the answer: a JSON schema's property order is the order of the output's
+    keys, and a template renders ``tools``, ``documents`` or ``chat_template_kwargs`` with their
+    keys in order and ``2.0`` as ``2.0``."""
+    kept = {k: _number(body[k]) for k in sorted(body) if k not in TRANSPORT_FIELDS}
     try:
-        return orjson.dumps(kept, option=orjson.OPT_SORT_KEYS)
+        return orjson.dumps(kept)
     except TypeError:
-        # Integers beyond 64 bits: orjson refuses them, the standard library does not.
-        return json.dumps(kept, sort_keys=True, separators=(",", ":")).encode()
-
-
-def _normalised(value: Any) -> Any:
-    """``value`` with integral floats as ints: the value itself when it holds none (the prompt's
-    containers, the bulk of a body, usually hold only strings), else a normalised copy."""
-    if isinstance(value, float):
-        return _number(value)
-    if isinstance(value, _CONTAINERS) and _holds_integral_float(value):
-        return _normalise(value)
-    return value
-
-
-def _holds_integral_float(value: dict[Any, Any] | list[Any]) -> bool:
-    """Whether ``_number`` would change anything inside ``value`` (iterative, as ``_normalise``)."""
-    todo: list[Any] = [value]
-    while todo:
-        source = todo.pop()
-        for item in source.values() if isinstance(source, dict) else source:
-            if isinstance(item, float):
-                if _integral(item):
-                    return True
-            elif isinstance(item, _CONTAINERS):
-                todo.append(item)
-    return False
-
-
-def _normalise(value: Any) -> Any:
-    """``value`` with integral floats as ints; iterative, so no depth can exhaust the stack."""
-    if not isinstance(value, _CONTAINERS):
-        return _number(value)
-    root = _empty_like(value)
-    todo: list[tuple[Any, Any]] = [(value, root)]
-    while todo:
-        source, target = todo.pop()
-        # Every request's whole body passes here: a loop per container kind, and only floats
-        # go through ``_number``; strings, the bulk of a prompt, are taken as they are.
-        if isinstance(source, dict):
-            for key, item in source.items():
-                if isinstance(item, _CONTAINERS):
-                    target[key] = copy = _empty_like(item)
-                    todo.append((item, copy))
-                else:
-                    target[key] = _number(item) if isinstance(item, float) else item
-        else:
-            append = target.append
-            for item in source:
-                if isinstance(item, _CONTAINERS):
-                    append(copy := _empty_like(item))
-                    todo.append((item, copy))
-                else:
-                    append(_number(item) if isinstance(item, float) else item)
-    return root
-
-
-def _empty_like(value: dict[Any, Any] | list[Any]) -> dict[Any, Any] | list[Any]:
-    return {} if isinstance(value, dict) else []
+        # Integers beyond 64 bits: orjson refuses them, the standard library does not (the
+        # body's depth is bounded where it is parsed, ``server.max_json_depth``).
+        return json.dumps(kept, separators=(",", ":")).encode()
 
 
 def _number(value: Any) -> Any:

@@ -133,7 +133,8 @@ async def _serve(
         endpoint=endpoint.value,
         model=_cached_model(ctx, inbound.model, plan.pool),
         body=inbound.body,
-        cache_control=request.headers.get("Cache-Control"),
+        # Repeated header lines are one comma-separated list (RFC 9110, section 5.3).
+        cache_control=",".join(request.headers.getall("Cache-Control", ())) or None,
         prompt_chars=len(inbound.prompt_text),
         wait_s=None if job.deadline is None else job.deadline - asyncio.get_running_loop().time(),
     )
@@ -278,7 +279,8 @@ async def _from_cache(
     job.first_byte_at = request.app[SHELL].clock()
     usage = asks_for_usage(inbound.body)
     headers = job.client_headers()
-    out = await replay(request, entry, stream=inbound.stream, include_usage=usage, headers=headers)
+    out = await replay(request, entry, stream=inbound.stream, include_usage=usage, headers=headers,
+                       request_id=job.request_id)
     job.delivered = inbound.stream
     return out
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-import uuid
 from collections.abc import Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -215,9 +214,11 @@ async def replay(
     stream: bool,
     include_usage: bool,
     headers: Mapping[str, str],
+    request_id: str,
 ) -> web.StreamResponse:
-    """Answer from a cache entry, as JSON or as an SSE stream, under an id of its own."""
-    entry = entry.renamed(uuid.uuid4().hex, int(time.time()))
+    """Answer from a cache entry, as JSON or as an SSE stream, under the id the engine would
+    have given this request (vLLM builds it from the request id the proxy sends it)."""
+    entry = entry.renamed(request_id, int(time.time()))
     out_headers = {**headers, "X-Cache": "HIT"}
     if not stream:
         return web.Response(

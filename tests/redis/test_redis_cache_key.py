@@ -70,6 +70,11 @@ def body(**extra: object) -> dict[str, object]:
         ({**STREAM, "stream_options": {}}, None, (True, True, "")),
         ({"temperature": 0, "stream_options": None}, None, (True, True, "")),
         ({"temperature": 0, "prompt_logprobs": 1}, None, (True, True, "")),
+        # A disaggregated request's answer names blocks kept for it alone, for a while.
+        ({"temperature": 0, "kv_transfer_params": {"do_remote_decode": True}}, None,
+         (False, False, "transfer")),
+        ({"temperature": 0, "ec_transfer_params": {}}, None, (False, False, "transfer")),
+        ({"temperature": 0, "kv_transfer_params": None}, None, (True, True, "")),
         # The JSON answer is stored whole, logprobs and tool calls included.
         ({"temperature": 0, "logprobs": True}, None, (True, True, "")),
         ({"temperature": 0, "stream": False, "tools": TOOLS}, None, (True, True, "")),
@@ -117,8 +122,24 @@ def test_fields_are_length_prefixed() -> None:
     assert one != two
 
 
-def test_canonical_body_sorts_and_normalises() -> None:
-    assert canonical_body({"b": 1.0, "a": [2.0, 2.5], "stream": True}) == b'{"a":[2,2.5],"b":1}'
+def test_canonical_body_sorts_and_normalises_the_top_level_only() -> None:
+    assert canonical_body({"b": 1.0, "a": [2.0, 2.5], "stream": True}) == b'{"a":[2.0,2.5],"b":1}'
+
+
+def test_order_and_spelling_below_the_top_level_are_part_of_the_key() -> None:
+    # A JSON schema's property order is the order of the output's keys; a template renders
+    # tools and its variables with their keys in order, and 2.0 as "2.0".
+    def key(**fields: object) -> str:
+        body = {"messages": [{"role": "user", "content": "json"}], "temperature": 0, **fields}
+        return cache_key(SECRET, tenant="t", model="m", endpoint=CHAT, body=body)
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}
+    swapped = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "integer"}}}
+    assert key(response_format={"type": "json_schema", "json_schema": {"schema": schema}}) != key(
+        response_format={"type": "json_schema", "json_schema": {"schema": swapped}})
+    assert key(chat_template_kwargs={"v": 2.0}) != key(chat_template_kwargs={"v": 2})
+    # The request's own parameters are read by name and as numbers.
+    assert key(max_tokens=8, top_p=1.0) == key(top_p=1, max_tokens=8.0)
 
 
 @settings(deadline=None)

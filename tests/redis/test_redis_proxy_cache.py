@@ -13,6 +13,7 @@ import openai
 import orjson
 import pytest
 from conftest import StackFactory
+from multidict import CIMultiDict
 from proxystack import KEYS, MODEL, OTHER_MODEL, chat, door_config
 from redisproc import RedisServer
 
@@ -103,6 +104,28 @@ async def test_sse_replay_equals_the_original_stream(
     ids.append(orjson.loads(raw_json)["id"])
     assert len(set(ids)) == 4 and all(i.startswith("chatcmpl-") for i in ids), ids
     assert _first_chunk(raw_second)["created"] >= _first_chunk(raw_first)["created"]
+    # A replay's id is the one the engine would have given this request: vLLM builds it from
+    # the request id, the client's own when it sends one.
+    resp, raw = await stack.post(body, **{"X-Request-Id": "trace-7"})
+    assert resp.headers["X-Cache"] == "HIT" and _first_chunk(raw)["id"] == "chatcmpl-trace-7"
+    resp, raw = await stack.post({**body, "stream": False}, **{"X-Request-Id": "trace-8"})
+    assert orjson.loads(raw)["id"] == "chatcmpl-trace-8"
+
+
+async def test_a_no_store_on_a_second_cache_control_line_is_obeyed(
+    make_stack: StackFactory,
+) -> None:
+    # Repeated header lines are one comma-separated list (RFC 9110, section 5.3).
+    stack = await make_stack(door_config())
+    body = chat("A second header line.")
+    lines = CIMultiDict([("Cache-Control", "max-age=0"), ("Cache-Control", "no-store"),
+                         ("Authorization", f"Bearer {KEYS['acme']}")])
+    async with stack.http.post(stack.url + "/v1/chat/completions", json=body,
+                               headers=lines) as resp:
+        assert resp.status == 200 and resp.headers["X-Cache"] == "BYPASS"
+        await resp.read()
+    resp, _ = await stack.post(body)
+    assert resp.headers["X-Cache"] == "MISS"  # nothing was stored
 
 
 def _first_chunk(raw: bytes) -> dict[str, Any]:
