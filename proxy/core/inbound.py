@@ -238,14 +238,21 @@ def _read_lax(body: dict[str, Any]) -> None:
         body["stream"] = bool(stream)
 
 
+# vLLM's integer fields are 64-bit: a larger value is its 400, and the proxy could not write it
+# back into the upstream body either.
+_INT64 = 2**63 - 1
+
+
 def _lax_int(value: float | str) -> int | None:
     if isinstance(value, float):
-        return int(value) if value.is_integer() else None
+        # A JSON integer past 64 bits reads as a float: too large, left for the checks to refuse.
+        return int(value) if value.is_integer() and abs(value) <= _INT64 else None
     text = value.strip()
     digits = text[1:] if text[:1] in "+-" else text
     if not digits.isascii() or not digits.isdigit() or len(digits) > 19:
         return None
-    return int(text)
+    whole = int(text)
+    return whole if abs(whole) <= _INT64 else None
 
 
 def _flag(body: Mapping[str, Any], name: str) -> bool:

@@ -69,3 +69,20 @@ def test_what_vllm_would_refuse_is_refused(extra: dict[str, Any], param: str) ->
     with pytest.raises(BadRequest) as refused:
         accept(chat(**extra), Endpoint.CHAT)
     assert refused.value.param == param
+
+
+@pytest.mark.parametrize(("field", "literal"), [
+    ("seed", b"1180591620717411303424"), ("seed", b"18446744073709551616"),
+    ("seed", b'"9223372036854775808"'), ("max_tokens", b"1180591620717411303424"),
+    ("n", b"18446744073709551616"), ("priority", b"-9223372036854775809"),
+])
+def test_integers_past_64_bits_are_refused_naming_the_field(field: str, literal: bytes) -> None:
+    # vLLM's own 400 (its integer fields are 64-bit); never a 500 from writing the body back.
+    raw = chat()[:-1] + b',"' + field.encode() + b'":' + literal + b"}"
+    try:
+        inbound = accept(raw, Endpoint.CHAT)
+    except BadRequest as refused:
+        assert refused.param == field
+    else:  # a field the proxy passes on as it came (the engine answers for it)
+        assert field == "priority" and not isinstance(inbound.body[field], int)
+    assert accept(chat(seed=2**63 - 1), Endpoint.CHAT).body["seed"] == 2**63 - 1
