@@ -44,7 +44,10 @@ from proxy.core.usage import FALSE_WORDS, TRUE_WORDS
 CacheBackendName = Literal["memory", "redis"]
 # Fields that change how an answer travels or when it runs, never what it says.
 TRANSPORT_FIELDS = frozenset({"stream", "stream_options", "priority"})
-_KEY_DOMAIN = b"kvproxy-response-cache-v1"
+# The key format's version: changed whenever the same request would be keyed differently, so
+# that replicas of two versions sharing a Redis cache never read each other's entries for
+# requests one of them tells apart (v2: only the top level is sorted and normalised).
+_KEY_DOMAIN = b"kvproxy-response-cache-v2"
 _EXACT_FLOAT_INTS = 2**53
 _STREAM_OPTIONS = frozenset({"include_usage", "continuous_usage_stats"})
 

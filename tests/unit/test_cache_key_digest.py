@@ -72,3 +72,17 @@ def test_the_canonical_body_sorts_and_normalises_the_top_level_and_keeps_the_res
     want = {k: _top_level_number(body[k]) for k in sorted(body) if k not in TRANSPORT_FIELDS}
     got = json.loads(canonical_body(body), object_pairs_hook=dict)
     assert _shape(got) == _shape(want)
+
+
+def test_a_change_of_the_key_format_changes_its_version() -> None:
+    # Replicas of two versions share a Redis cache during a rollout: if the same request would
+    # be keyed differently, ``_KEY_DOMAIN`` must change with it, or each version would answer
+    # requests it tells apart with the other's entries. This pins the format; when it fails,
+    # bump the version and update the key here.
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0.0,
+            "response_format": {"type": "json_schema",
+                                "json_schema": {"schema": {"properties": {"b": {}, "a": {}}}}}}
+    assert _KEY_DOMAIN == b"kvproxy-response-cache-v2"
+    pinned = "5d1ca177084658ddc0f0747919cdd251cea4affc1b2e51ab3385f58e74cbfc98"
+    assert cache_key(SECRET, tenant="t", model="m", endpoint="/v1/chat/completions",
+                     body=body) == pinned
