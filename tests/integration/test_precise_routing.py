@@ -109,9 +109,9 @@ def _chat(prefix: str, question: str) -> dict[str, Any]:
                          {"role": "user", "content": question}]}
 
 
-@pytest.mark.parametrize("repeats", [12, 60], ids=["inline", "on-the-thread-pool"])
-async def test_the_index_is_what_engines_reported_and_shared_prefixes_follow_it(
-        precise: Precise, repeats: int, monkeypatch: pytest.MonkeyPatch) -> None:
+async def _encoding_threads(precise: Precise, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Once both engines are in sync: the list that gets, for each prompt the proxy encodes, the
+    name of the thread that encoded it."""
     threads: list[str] = []
     encoded = PreciseRouting._encoded
 
@@ -125,6 +125,13 @@ async def test_the_index_is_what_engines_reported_and_shared_prefixes_follow_it(
         return all(r["kv_events"]["mode"] == "precise" for r in (await precise.admin()).values())
 
     await precise.until(all_precise, "both engines precise")
+    return threads
+
+
+@pytest.mark.parametrize("repeats", [12, 60], ids=["inline", "on-the-thread-pool"])
+async def test_the_index_is_what_engines_reported_and_shared_prefixes_follow_it(
+        precise: Precise, repeats: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    threads = await _encoding_threads(precise, monkeypatch)
     sentence = "the proxy keeps an exact index of what engines hold. "
     prefixes = [f"{uuid.uuid4().hex} " + sentence * repeats for _ in range(6)]
     # Prompts past INLINE_CHARS are encoded off the event loop; shorter ones on it.
@@ -164,19 +171,7 @@ async def test_the_index_is_what_engines_reported_and_shared_prefixes_follow_it(
 async def test_a_short_message_with_large_tools_is_encoded_off_the_event_loop(
         precise: Precise, monkeypatch: pytest.MonkeyPatch) -> None:
     # The template renders the tools too: the body's size, not the messages' text, decides.
-    threads: list[str] = []
-    encoded = PreciseRouting._encoded
-
-    def spy(*args: Any) -> Any:
-        threads.append(threading.current_thread().name)
-        return encoded(*args)
-
-    monkeypatch.setattr(PreciseRouting, "_encoded", staticmethod(spy))
-
-    async def all_precise() -> bool:
-        return all(r["kv_events"]["mode"] == "precise" for r in (await precise.admin()).values())
-
-    await precise.until(all_precise, "both engines precise")
+    threads = await _encoding_threads(precise, monkeypatch)
     fields = {f"field_{k}": {"type": "string", "description": "the proxy routes " * 4}
               for k in range(64)}
     body = {**_chat("short system prompt", "which tool?"),
