@@ -100,6 +100,15 @@ class ExpectationFailed(ClientError):
     closes_connection = True
 
 
+class UnsupportedEncoding(ClientError):
+    """A ``Content-Encoding`` the proxy does not decode: its bytes are not the JSON they would
+    be read as. The body is left unread, so the connection is closed."""
+
+    status = 415
+    default_code = "unsupported_content_encoding"
+    closes_connection = True
+
+
 class RequestTimeout(ClientError):
     """The client did not send its whole body within ``server.body_timeout_s``."""
 

@@ -366,7 +366,17 @@ async def _expect(request: web.Request) -> web.StreamResponse | None:
 
 async def _server_header(request: web.Request, response: web.StreamResponse) -> None:
     response.headers["Server"] = SERVER_NAME
-    if request.version < HttpVersion11 and response.content_length is None:
+    if "Transfer-Encoding" in request.headers or "Upgrade" in request.headers:
+        # A chunked request is the last on its connection: aiohttp's C parser carries the last
+        # trailer field of a chunked body into the next request's headers, so one client could
+        # put a key, an id or a priority on the request after its own (another client's, behind
+        # a balancer that reuses connections). Also RFC 9112's rule for HTTP/1.0 with chunked.
+        # An ``Upgrade`` the proxy ignores (h2c) makes the parser drop what was pipelined behind
+        # the request: closing tells the client, who would otherwise wait for it for ever.
+        # The head is built before this hook runs: the header is set here too.
+        response.force_close()
+        response.headers["Connection"] = "close"
+    elif request.version < HttpVersion11 and response.content_length is None:
         # An HTTP/1.0 client has no chunked framing: a body without a length (a stream) ends only
         # when the connection closes, so it must close even if the client asked to keep it alive
         # (aiohttp would keep it open until its keep-alive timeout, the client none the wiser).

@@ -3,8 +3,9 @@
 Rules: the body is read within ``limit`` bytes (else ``PayloadTooLarge``, refused from its
 ``Content-Length`` before any byte is read when it declares one) and ``timeout_s`` for what did
 not come with the head (else ``RequestTimeout``); framing or encoding that aiohttp's parser finds
-wrong is a ``MalformedBody`` (400, the connection closed). A body that came whole with the head
-is taken without a timer.
+wrong is a ``MalformedBody`` (400, the connection closed); a ``Content-Encoding`` aiohttp does not
+decode (it passes such a body on as it came) is an ``UnsupportedEncoding`` (415, closed). A body
+that came whole with the head is taken without a timer.
 """
 
 from __future__ import annotations
@@ -12,13 +13,26 @@ from __future__ import annotations
 import asyncio
 
 from aiohttp import web
+from aiohttp.compression_utils import HAS_BROTLI, HAS_ZSTD
 from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import RequestPayloadError
 
-from proxy.core.errors import MalformedBody, PayloadTooLarge, RequestTimeout
+from proxy.core.errors import MalformedBody, PayloadTooLarge, RequestTimeout, UnsupportedEncoding
+
+# The content codings aiohttp's parser decodes here (brotli and zstd only with their libraries).
+DECODED = frozenset({"", "identity", "gzip", "deflate"} | ({"br"} if HAS_BROTLI else set())
+                    | ({"zstd"} if HAS_ZSTD else set()))
 
 
 async def read_body(request: web.Request, limit: int, timeout_s: float) -> bytes:
+    coding = request.headers.get("Content-Encoding", "")
+    if coding.strip().lower() not in DECODED or len(request.headers.getall("Content-Encoding",
+                                                                           ())) > 1:
+        # aiohttp decodes one coding it knows and passes anything else on as it came: read as
+        # JSON, "compress" or "gzip, gzip" bytes would be misread, not refused.
+        raise UnsupportedEncoding(
+            "request body Content-Encoding must be gzip, deflate or none, not "
+            f"{coding.strip()[:40]!r}")
     length = request.content_length
     if length is not None and length > limit:
         raise PayloadTooLarge(f"request body of {length} bytes exceeds the limit of {limit} bytes")

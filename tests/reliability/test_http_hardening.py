@@ -7,6 +7,7 @@ Real servers on loopback: the proxy in front of rogue engines (or the simulated 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import Any
 
@@ -19,12 +20,23 @@ from multidict import CIMultiDict
 
 from proxy.core.cache_key import canonical_body
 from proxy.core.config import LogConfig, TelemetryConfig, UpstreamConfig
-from proxy.core.door_config import LimitsConfig
+from proxy.core.door_config import AuthConfig, LimitsConfig, TenantConfig
 from proxy.core.errors import UpstreamError
 from proxy.server.app import error_middleware
 
 from .rogue import RogueEngine
-from .shell import CHAT, COMPLETIONS, chat, close, connect, head, proxy_for, server_config
+from .shell import (
+    CHAT,
+    COMPLETIONS,
+    chat,
+    close,
+    closed_by_peer,
+    connect,
+    head,
+    proxy_for,
+    read_response,
+    server_config,
+)
 
 
 async def _post(
@@ -343,6 +355,67 @@ async def test_a_continued_body_is_answered_as_usual(rogue: RogueEngine) -> None
         await close(writer)
     assert raw.startswith(b"HTTP/1.1 200 ")
     assert len(rogue.requests_to(CHAT)) == 1
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+async def test_a_chunked_request_is_the_last_on_its_connection_so_its_trailers_reach_no_other(
+    rogue: RogueEngine, pipelined: bool,
+) -> None:
+    # aiohttp's C parser carries a chunked body's last trailer field into the next request's
+    # headers on the connection: a client could put a key (or an id, a priority) on a request
+    # that follows it, another client's behind a balancer that reuses connections.
+    auth = AuthConfig(required=True, tenants=(TenantConfig("t1", keys=("key-one-12345",)),))
+    body = orjson.dumps(chat("hi"))
+    first = (head("POST", CHAT, Content_Type="application/json", Transfer_Encoding="chunked")
+             + f"{len(body):x}\r\n".encode() + body
+             + b"\r\n0\r\nAuthorization: Bearer key-one-12345\r\n\r\n")
+    second = (head("POST", CHAT, Content_Type="application/json",
+                   Content_Length=str(len(body))) + body)
+    async with proxy_for(rogue, auth=auth) as proxy:
+        reader, writer = await connect(proxy.url)
+        try:
+            writer.write(first + second if pipelined else first)
+            answer = await read_response(reader)
+            assert answer.status == 401 and answer.headers.get("connection") == "close"
+            if not pipelined:
+                with contextlib.suppress(ConnectionError):
+                    writer.write(second)
+            assert await closed_by_peer(reader, 5.0)
+        finally:
+            await close(writer)
+    assert rogue.requests_to(CHAT) == []  # the second request never ran, keyed or not
+
+
+@pytest.mark.parametrize("coding", ["compress", "gzip, gzip", "x-custom"])  # br: parser 400s
+async def test_a_content_coding_the_proxy_does_not_decode_is_a_415_not_misread(
+    rogue: RogueEngine, coding: str,
+) -> None:
+    body = orjson.dumps(chat("hi"))
+    async with proxy_for(rogue) as proxy:
+        raw = await _exchange(proxy.url, head("POST", CHAT, Content_Type="application/json",
+                                              Content_Encoding=coding,
+                                              Content_Length=str(len(body))) + body)
+    head_part, _, answer = raw.partition(b"\r\n\r\n")
+    assert head_part.startswith(b"HTTP/1.1 415 ")
+    assert _error(answer)["code"] == "unsupported_content_encoding"
+    assert rogue.requests_to(CHAT) == []
+
+
+async def test_a_request_pipelined_behind_an_ignored_upgrade_is_not_left_waiting(
+    rogue: RogueEngine,
+) -> None:
+    # aiohttp's parser drops what follows an h2c upgrade request in the same read: the proxy
+    # closes the connection after the answer, so the client sees it end instead of waiting.
+    async with proxy_for(rogue) as proxy:
+        reader, writer = await connect(proxy.url)
+        try:
+            writer.write(head("GET", "/v1/models", Connection="Upgrade", Upgrade="h2c")
+                         + head("GET", "/health"))
+            answer = await read_response(reader)
+            assert answer.status == 200 and answer.headers.get("connection") == "close"
+            assert await closed_by_peer(reader, 5.0)
+        finally:
+            await close(writer)
 
 
 async def test_a_body_that_does_not_decode_closes_its_connection_without_a_trace(
