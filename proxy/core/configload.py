@@ -52,12 +52,14 @@ def build(cls: type[T], data: object, path: str, base: T | None = None) -> T:
     if not isinstance(data, dict):
         raise ConfigError(path, "must be a table")
     hints = _hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    # Fields set by the class itself (``init=False``: derived state) are no settings.
+    settings = [f for f in dataclasses.fields(cls) if f.init]  # type: ignore[arg-type]
+    names = {f.name for f in settings}
     for key in data:
         if key not in names:
             raise ConfigError(_join(path, str(key)), "unknown key")
     kwargs: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+    for f in settings:
         where = _join(path, f.name)
         current = getattr(base, f.name) if base is not None else _default(f)
         if f.name in data:

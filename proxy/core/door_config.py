@@ -150,19 +150,24 @@ class LimitsConfig:
     concurrent_streams: int = 0
     lease_ttl_s: float = 30.0
     tenants: tuple[TenantLimitConfig, ...] = ()
+    # The overrides by tenant name: one lookup per request, however many are configured.
+    _by_name: dict[str, TenantLimitConfig] = field(default_factory=dict, init=False, repr=False,
+                                                   compare=False)
 
     def __post_init__(self) -> None:
         _non_negative(self, ("requests_per_min", "tokens_per_min", "concurrent_streams"))
         if not (self.lease_ttl_s >= 3 and math.isfinite(self.lease_ttl_s)):  # NaN fails too
             raise ConfigError("lease_ttl_s", "must be a finite number >= 3 (leases are renewed "
                                              "every third of it)")
-        names = [t.name for t in self.tenants]
-        for i, name in enumerate(names):
-            if name in names[:i]:
-                raise ConfigError(f"tenants[{i}].name", f"duplicate tenant {name!r}")
+        by_name: dict[str, TenantLimitConfig] = {}
+        for i, override in enumerate(self.tenants):
+            if override.name in by_name:
+                raise ConfigError(f"tenants[{i}].name", f"duplicate tenant {override.name!r}")
+            by_name[override.name] = override
+        object.__setattr__(self, "_by_name", by_name)
 
     def for_tenant(self, tenant: str) -> Limits:
-        override = next((t for t in self.tenants if t.name == tenant), None)
+        override = self._by_name.get(tenant)
 
         def pick(name: str) -> int:
             value = getattr(override, name, None) if override else None

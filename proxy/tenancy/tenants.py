@@ -2,8 +2,10 @@
 
 Rules:
 - A key is never kept, compared or logged in clear: it is hashed (SHA-256) on arrival, and the
-  digest is compared with every configured digest in constant time (``hmac.compare_digest``, no
-  early exit), so response timing says nothing about which key is close to which.
+  digest is looked up among the configured digests (a dictionary: one lookup however many
+  tenants and keys are configured). Timing can then tell at most how a presented key's digest
+  compares with a configured one's, which says nothing about the configured key itself (finding
+  a key from its digest is a SHA-256 preimage), unlike a comparison of keys.
 - Config may list keys in clear (``keys``, hashed at start-up, never printed) or as SHA-256 hex
   digests (``key_sha256``, preferred). Redis may add keys: hash ``<prefix>apikeys`` maps a digest to
   a tenant name; answers are remembered for ``redis_cache_s`` (unknown keys for a few seconds).
@@ -56,7 +58,7 @@ class TenantDirectory:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.cfg = cfg
-        self._static = tuple((bytes.fromhex(d), t.name) for t in cfg.tenants for d in t.digests())
+        self._static = {bytes.fromhex(d): t.name for t in cfg.tenants for d in t.digests()}
         self._link = link if cfg.redis_keys else None
         # Keys Redis named a tenant for, and keys it did not, kept apart (each bounded): a flood
         # of bad keys must not push out the good keys that carry a Redis outage.
@@ -100,13 +102,7 @@ class TenantDirectory:
         )
 
     def static_tenant(self, digest: str) -> str | None:
-        presented = bytes.fromhex(digest)
-        found: str | None = None
-        for known, name in self._static:
-            # Every digest is compared, match or not: the loop's time does not depend on the key.
-            if hmac.compare_digest(presented, known):
-                found = name
-        return found
+        return self._static.get(bytes.fromhex(digest))
 
     async def _resolve(self, digest: str) -> str | None:
         tenant = self.static_tenant(digest)

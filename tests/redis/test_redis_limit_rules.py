@@ -113,3 +113,7 @@ def test_limits_config_overrides_per_tenant() -> None:
     with pytest.raises(ConfigError) as exc:
         LimitsConfig.from_mapping({"tenants": [{"name": "x", "tokens_per_min": -1}]}, "limits")
     assert exc.value.field == "limits.tenants[0].tokens_per_min"
+    # The overrides' index is the class's own state, not a setting.
+    with pytest.raises(ConfigError) as exc:
+        LimitsConfig.from_mapping({"_by_name": {}}, "limits")
+    assert exc.value.field == "limits._by_name"
