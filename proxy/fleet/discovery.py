@@ -5,8 +5,9 @@ Rules:
   on shutdown, asks every engine of the fleet at start-up and then every ``interval_s`` (slowly:
   served names change only when an engine restarts). Engines added at run time are asked in the
   next round.
-- Each ask is bounded: a timeout, no redirects, at most ``MAX_BYTES`` read and ``MAX_MODELS``
-  names kept; a bigger, malformed or failed answer is an error for that engine, retried next round.
+- At most ``PARALLEL`` asks are open at once. Each ask is bounded: a timeout, no redirects, at
+  most ``MAX_BYTES`` read and ``MAX_MODELS`` names kept; a bigger, malformed or failed answer is
+  an error for that engine, retried next round.
 - Logged once per change, never per round: a failure when it starts (or its text changes) and its
   recovery; a configured model that an engine does not list as a warning naming the pool, the
   engine and the model. The admin view shows the same per engine (``EngineModels.view``).
@@ -33,6 +34,8 @@ log = logging.getLogger(__name__)
 
 REFRESH_S = 60.0
 TIMEOUT_S = 5.0
+# Engines asked at once: a round over 500 engines still ends within a second or two.
+PARALLEL = 16
 MAX_BYTES = 1024 * 1024
 MAX_MODELS = 4096
 _MAX_NAME = 512
@@ -94,7 +97,15 @@ class ModelDiscovery:
 
     async def check_all(self) -> None:
         engines = list(self._fleet)
-        await asyncio.gather(*(self.check(e) for e in engines))
+        # A few asks at a time: all at once, a fleet of hundreds of engines would open as many
+        # new connections every round (next to the scrapes' own), doubling the descriptors.
+        gate = asyncio.Semaphore(PARALLEL)
+
+        async def ask(engine: Engine) -> None:
+            async with gate:
+                await self.check(engine)
+
+        await asyncio.gather(*(ask(e) for e in engines))
         gone = set(self.engines) - {e.name for e in engines}
         for name in gone:
             del self.engines[name]
