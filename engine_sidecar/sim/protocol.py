@@ -181,9 +181,9 @@ def prompt_ids_of(chat: bool, body: dict[str, object],
     ids = tokenizer.request_ids(chat, body)
     if ids is None:
         raise _bad("the prompt cannot be tokenized", param)
-    if ids and not 0 <= min(ids) <= max(ids) < tokenizer.vocab_size:
-        bad = min(ids) if min(ids) < 0 else max(ids)
-        raise _bad(f"Token id {bad} is out of vocabulary", param)  # vLLM's words
+    low, high = (min(ids), max(ids)) if ids else (0, 0)
+    if low < 0 or high >= tokenizer.vocab_size:  # refused in vLLM's words
+        raise _bad(f"Token id {low if low < 0 else high} is out of vocabulary", param)
     return array("I", ids)
 
 

@@ -34,6 +34,10 @@ class Usage:
     completion: int
     cached: int = 0
 
+    @property
+    def total(self) -> int:
+        return self.prompt + self.completion
+
 
 def _count(value: object) -> int | None:
     if isinstance(value, int) and not isinstance(value, bool) and value >= 0:

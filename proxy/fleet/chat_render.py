@@ -134,17 +134,16 @@ def message(raw: object, openai_format: bool) -> dict[str, Any]:
 
 def tool(raw: object) -> dict[str, Any]:
     """One entry of the request's ``tools`` as vLLM dumps it (module rules)."""
-    function = raw.get("function") if isinstance(raw, dict) else None
-    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+    if not isinstance(raw, dict) or not isinstance(function := raw.get("function"), dict) \
+            or not isinstance(function.get("name"), str):
         raise TypeError("a tool is not a named function")
-    assert isinstance(raw, dict)
     defer = raw.get("defer_loading")
     out_fn: dict[str, Any] = {"name": function["name"],
                               "description": function.get("description"),
                               "parameters": function.get("parameters")}
     if function.get("strict") is not None:
         out_fn["strict"] = function["strict"]
-    fn_defer = function.get("defer_loading", None)
+    fn_defer = function.get("defer_loading")
     if fn_defer is None:
         fn_defer = defer
     if fn_defer is not None:

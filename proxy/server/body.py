@@ -20,14 +20,14 @@ from aiohttp.web_protocol import RequestPayloadError
 from proxy.core.errors import MalformedBody, PayloadTooLarge, RequestTimeout, UnsupportedEncoding
 
 # The content codings aiohttp's parser decodes here (brotli and zstd only with their libraries).
-DECODED = frozenset({"", "identity", "gzip", "deflate"} | ({"br"} if HAS_BROTLI else set())
+DECODED = frozenset({"identity", "gzip", "deflate"} | ({"br"} if HAS_BROTLI else set())
                     | ({"zstd"} if HAS_ZSTD else set()))
 
 
 async def read_body(request: web.Request, limit: int, timeout_s: float) -> bytes:
-    coding = request.headers.get("Content-Encoding", "")
-    if coding.strip().lower() not in DECODED or len(request.headers.getall("Content-Encoding",
-                                                                           ())) > 1:
+    coding = request.headers.get("Content-Encoding")
+    if coding is not None and (coding.strip().lower() not in DECODED
+                               or len(request.headers.getall("Content-Encoding")) > 1):
         # aiohttp decodes one coding it knows and passes anything else on as it came: read as
         # JSON, "compress" or "gzip, gzip" bytes would be misread, not refused.
         raise UnsupportedEncoding(

@@ -159,9 +159,8 @@ async def _serve(
                 holding.ended(job.pool, _freed(job, expected))
         completed = True
     finally:
-        usage = job.usage
         await door.leave(visit, completed=completed, engine_asked=job.engine != "none",
-                         used=None if usage is None else usage.prompt + usage.completion)
+                         used=None if job.usage is None else job.usage.total)
     return response
 
 
@@ -298,7 +297,7 @@ def _freed(job: Job, expected: float) -> float:
     """KV tokens an ended answer gave back to its engine: its usage, else what it was expected
     to take."""
     if job.usage is not None:
-        return float(job.usage.prompt + job.usage.completion)
+        return float(job.usage.total)
     return expected
 
 
