@@ -69,7 +69,9 @@ class RedisLease:
                  ) -> None:
         if max_out < 1:
             raise ValueError("max_out must be >= 1")
-        self._client = aioredis.from_url(redis_url)
+        # Bounded: a Redis that stops answering must not hold a rollout (or its release) for ever.
+        self._client = aioredis.from_url(redis_url, socket_timeout=5.0, socket_connect_timeout=5.0)
+        self._stop = asyncio.Event()
         self.pool, self.max_out, self.ttl_s = pool, max_out, ttl_s
         self._held: str | None = None
         self._holder = ""
@@ -95,13 +97,19 @@ class RedisLease:
     def _hold(self, key: str, holder: str) -> None:
         self._held, self._holder = key, holder
         if self._renewal is None or self._renewal.done():
+            self._stop = asyncio.Event()
             self._renewal = asyncio.create_task(self._renew(key, holder),
                                                 name=f"speculation-lease-renewal:{key}")
 
     async def _renew(self, key: str, holder: str) -> None:
         ttl_ms = int(self.ttl_s * 1000)
         while True:
-            await asyncio.sleep(self.ttl_s / 3)
+            # Stopped between renewals, never cancelled inside one: a command cancelled half-way
+            # can leave the client's connection waiting on a reply that never comes.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), self.ttl_s / 3)
+            if self._stop.is_set():
+                return
             try:
                 if not await self._client.eval(_RENEW, 1, key, holder, ttl_ms):
                     log.error("speculation lease %s: lost (expired or taken by another "
@@ -113,10 +121,9 @@ class RedisLease:
 
     async def _stop_renewal(self) -> None:
         task, self._renewal = self._renewal, None
+        self._stop.set()
         if task is not None and not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            await task  # ends at once, or once a renewal under way has its answer (bounded)
 
     async def release(self, holder: str) -> None:
         await self._stop_renewal()
